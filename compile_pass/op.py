@@ -1,18 +1,399 @@
-"""STUB: reference implementation with the final signature; replaced by the chunked op."""
+"""The chunked linear-cross-entropy op: ``chunkce::linear_cross_entropy``.
+
+Public entry point: :func:`linear_cross_entropy`, a drop-in for torch 2.13's
+``torch.nn.functional.linear_cross_entropy`` (class-index targets) that never
+materializes the ``[N, V]`` logits, their fp32 upcast, their log-softmax or their
+gradient. It is a traceable Python function: argument checks, flattening, the
+custom op below (one opaque node for Dynamo, AOTAutograd and Inductor) and the
+reduction in ordinary torch ops, so that ``mean`` over class weights, and anything
+the surrounding graph does with the loss, stays visible to the compiler.
+
+The custom op returns the per-token loss ``[N]`` and the log-sum-exp ``[N]``
+(both fp32). Autograd saves only the op's inputs and ``lse``; backward is a second
+custom op, ``chunkce::linear_cross_entropy_backward``, that recomputes each
+chunk's logits and applies the analytic gradient (see :mod:`compile_pass.kernels`).
+No autograd graph is built inside either op and ``torch.func`` is not used, so the
+op runs under any saved-tensor hooks and activation checkpointing, and the hooks
+only ever see the tensors listed above.
+"""
+
 from __future__ import annotations
+
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from compile_pass import kernels
+from compile_pass.chunking import choose_chunk_size
+from compile_pass.config import settings
 
-def linear_cross_entropy(input: Tensor, linear_weight: Tensor, target: Tensor, *,
-                         linear_bias: Tensor | None = None, weight: Tensor | None = None,
-                         reduction: str = "mean", ignore_index: int = -100,
-                         label_smoothing: float = 0.0, logits_dtype: torch.dtype | None = None,
-                         chunk_size: int | None = None, release_cache: bool | None = None) -> Tensor:
-    logits = F.linear(input, linear_weight, linear_bias)
-    if logits_dtype is not None:
-        logits = logits.to(logits_dtype)
-    loss = F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=weight, reduction=reduction,
-                           ignore_index=ignore_index, label_smoothing=label_smoothing)
-    return loss.view(target.shape) if reduction == "none" else loss
+_NAME = "chunkce.linear_cross_entropy"
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """What one call of either op needs besides its tensors."""
+
+    ignore_index: int
+    label_smoothing: float
+    logits_dtype: torch.dtype
+    chunk_size: int  # tokens per chunk, resolved
+    eager_kernels: bool
+    release_cache: bool
+
+    @staticmethod
+    def resolve(hidden_states, weight, ignore_index, label_smoothing, logits_dtype,
+                chunk_size, release_cache) -> "_ChunkPlan":
+        env = settings()
+        num_tokens, hidden_size = hidden_states.shape
+        if chunk_size <= 0:
+            chunk_size = env.chunk_size or choose_chunk_size(
+                num_tokens, hidden_size, weight.shape[0],
+                hidden_states.element_size(), hidden_states.element_size(),
+            )
+        return _ChunkPlan(
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            logits_dtype=logits_dtype,
+            chunk_size=max(1, chunk_size),
+            eager_kernels=env.eager_kernels,
+            release_cache=env.release_cache if release_cache is None else release_cache,
+        )
+
+    def variant(self, hidden_states: Tensor, class_weight: Tensor | None) -> tuple:
+        return (
+            hidden_states.device.type, hidden_states.dtype, self.logits_dtype,
+            class_weight is not None, self.label_smoothing > 0.0,
+        )
+
+    def chunks(self, num_tokens: int):
+        for start in range(0, num_tokens, self.chunk_size):
+            yield start, min(start + self.chunk_size, num_tokens)
+
+
+def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
+    """Logits of one chunk ``[n, V]`` in the projection dtype, as ``F.linear`` computes them."""
+    if bias is None:
+        return hidden_chunk @ weight_t
+    return torch.addmm(bias, hidden_chunk, weight_t)
+
+
+def _release_cache(device: torch.device, enabled: bool) -> None:
+    """Return cached allocator blocks to the device (no-op on CPU or when disabled)."""
+    if enabled and device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
+
+
+class _AutocastOff:
+    """Run the op's body with autocast off: its inputs are already in the right dtypes."""
+
+    def __init__(self, device: torch.device):
+        self._ctx = None
+        if torch.is_autocast_enabled(device.type):
+            self._ctx = torch.autocast(device.type, enabled=False)
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+@torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=())
+def _forward_op(
+    hidden_states: Tensor,  # [N, H]
+    weight: Tensor,  # [V, H]
+    target: Tensor,  # [N] int64
+    bias: Tensor | None,  # [V]
+    class_weight: Tensor | None,  # [V]
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+    chunk_size: int,  # 0 = automatic
+    release_cache: bool | None,
+) -> tuple[Tensor, Tensor]:
+    plan = _ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
+                              logits_dtype, chunk_size, release_cache)
+    num_tokens = hidden_states.shape[0]
+    accumulate = kernels.accumulate_dtype(logits_dtype)
+    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    variant = plan.variant(hidden_states, class_weight)
+    weight_t = weight.t()  # [H, V]
+    with _AutocastOff(hidden_states.device):
+        for start, end in plan.chunks(num_tokens):
+            logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
+            loss[start:end], lse[start:end] = kernels.run(
+                "chunk_forward", variant, plan.eager_kernels,
+                logits_chunk, target[start:end], class_weight,
+                ignore_index, label_smoothing, logits_dtype,
+            )
+            del logits_chunk
+    _release_cache(hidden_states.device, plan.release_cache)
+    return loss, lse
+
+
+@_forward_op.register_fake
+def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
+      logits_dtype, chunk_size, release_cache):
+    num_tokens = hidden_states.shape[0]
+    accumulate = kernels.accumulate_dtype(logits_dtype)
+    return (hidden_states.new_empty(num_tokens, dtype=accumulate),
+            hidden_states.new_empty(num_tokens, dtype=accumulate))
+
+
+@torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=())
+def _backward_op(
+    grad_loss: Tensor,  # [N] fp32
+    hidden_states: Tensor,  # [N, H]
+    weight: Tensor,  # [V, H]
+    target: Tensor,  # [N]
+    bias: Tensor | None,  # [V]
+    class_weight: Tensor | None,  # [V]
+    lse: Tensor,  # [N] fp32
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+    chunk_size: int,
+    release_cache: bool | None,
+    output_mask: list[bool],  # [grad_hidden_states, grad_weight, grad_bias] wanted
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
+
+    A gradient that ``output_mask`` does not ask for comes back as an empty
+    tensor and costs no work. The weight and bias gradients accumulate over
+    chunks in fp32 and are cast to the parameter's dtype once at the end.
+    """
+    plan = _ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
+                              logits_dtype, chunk_size, release_cache)
+    want_hidden, want_weight, want_bias = output_mask
+    want_bias = want_bias and bias is not None
+    num_tokens, hidden_size = hidden_states.shape
+    vocab_size = weight.shape[0]
+    one_chunk = plan.chunk_size >= num_tokens
+    empty = hidden_states.new_empty(0)
+    grad_hidden = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if want_hidden else empty
+    # fp32 (or fp64) accumulators; for an fp32 weight it is the result itself.
+    accumulate = kernels.accumulate_dtype(weight.dtype)
+    grad_weight = (
+        weight.new_zeros(vocab_size, hidden_size, dtype=accumulate)
+        if want_weight and not one_chunk else empty
+    )
+    grad_bias = weight.new_zeros(vocab_size, dtype=accumulate) if want_bias else empty
+    variant = plan.variant(hidden_states, class_weight)
+    weight_t = weight.t()  # [H, V]
+    with _AutocastOff(hidden_states.device):
+        for start, end in plan.chunks(num_tokens):
+            hidden_chunk = hidden_states[start:end]  # [n, H]
+            logits_chunk = _project(hidden_chunk, weight_t, bias)  # [n, V]
+            grad_logits = kernels.run(
+                "chunk_backward", variant, plan.eager_kernels,
+                logits_chunk, lse[start:end], target[start:end], class_weight,
+                grad_loss[start:end], ignore_index, label_smoothing, logits_dtype,
+            )  # [n, V] projection dtype
+            del logits_chunk
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if want_weight:
+                if one_chunk:
+                    grad_weight = grad_logits.t() @ hidden_chunk  # [V, H], as F.linear's backward
+                elif grad_weight.dtype == grad_logits.dtype:
+                    grad_weight.addmm_(grad_logits.t(), hidden_chunk)
+                else:
+                    grad_weight += grad_logits.t() @ hidden_chunk
+            if want_bias:
+                grad_bias += grad_logits.sum(0, dtype=accumulate)
+            del grad_logits
+    if want_weight:
+        grad_weight = grad_weight.to(weight.dtype)
+    if want_bias:
+        grad_bias = grad_bias.to(bias.dtype)
+    _release_cache(hidden_states.device, plan.release_cache)
+    return grad_hidden, grad_weight, grad_bias
+
+
+@_backward_op.register_fake
+def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, ignore_index,
+      label_smoothing, logits_dtype, chunk_size, release_cache, output_mask):
+    want_hidden, want_weight, want_bias = output_mask
+    empty = hidden_states.new_empty(0)
+    return (
+        torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if want_hidden else empty,
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if want_weight else empty,
+        torch.empty_like(bias) if want_bias and bias is not None else empty,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    hidden_states, weight, target, bias, class_weight, *options = inputs
+    _, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(hidden_states, weight, target, bias, class_weight, lse)
+    ctx.options = options  # ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache
+
+
+def _backward(ctx, grad_loss, _grad_lse):
+    hidden_states, weight, target, bias, class_weight, lse = ctx.saved_tensors
+    want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
+    grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.linear_cross_entropy_backward(
+        grad_loss, hidden_states, weight, target, bias, class_weight, lse,
+        *ctx.options, [want_hidden, want_weight, want_bias],
+    )
+    grads = [None] * (5 + len(ctx.options))
+    grads[0] = grad_hidden if want_hidden else None
+    grads[1] = grad_weight if want_weight else None
+    grads[3] = grad_bias if want_bias else None
+    return tuple(grads)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _refuse_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        f"{_NAME}: double backward (create_graph=True through the op) is not supported; "
+        "compute higher-order gradients with the unfused F.linear + F.cross_entropy"
+    )
+
+
+_backward_op.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction,
+                     ignore_index, label_smoothing, logits_dtype, chunk_size):
+    def fail(kind, message):
+        raise kind(f"{_NAME}: {message}")
+
+    for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
+        if not isinstance(value, Tensor):
+            fail(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
+    if input.dim() < 2:
+        fail(ValueError, f"expected input of shape [N, H] or [B, T, H], got {tuple(input.shape)}")
+    if not input.is_floating_point():
+        fail(TypeError, f"expected a floating-point input, got {input.dtype}")
+    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
+        fail(ValueError, f"expected linear_weight of shape [V, {input.shape[-1]}], "
+                         f"got {tuple(linear_weight.shape)}")
+    if linear_weight.dtype != input.dtype and not torch.is_autocast_enabled(input.device.type):
+        fail(TypeError, f"expected linear_weight of dtype {input.dtype} (the input's), "
+                        f"got {linear_weight.dtype}")
+    if target.is_floating_point():
+        fail(NotImplementedError, "probability (soft) targets are not supported; "
+                                  "pass class indices of dtype torch.int64")
+    if target.dtype != torch.int64:
+        fail(TypeError, f"expected target of dtype torch.int64, got {target.dtype}")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        fail(ValueError, f"expected target of shape {tuple(input.shape[:-1])} (input's without "
+                         f"the hidden dim), got {tuple(target.shape)}")
+    vocab_size = linear_weight.shape[0]
+    for name, value in (("linear_bias", linear_bias), ("weight", weight)):
+        if value is not None and (not isinstance(value, Tensor) or tuple(value.shape) != (vocab_size,)):
+            fail(ValueError, f"expected {name} of shape [{vocab_size}], got "
+                             f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+    if weight is not None and not weight.is_floating_point():
+        fail(TypeError, f"expected a floating-point weight (class weights), got {weight.dtype}")
+    if reduction not in _REDUCTIONS:
+        fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        fail(TypeError, f"expected ignore_index to be an int, got {type(ignore_index).__name__}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        fail(ValueError, f"expected label_smoothing in [0.0, 1.0], got {label_smoothing}")
+    if logits_dtype is not None and (not isinstance(logits_dtype, torch.dtype)
+                                     or not logits_dtype.is_floating_point):
+        fail(TypeError, f"expected logits_dtype to be a floating torch.dtype, got {logits_dtype!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size <= 0):
+        fail(ValueError, f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
+
+
+def linear_cross_entropy(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    linear_bias: Tensor | None = None,
+    weight: Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    logits_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    release_cache: bool | None = None,
+) -> Tensor:
+    """Cross-entropy of a linear projection, without materializing the logits.
+
+    Exactly (loss and every gradient, up to floating-point summation order)::
+
+        logits = F.linear(input, linear_weight, linear_bias).to(logits_dtype)
+        F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=weight,
+                        reduction=reduction, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing)  # "none": shaped like target
+
+    The argument names are those of torch 2.13's
+    ``torch.nn.functional.linear_cross_entropy``. The logits are computed
+    ``chunk_size`` tokens at a time in the projection's dtype, rounded to
+    ``logits_dtype``, and reduced with an fp32 log-sum-exp; backward recomputes
+    each chunk (formulas in :mod:`compile_pass.kernels`) and accumulates the
+    weight and bias gradients in fp32.
+
+    Args:
+        input: hidden states ``[N, H]`` or ``[B, T, H]`` (any leading dims),
+            floating dtype.
+        linear_weight: the lm_head weight ``[V, H]``, same dtype as ``input``.
+        target: class indices, int64, ``input.shape[:-1]``.
+        linear_bias: ``[V]`` or None.
+        weight: class weights ``[V]`` (floating) or None; not differentiated,
+            as in ``F.cross_entropy``.
+        reduction: ``"mean"`` (sum over tokens divided by the number of
+            non-ignored tokens, or by the sum of their class weights; nan when
+            every token is ignored), ``"sum"`` or ``"none"``.
+        ignore_index: target value that contributes neither loss nor gradient.
+        label_smoothing: in ``[0, 1]``, as in ``F.cross_entropy``.
+        logits_dtype: dtype the logits are cast to before the loss (e.g.
+            ``torch.float32`` for HF's ``logits.float()``); None = the
+            projection's dtype. Under ``torch.autocast`` the projection runs in
+            the autocast dtype and the loss in fp32, as torch's autocast does.
+        chunk_size: tokens per chunk; None = ``CHUNKCE_CHUNK_SIZE`` or
+            :func:`compile_pass.chunking.choose_chunk_size`.
+        release_cache: empty the device allocator's cache after forward and
+            backward; None = ``CHUNKCE_RELEASE_CACHE``. Read at run time.
+
+    Returns:
+        The loss: a 0-d tensor, or ``target``-shaped for ``"none"``, in
+        ``logits_dtype``.
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type, dtype or shape
+            (the message names it).
+        NotImplementedError: probability (floating) targets; double backward.
+    """
+    _check_arguments(input, linear_weight, target, linear_bias, weight, reduction,
+                     ignore_index, label_smoothing, logits_dtype, chunk_size)
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        autocast_dtype = torch.get_autocast_dtype(device_type)
+        input, linear_weight = input.to(autocast_dtype), linear_weight.to(autocast_dtype)
+        linear_bias = None if linear_bias is None else linear_bias.to(autocast_dtype)
+        logits_dtype = logits_dtype or torch.float32
+    logits_dtype = logits_dtype or input.dtype
+    hidden_states = input.reshape(-1, input.shape[-1])  # [N, H]
+    flat_target = target.reshape(-1)  # [N]
+    loss, _lse = torch.ops.chunkce.linear_cross_entropy(
+        hidden_states, linear_weight, flat_target, linear_bias, weight,
+        ignore_index, float(label_smoothing), logits_dtype, chunk_size or 0, release_cache,
+    )  # [N] each, fp32 (fp64 for fp64 logits)
+    if reduction == "none":
+        return loss.view(target.shape).to(logits_dtype)
+    total = loss.sum()
+    if reduction == "sum":
+        return total.to(logits_dtype)
+    valid = flat_target != ignore_index
+    if weight is None:
+        denominator = valid.sum()
+    else:
+        denominator = (weight.to(loss.dtype)[flat_target.masked_fill(~valid, 0)] * valid).sum()
+    return (total / denominator).to(logits_dtype)

@@ -1,0 +1,155 @@
+"""Per-chunk math of the op, compiled with Inductor for the input's device.
+
+Two functions of one chunk of logits ``[n, V]`` (``n`` = tokens in the chunk):
+
+* :func:`chunk_forward` -> the per-token loss and the fp32 log-sum-exp;
+* :func:`chunk_backward` -> the gradient of the per-token loss with respect to
+  the chunk's logits, given the upstream per-token gradient.
+
+The matmuls around them (projection, ``grad @ weight``, ``grad.T @ hidden``) run
+outside, so their outputs can be written in place into preallocated buffers; what
+is compiled is the memory-bound part, which Inductor fuses into a couple of
+reductions over the chunk.
+
+Each variant (device type, projection dtype, logits dtype, class weights present,
+label smoothing present) is compiled once, with dynamic shapes, so a ragged last
+chunk or a new sequence length does not recompile. Where compilation is not
+possible (no Inductor backend for the device, no compiler, ``CHUNKCE_EAGER_KERNELS=1``)
+the same functions run eagerly; a failure to compile is logged once per variant.
+
+Loss per token ``i`` with target ``y``, logits ``z`` (cast to ``logits_dtype``),
+class weights ``w`` (all ones without them), ``W = sum_c w_c``, smoothing
+``eps`` and ``C = V`` classes — the formula of ATen's
+``cross_entropy_loss_label_smoothing`` / ``nll_loss`` with ``reduction="none"``:
+
+    lse_i  = log sum_c exp(z_ic)
+    loss_i = (1 - eps) * w_y * (lse_i - z_iy) + eps / C * sum_c w_c * (lse_i - z_ic)
+
+and 0 for ignored tokens. Its gradient, with ``p_ic = exp(z_ic - lse_i)``:
+
+    d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic
+                        - (1 - eps) * w_y * [c == y] - eps / C * w_c
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import types
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision logits, else the logits' own dtype (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def chunk_forward(
+    logits: Tensor,  # [n, V] projection dtype
+    target: Tensor,  # [n] int64
+    class_weight: Tensor | None,  # [V] or None
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """Per-token loss ``[n]`` and log-sum-exp ``[n]`` of one chunk, in ``accumulate_dtype``."""
+    z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, 0)
+    z_target = z.gather(1, safe_target.unsqueeze(1)).squeeze(1)  # [n]
+    nll = lse - z_target
+    if class_weight is not None:
+        nll = nll * class_weight.to(z.dtype)[safe_target]
+    loss = nll
+    if label_smoothing > 0.0:
+        neg_logp = lse.unsqueeze(1) - z  # [n, V]
+        if class_weight is not None:
+            neg_logp = neg_logp * class_weight.to(z.dtype)
+        smooth = neg_logp.sum(dim=-1)  # [n]
+        loss = (1.0 - label_smoothing) * nll + (label_smoothing / z.shape[-1]) * smooth
+    return torch.where(valid, loss, 0.0), lse
+
+
+def chunk_backward(
+    logits: Tensor,  # [n, V] projection dtype
+    lse: Tensor,  # [n] fp32
+    target: Tensor,  # [n] int64
+    class_weight: Tensor | None,  # [V] or None
+    grad_loss: Tensor,  # [n] fp32
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+) -> Tensor:
+    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. the chunk's logits.
+
+    Returns ``[n, V]`` in the projection dtype, rounded through ``logits_dtype``
+    exactly as autograd rounds it through the graph's cast.
+    """
+    vocab_size = logits.shape[-1]
+    z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V]
+    probs = torch.exp(z - lse.unsqueeze(1))  # [n, V]
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, 0)
+    grad = torch.where(valid, grad_loss.to(z.dtype), 0.0)  # [n]
+    if class_weight is not None:
+        w = class_weight.to(z.dtype)
+        grad_target = grad * w[safe_target]
+    else:
+        w = None
+        grad_target = grad
+    one_hot = torch.arange(vocab_size, device=logits.device).unsqueeze(0) == safe_target.unsqueeze(1)
+    coef_probs = (1.0 - label_smoothing) * grad_target  # [n]
+    coef_target = coef_probs
+    grad_logits = None
+    if label_smoothing > 0.0:
+        total_weight = w.sum() if w is not None else float(vocab_size)
+        coef_probs = coef_probs + grad * (label_smoothing * total_weight / vocab_size)
+        uniform = grad.unsqueeze(1) * (label_smoothing / vocab_size)  # [n, 1]
+        grad_logits = -(uniform * w) if w is not None else -uniform
+    out = coef_probs.unsqueeze(1) * probs - torch.where(one_hot, coef_target.unsqueeze(1), 0.0)
+    if grad_logits is not None:
+        out = out + grad_logits
+    return out.to(logits_dtype).to(logits.dtype)
+
+
+_failed: set[tuple] = set()
+
+
+@functools.cache
+def _compiled(fn_name: str, variant: tuple):
+    # A distinct code object per variant gives each its own Dynamo cache, so the
+    # variants never count against one another's recompile limit.
+    fn = globals()[fn_name]
+    suffix = re.sub(r"\W+", "_", "_".join(map(str, variant)))
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{suffix}")
+    clone = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__)
+    return torch.compile(clone, dynamic=True, fullgraph=True)
+
+
+def run(fn_name: str, variant: tuple, eager: bool, *args):
+    """Run ``fn_name`` (``"chunk_forward"`` or ``"chunk_backward"``) on ``args``.
+
+    ``variant`` is the compile key (device type, dtypes, optional-argument
+    presence); ``eager=True`` skips compilation. A variant whose compilation
+    fails is logged once and runs eagerly from then on; an error that eager
+    execution raises too (e.g. a target out of range) propagates unchanged.
+    """
+    key = (fn_name, variant)
+    if eager or key in _failed:
+        return globals()[fn_name](*args)
+    try:
+        return _compiled(fn_name, variant)(*args)
+    except Exception as exc:  # noqa: BLE001 - fall back, then re-raise real errors
+        result = globals()[fn_name](*args)
+        _failed.add(key)
+        log.warning(
+            "chunkce: compiling %s for %s failed (%s: %s); running it eagerly from now on",
+            fn_name, variant, type(exc).__name__, exc,
+        )
+        return result
