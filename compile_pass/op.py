@@ -174,16 +174,16 @@ def _backward_op(
     want_bias = want_bias and bias is not None
     num_tokens, hidden_size = hidden_states.shape
     vocab_size = weight.shape[0]
-    one_chunk = plan.chunk_size >= num_tokens
-    empty = hidden_states.new_empty(0)
-    grad_hidden = torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if want_hidden else empty
+    one_chunk = 0 < num_tokens <= plan.chunk_size
+    grad_hidden = (torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+                   if want_hidden else hidden_states.new_empty(0))
     # fp32 (or fp64) accumulators; for an fp32 weight it is the result itself.
     accumulate = kernels.accumulate_dtype(weight.dtype)
     grad_weight = (
         weight.new_zeros(vocab_size, hidden_size, dtype=accumulate)
-        if want_weight and not one_chunk else empty
+        if want_weight and not one_chunk else weight.new_empty(0)
     )
-    grad_bias = weight.new_zeros(vocab_size, dtype=accumulate) if want_bias else empty
+    grad_bias = weight.new_zeros(vocab_size, dtype=accumulate) if want_bias else weight.new_empty(0)
     variant = plan.variant(hidden_states, class_weight)
     weight_t = weight.t()  # [H, V]
     with _AutocastOff(hidden_states.device):
@@ -220,11 +220,12 @@ def _backward_op(
 def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, ignore_index,
       label_smoothing, logits_dtype, chunk_size, release_cache, output_mask):
     want_hidden, want_weight, want_bias = output_mask
-    empty = hidden_states.new_empty(0)
     return (
-        torch.empty_like(hidden_states, memory_format=torch.contiguous_format) if want_hidden else empty,
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if want_weight else empty,
-        torch.empty_like(bias) if want_bias and bias is not None else empty,
+        torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        if want_hidden else hidden_states.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format)
+        if want_weight else weight.new_empty(0),
+        torch.empty_like(bias) if want_bias and bias is not None else weight.new_empty(0),
     )
 
 

@@ -1,0 +1,285 @@
+"""The op against torch's unfused F.linear + F.cross_entropy: loss and every gradient."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from compile_pass import kernels
+from compile_pass.chunking import ALIGN, MIN_CHUNK_BYTES, choose_chunk_size
+from compile_pass.memory import measure_peak_bytes
+from compile_pass.op import linear_cross_entropy
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+def make_inputs(n=37, h=16, v=51, dtype=torch.float32, bias=False, ignored=5, seed=0, lead=(),
+                ignore_index=-100):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*lead, n, h, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5).to(dtype).requires_grad_()
+    target = torch.randint(0, v, (*lead, n), generator=gen)
+    target.view(-1)[:ignored] = ignore_index
+    b = (torch.randn(v, generator=gen, dtype=torch.float64).to(dtype).requires_grad_() if bias else None)
+    return hidden, weight, target, b
+
+
+def reference(hidden, lm_weight, target, bias=None, logits_dtype=None, **kwargs):
+    logits = F.linear(hidden, lm_weight, bias)
+    if logits_dtype is not None:
+        logits = logits.to(logits_dtype)
+    loss = F.cross_entropy(logits.flatten(0, -2), target.flatten(), **kwargs)
+    return loss.view(target.shape) if kwargs.get("reduction") == "none" else loss
+
+
+def loss_and_grads(fn, hidden, lm_weight, target, bias, grad_seed=1, **kwargs):
+    loss = fn(hidden, lm_weight, target, bias, **kwargs)
+    grad_output = torch.randn(loss.shape, generator=torch.Generator().manual_seed(grad_seed),
+                              dtype=torch.float64).to(loss.dtype)
+    params = [t for t in (hidden, lm_weight, bias) if t is not None]
+    return (loss, *torch.autograd.grad(loss, params, grad_output))
+
+
+def chunked(hidden, lm_weight, target, bias, **kwargs):
+    return linear_cross_entropy(hidden, lm_weight, target, linear_bias=bias, **kwargs)
+
+
+def unfused(hidden, lm_weight, target, bias, chunk_size=None, **kwargs):
+    return reference(hidden, lm_weight, target, bias, **kwargs)
+
+
+def assert_matches(tol=None, **case):
+    inputs = make_inputs(**case.pop("shape", {}), ignore_index=case.get("ignore_index", -100))
+    ours = loss_and_grads(chunked, *inputs, **case)
+    theirs = loss_and_grads(unfused, *inputs, **case)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, **(tol or TOL[torch.float32]))
+    return ours
+
+
+CLASS_WEIGHT = torch.rand(51, generator=torch.Generator().manual_seed(3)) + 0.1
+ARGUMENTS = {
+    "plain": {},
+    "ignored": {"ignore_index": -100},
+    "other_ignore_index": {"ignore_index": 7},
+    "label_smoothing": {"label_smoothing": 0.2},
+    "class_weight": {"weight": CLASS_WEIGHT},
+    "smoothing_weight_ignored": {"weight": CLASS_WEIGHT, "label_smoothing": 0.3},
+    "full_smoothing": {"label_smoothing": 1.0},
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("arguments", ARGUMENTS)
+@pytest.mark.parametrize("chunk_size", [None, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_unfused(reduction, arguments, chunk_size, bias):
+    assert_matches(shape={"bias": bias}, reduction=reduction, chunk_size=chunk_size,
+                   **ARGUMENTS[arguments])
+
+
+@pytest.mark.parametrize("n,h,v,chunk_size", [(252, 123, 507, 100), (1, 3, 2, 1), (64, 8, 5, 64), (65, 8, 97, 64)])
+def test_odd_shapes(n, h, v, chunk_size):
+    assert_matches(shape={"n": n, "h": h, "v": v, "ignored": n // 4, "bias": True},
+                   chunk_size=chunk_size, label_smoothing=0.1)
+
+
+def test_three_dim_input_and_none_reduction_shape():
+    hidden, weight, target, _ = make_inputs(n=9, lead=(3,), ignored=4)
+    loss = linear_cross_entropy(hidden, weight, target, reduction="none", chunk_size=4)
+    assert loss.shape == (3, 9)
+    assert_matches(shape={"n": 9, "lead": (3,), "ignored": 4}, reduction="none", chunk_size=4)
+    assert_matches(shape={"n": 9, "lead": (3,), "ignored": 4}, chunk_size=5, weight=CLASS_WEIGHT)
+
+
+def test_chunk_with_every_token_ignored():
+    # Tokens 0..15 ignored: with chunk_size 8 the first two chunks hold no valid token.
+    for reduction in ("mean", "sum", "none"):
+        assert_matches(shape={"n": 30, "ignored": 16}, reduction=reduction, chunk_size=8,
+                       label_smoothing=0.1, weight=CLASS_WEIGHT)
+
+
+@pytest.mark.parametrize("arguments", ["plain", "class_weight", "smoothing_weight_ignored"])
+def test_batch_with_every_token_ignored(arguments):
+    hidden, weight, target, _ = make_inputs(n=12, ignored=12)
+    loss = linear_cross_entropy(hidden, weight, target, chunk_size=5, **ARGUMENTS[arguments])
+    expected = reference(hidden, weight, target, **ARGUMENTS[arguments])
+    assert torch.isnan(expected) and torch.isnan(loss)
+    for reduction in ("sum", "none"):
+        assert_matches(shape={"n": 12, "ignored": 12}, reduction=reduction, chunk_size=5,
+                       **ARGUMENTS[arguments])
+
+
+def test_no_tokens():
+    hidden, weight, target, _ = make_inputs(n=0, ignored=0)
+    assert torch.isnan(linear_cross_entropy(hidden, weight, target))
+    assert_matches(shape={"n": 0, "ignored": 0}, reduction="sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("logits_dtype", [None, torch.float32])
+def test_half_precision_error_no_worse_than_unfused(dtype, logits_dtype):
+    # Tiny: half-precision matmul is emulated on this CPU.
+    hidden, weight, target, bias = make_inputs(n=24, h=16, v=40, dtype=dtype, bias=True, ignored=3)
+    exact = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
+    truth = loss_and_grads(unfused, exact[0], exact[1], target, exact[2], label_smoothing=0.1)
+    ours = loss_and_grads(chunked, hidden, weight, target, bias, chunk_size=7,
+                          logits_dtype=logits_dtype, label_smoothing=0.1)
+    theirs = loss_and_grads(unfused, hidden, weight, target, bias, logits_dtype=logits_dtype,
+                            label_smoothing=0.1)
+    assert ours[0].dtype == (logits_dtype or dtype)
+    for name, o, t, x in zip(("loss", "hidden", "weight", "bias"), ours, theirs, truth):
+        assert o.dtype == t.dtype, name
+        our_error = (o.double() - x).abs().max().item()
+        their_error = (t.double() - x).abs().max().item()
+        scale = x.abs().max().item()
+        assert our_error <= their_error + 2e-3 * scale, (name, our_error, their_error)
+
+
+def test_gradcheck_float64():
+    hidden, weight, target, bias = make_inputs(n=11, h=5, v=7, dtype=torch.float64, bias=True, ignored=2)
+    for kwargs in ({}, {"reduction": "none", "label_smoothing": 0.2},
+                   {"reduction": "sum", "weight": CLASS_WEIGHT[:7].double(), "label_smoothing": 0.3}):
+        torch.autograd.gradcheck(
+            lambda h, w, b: linear_cross_entropy(h, w, target, linear_bias=b, chunk_size=4, **kwargs),
+            (hidden, weight, bias),
+        )
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_opcheck(case):
+    hidden, weight, target, bias = make_inputs(n=[13, 16, 5][case], h=8, v=[11, 17, 3][case],
+                                               bias=case != 1, ignored=case)
+    class_weight = torch.rand(weight.shape[0]) if case == 2 else None
+    args = (hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,
+            -100, [0.0, 0.1, 0.5][case], torch.float32, [4, 0, 2][case], None)
+    torch.library.opcheck(torch.ops.chunkce.linear_cross_entropy.default, args)
+
+
+def test_inputs_not_modified():
+    hidden, weight, target, bias = make_inputs(bias=True)
+    class_weight = CLASS_WEIGHT.clone()
+    before = [t.detach().clone() for t in (hidden, weight, target, bias, class_weight)]
+    versions = [t._version for t in (hidden, weight, target, bias, class_weight)]
+    loss = linear_cross_entropy(hidden, weight, target, linear_bias=bias, weight=class_weight,
+                                label_smoothing=0.1, chunk_size=8)
+    loss.backward()
+    for old, new, version in zip(before, (hidden, weight, target, bias, class_weight), versions):
+        torch.testing.assert_close(new.detach(), old, atol=0, rtol=0)
+        assert new._version == version
+
+
+def test_second_backward_with_retain_graph():
+    hidden, weight, target, bias = make_inputs(bias=True)
+    loss = linear_cross_entropy(hidden, weight, target, linear_bias=bias, reduction="none", chunk_size=8)
+    ref = reference(hidden, weight, target, bias, reduction="none")
+    for seed in (1, 2):
+        grad_output = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed))
+        ours = torch.autograd.grad(loss, (hidden, weight, bias), grad_output, retain_graph=True)
+        theirs = torch.autograd.grad(ref, (hidden, weight, bias), grad_output, retain_graph=True)
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+def test_double_backward_refused():
+    hidden, weight, target, _ = make_inputs()
+    loss = linear_cross_entropy(hidden, weight, target, chunk_size=8)
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        grad_hidden.sum().backward()
+
+
+BAD_ARGUMENTS = [
+    (dict(target=torch.rand(37, 51)), NotImplementedError, "probability"),
+    (dict(target=torch.zeros(37, dtype=torch.int32)), TypeError, "target of dtype torch.int64"),
+    (dict(target=torch.zeros(36, dtype=torch.int64)), ValueError, "target of shape"),
+    (dict(input=torch.randn(16)), ValueError, "input of shape"),
+    (dict(linear_weight=torch.randn(51, 15)), ValueError, "linear_weight of shape"),
+    (dict(linear_weight=torch.randn(51, 16, dtype=torch.float64)), TypeError, "linear_weight of dtype"),
+    (dict(linear_bias=torch.randn(50)), ValueError, "linear_bias of shape"),
+    (dict(weight=torch.ones(50)), ValueError, "weight of shape"),
+    (dict(weight=torch.ones(51, dtype=torch.int64)), TypeError, "floating-point weight"),
+    (dict(reduction="batchmean"), ValueError, "reduction"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+    (dict(chunk_size=0), ValueError, "chunk_size"),
+    (dict(logits_dtype=torch.int32), TypeError, "logits_dtype"),
+]
+
+
+@pytest.mark.parametrize("override,error,match", BAD_ARGUMENTS)
+def test_bad_arguments_are_named(override, error, match):
+    hidden, weight, target, _ = make_inputs()
+    arguments = dict(input=hidden, linear_weight=weight, target=target) | override
+    positional = [arguments.pop(k) for k in ("input", "linear_weight", "target")]
+    with pytest.raises(error, match=f"chunkce.linear_cross_entropy: .*{match}"):
+        linear_cross_entropy(*positional, **arguments)
+
+
+def test_choose_chunk_size():
+    # Hidden states of 8k x 4k bf16 (64 MiB) against a 128k vocabulary: 256 tokens a chunk.
+    assert choose_chunk_size(8192, 4096, 131072, 2, 2) == 256
+    # Small batches: the chunk is the floor budget, capped at the tokens there are.
+    assert choose_chunk_size(100, 64, 1000, 4, 4) == 100
+    for n, h, v in itertools.product((1, 300, 5000, 70000), (64, 4096), (97, 32000, 262144)):
+        size = choose_chunk_size(n, h, v, 2, 2)
+        assert 1 <= size <= n
+        assert size == n or size % ALIGN == 0
+        assert size * v * 2 <= max(n * h * 2, MIN_CHUNK_BYTES) or size == min(n, ALIGN)
+
+
+def test_chunk_size_from_environment(monkeypatch):
+    calls = []
+    real_run = kernels.run
+    monkeypatch.setattr(kernels, "run", lambda name, *a: calls.append(name) or real_run(name, *a))
+    hidden, weight, target, _ = make_inputs(n=37)
+    monkeypatch.setenv("CHUNKCE_CHUNK_SIZE", "10")
+    linear_cross_entropy(hidden, weight, target).backward()
+    assert calls.count("chunk_forward") == 4 and calls.count("chunk_backward") == 4
+    calls.clear()
+    linear_cross_entropy(hidden, weight, target, chunk_size=20)  # the argument wins
+    assert calls.count("chunk_forward") == 2
+
+
+def test_kernels_compiled_and_no_recompile_for_new_lengths(monkeypatch):
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
+    kernels._compiled.cache_clear()
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    for n in (37, 50, 81):
+        hidden, weight, target, _ = make_inputs(n=n, v=53)
+        linear_cross_entropy(hidden, weight, target, chunk_size=16, label_smoothing=0.1).backward()
+    # One compiled graph for each of the two per-chunk functions: the ragged last chunks
+    # (5, 2, 1 tokens) and the new lengths reused them.
+    assert kernels._compiled.cache_info().currsize == 2
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert not kernels._failed
+
+
+def test_eager_kernels_equal_compiled(monkeypatch):
+    inputs = make_inputs(bias=True)
+    compiled = loss_and_grads(chunked, *inputs, chunk_size=8, label_smoothing=0.2, weight=CLASS_WEIGHT)
+    monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", "1")
+    eager = loss_and_grads(chunked, *inputs, chunk_size=8, label_smoothing=0.2, weight=CLASS_WEIGHT)
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+def test_peak_memory_far_below_logits():
+    # 2048 tokens x 8192 vocab: one fp32 logits tensor is 64 MiB; the unfused step
+    # holds several. The chunked op with 256-token chunks should hold a few 8 MiB chunks.
+    n, h, v = 2048, 64, 8192
+    hidden, weight, target, _ = make_inputs(n=n, h=h, v=v, ignored=0)
+    logits_bytes = n * v * 4
+
+    def step(fn, **kwargs):
+        fn(hidden, weight, target, None, **kwargs).backward()
+        hidden.grad = weight.grad = None
+
+    step(chunked, chunk_size=256)  # compile the kernels outside the measurement
+    _, ours = measure_peak_bytes(step, chunked, chunk_size=256)
+    _, theirs = measure_peak_bytes(step, unfused)
+    assert theirs >= 2 * logits_bytes
+    assert ours < logits_bytes / 2, (ours, theirs)
