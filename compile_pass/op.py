@@ -146,6 +146,30 @@ def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smo
             hidden_states.new_empty(num_tokens, dtype=accumulate))
 
 
+_NO_MIXED_ADDMM: set[str] = set()  # device types without aten::addmm.dtype_out
+
+
+def _accumulate_outer(accumulator: Tensor, grad_logits: Tensor, hidden_chunk: Tensor) -> None:
+    """``accumulator [V, H] += grad_logits.T @ hidden_chunk``, in the accumulator's dtype.
+
+    For half-precision operands and an fp32 accumulator, ``aten::addmm.dtype_out``
+    (CUDA) accumulates in place with no ``[V, H]`` temporary; where the device has
+    no such kernel, one half-precision ``[V, H]`` product is formed and added.
+    """
+    if accumulator.dtype == grad_logits.dtype:
+        accumulator.addmm_(grad_logits.t(), hidden_chunk)
+        return
+    device_type = accumulator.device.type
+    if device_type not in _NO_MIXED_ADDMM:
+        try:
+            torch.ops.aten.addmm.dtype_out(accumulator, grad_logits.t(), hidden_chunk,
+                                           accumulator.dtype, out=accumulator)
+            return
+        except (NotImplementedError, RuntimeError):
+            _NO_MIXED_ADDMM.add(device_type)
+    accumulator += grad_logits.t() @ hidden_chunk
+
+
 @torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=())
 def _backward_op(
     grad_loss: Tensor,  # [N] fp32
@@ -201,10 +225,8 @@ def _backward_op(
             if want_weight:
                 if one_chunk:
                     grad_weight = grad_logits.t() @ hidden_chunk  # [V, H], as F.linear's backward
-                elif grad_weight.dtype == grad_logits.dtype:
-                    grad_weight.addmm_(grad_logits.t(), hidden_chunk)
                 else:
-                    grad_weight += grad_logits.t() @ hidden_chunk
+                    _accumulate_outer(grad_weight, grad_logits, hidden_chunk)
             if want_bias:
                 grad_bias += grad_logits.sum(0, dtype=accumulate)
             del grad_logits
