@@ -1,0 +1,86 @@
+"""The pass: find every cross-entropy site, guard it, rewrite it, report it.
+
+    report = fuse_linear_cross_entropy(gm.graph, Options(chunk_size=1024))
+
+Works on torch-level graphs (what Dynamo captures; Inductor's pre-grad graph).
+A refused site is left as it is; only ``Options(strict=True)`` turns a refusal
+into an error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch.fx import Graph
+
+from compile_pass import guard, report
+from compile_pass.config import settings
+from compile_pass.matcher import Site, example_value, find_sites, size_hint
+from compile_pass.options import Options
+from compile_pass.rewrite import rewrite_site
+
+log = logging.getLogger(__name__)
+
+try:
+    from compile_pass.chunking import choose_chunk_size
+except ImportError:  # the op's chunk sizing is not there: report "auto"
+    choose_chunk_size = None
+
+
+def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> report.PassReport:
+    """Rewrite every accepted ``linear -> cross_entropy`` site of ``graph`` in place.
+
+    Returns:
+        The report (also logged, counted in ``counters["chunkce"]`` and kept as
+        :func:`compile_pass.report.last_report`).
+
+    Raises:
+        NotImplementedError: ``options.strict`` and a site was refused (the
+            message carries the guard's reason).
+    """
+    options = options or Options()
+    sites = find_sites(graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    decisions = [(site, guard.check(site, order)) for site in sites]
+    refused = [(site, reason) for site, reason in decisions if reason is not None]
+    if options.strict and refused:
+        site, reason = refused[0]
+        raise NotImplementedError(
+            f"chunkce: cannot rewrite the cross-entropy at {report.source_of(site.node)}: {reason} "
+            "(strict=True; pass strict=False to leave such sites unfused)"
+        )
+    records = []
+    for site, reason in decisions:
+        source = report.source_of(site.node)
+        module = report.module_of(site.projection.node if site.projection else None)
+        if reason is not None:
+            fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
+            records.append(report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix))
+            continue
+        chunk = _chunk_size(site, options)
+        done = rewrite_site(site, options.chunk_size)
+        records.append(report.SiteRecord(
+            source, module, report.REWRITTEN, report.LOGITS_KEPT if done.logits_kept else "",
+            chunk_size=chunk, logits_bytes_avoided=done.logits_bytes_avoided,
+        ))
+    if any(r.decision == report.REWRITTEN for r in records):
+        graph.lint()
+    result = report.PassReport(records)
+    report.publish(result)
+    return result
+
+
+def _chunk_size(site: Site, options: Options) -> int | str:
+    """The chunk size the op will use at this site (as the op chooses it), for the report."""
+    if options.chunk_size is not None:
+        return options.chunk_size
+    env = settings().chunk_size
+    if env is not None:
+        return env
+    if choose_chunk_size is None:
+        return "auto"
+    hidden = example_value(site.projection.hidden)  # [..., H]
+    logits = example_value(site.projection.node)  # [..., V], projection dtype
+    num_tokens = size_hint(example_value(site.call.target).numel())
+    return choose_chunk_size(num_tokens, size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
+                             logits.element_size(), logits.element_size())

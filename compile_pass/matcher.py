@@ -1,0 +1,391 @@
+"""Find cross-entropy sites in a torch-level FX graph and see back to their projection.
+
+Works on the graph TorchDynamo captures (and on Inductor's pre-grad graph, which
+is the same IR): torch-level ops, tensor metadata in ``node.meta["example_value"]``.
+What Dynamo 2.13 emits for the forms we read:
+
+    nn.Linear / F.linear        call_function torch._C._nn.linear(h, W, b|None)
+    h @ W.t() / matmul(h, W.T)  call_function operator.matmul / torch.matmul,
+                                W.t() = call_method t, W.T = call_function getattr(W, "T")
+    F.cross_entropy, nn.CrossEntropyLoss
+                                call_function torch.nn.functional.cross_entropy
+                                (the module is inlined, all its keywords spelled out)
+    .float() .view() .contiguous()   call_method
+    logits[..., :-1, :]         call_function operator.getitem(x, (Ellipsis, slice, slice))
+
+The matcher only states facts (what each node on the path is); the guard decides.
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
+_LINEAR = (torch._C._nn.linear, F.linear)
+_MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
+_ADD = (operator.add, torch.add, torch.Tensor.add)
+_REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.cross_entropy_loss
+
+# Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
+# or cast: the hidden states need nothing for them but a final flatten.
+_RESHAPE = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
+_COPY = {"contiguous", "clone"}
+_CAST = {"float", "half", "bfloat16", "double", "to", "type", "type_as"}
+# Ops that select or reorder token dims: replayed on the hidden states.
+_TOKEN_INDEX = {"getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute"}
+_TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT"}
+
+_TORCH_FUNCTIONS = {
+    getattr(torch, name): name
+    for name in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "clone", "narrow",
+                 "select", "transpose", "swapaxes", "swapdims", "permute", "t", "movedim")
+}
+
+
+def op_name(node: Node) -> str:
+    """Short name of what a node does: ``view``, ``mul``, ``tanh``, ``.T``, ``placeholder``."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        if node.target is builtins.getattr:
+            return f".{node.args[1]}"
+        return _TORCH_FUNCTIONS.get(node.target) or getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_module":
+        return f"module {node.target}"
+    return node.op
+
+
+def _tensor_op_name(node: Node) -> str | None:
+    """The method name of a tensor op that the matcher may look through, else None."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return "getitem"
+    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):
+        return f".{node.args[1]}"
+    if node.target in _TORCH_FUNCTIONS:
+        return _TORCH_FUNCTIONS[node.target]
+    name = getattr(node.target, "__name__", None)
+    if name and getattr(torch.Tensor, name, None) is node.target:
+        return name
+    return None
+
+
+def example_value(arg: Any) -> Any:
+    return arg.meta.get("example_value") if isinstance(arg, Node) else arg
+
+
+def is_tensor_node(arg: Any) -> bool:
+    return isinstance(example_value(arg), torch.Tensor)
+
+
+def same_size(a: Any, b: Any) -> bool:
+    return statically_known_true(a == b)
+
+
+def size_hint(size: Any) -> int:
+    """An int for a possibly symbolic size: its hint (adds no guard)."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        if node.hint is not None:
+            return int(node.hint)
+        return int(node.shape_env.size_hint(node.expr, allow_none=True) or 0)
+    return int(size)
+
+
+@dataclass(frozen=True)
+class CrossEntropyCall:
+    """A cross-entropy call with every argument spelled out (torch defaults filled in)."""
+
+    input: Any
+    target: Any
+    weight: Any  # class weights Node or None
+    ignore_index: Any
+    reduction: Any
+    label_smoothing: Any
+    legacy: bool = False  # size_average / reduce were given (mapped onto reduction)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """``logits = hidden @ weight.T + bias`` however it was spelled."""
+
+    node: Node  # its output is the logits
+    hidden: Any  # [..., H]
+    weight: Any  # [V, H], or [H, V] when weight_is_hv
+    bias: Any = None  # [V] or None
+    weight_is_hv: bool = False
+    inner: tuple[Node, ...] = ()  # nodes of the form besides `node` (W.t(), the matmul under a bias add)
+
+
+@dataclass
+class Site:
+    """One cross-entropy call and what lies between it and its projection.
+
+    ``steps`` run forward, from the projection's output to the cross-entropy input.
+    When the walk could not reach a projection, ``stop`` is the node it stopped at
+    and ``stop_kind`` says why (the guard words it).
+    """
+
+    node: Node
+    call: CrossEntropyCall | None
+    projection: Projection | None = None
+    steps: list[Node] = field(default_factory=list)
+    class_dim_moved: Node | None = None  # transpose taking [B, T, V] to [B, V, T] right before the loss
+    stop: Node | None = None
+    stop_kind: str | None = None  # opaque | graph_input | vocab_dim | advanced_index | symbolic_reshape
+    #                               | class_dim_1 | unbatched | call_module | unreadable
+    hidden_plan: list[tuple[str, Any]] = field(default_factory=list)  # ("reshape", shape) | ("replay", node)
+
+
+def read_cross_entropy(node: Node) -> CrossEntropyCall | None:
+    """Normalize a cross-entropy call's arguments; None when the node is not one."""
+    if node.op != "call_function" or node.target not in CROSS_ENTROPY_FUNCTIONS:
+        return None
+    if node.target is torch._C._nn.cross_entropy_loss:  # (input, target, weight, reduction:int, ignore_index, ls)
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        values = dict(zip(names, (None, None, None, 1, -100, 0.0)))
+        values.update(zip(names, node.args))
+        values.update(node.kwargs)
+        values["reduction"] = _REDUCTION_ENUM.get(values["reduction"], values["reduction"])
+        return CrossEntropyCall(**values)
+    bound = inspect.signature(F.cross_entropy).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    args = bound.arguments
+    legacy = args["size_average"] is not None or args["reduce"] is not None
+    reduction = args["reduction"]
+    if legacy:
+        reduction = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"], emit_warning=False)
+    return CrossEntropyCall(args["input"], args["target"], args["weight"], args["ignore_index"],
+                            reduction, args["label_smoothing"], legacy)
+
+
+def _transposed_2d_input(node: Any) -> Node | None:
+    """``W`` when ``node`` is ``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` / ... of a 2-D ``W``."""
+    if not isinstance(node, Node) or _tensor_op_name(node) not in _TRANSPOSE_2D:
+        return None
+    source = node.args[0]
+    if not is_tensor_node(source) or example_value(source).dim() != 2:
+        return None
+    name, rest = _tensor_op_name(node), [a for a in node.args[1:]]
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        return source if [d % 2 for d in dims] == [1, 0] else None
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return source if len(rest) == 2 and {d % 2 for d in rest} == {0, 1} else None
+    return source  # t, .T, .mT
+
+
+def as_projection(node: Any) -> Projection | None:
+    """The plain linear / matmul producing ``node``, or None."""
+    if not isinstance(node, Node) or node.op not in ("call_function", "call_method"):
+        return None
+    target = node.target if node.op == "call_function" else getattr(torch.Tensor, str(node.target), None)
+    if target in _LINEAR:
+        bound = inspect.signature(lambda input, weight, bias=None: None).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        return Projection(node, a["input"], a["weight"], a["bias"])
+    if target in _MATMUL and len(node.args) == 2 and not node.kwargs:
+        hidden, rhs = node.args
+        if not (is_tensor_node(hidden) and is_tensor_node(rhs)) or example_value(rhs).dim() != 2:
+            return None
+        weight = _transposed_2d_input(rhs)
+        if weight is not None:
+            return Projection(node, hidden, weight, inner=(rhs,))
+        return Projection(node, hidden, rhs, weight_is_hv=True)
+    if target in _ADD and len(node.args) == 2 and not node.kwargs:
+        for base, bias in (node.args, node.args[::-1]):
+            inner = as_projection(base)
+            if inner is None or inner.bias is not None or not is_tensor_node(bias):
+                continue
+            logits, b = example_value(base), example_value(bias)
+            if b.dim() == 1 and same_size(b.shape[0], logits.shape[-1]) and b.dtype == logits.dtype:
+                return Projection(node, inner.hidden, inner.weight, bias, inner.weight_is_hv,
+                                  (*inner.inner, inner.node))
+    return None
+
+
+def _dims(args: list[Any]) -> list[Any]:
+    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
+
+
+def _index_keeps_vocab_dim(index: Any, ndim: int) -> str | None:
+    """None when ``x[index]`` leaves the last dim whole; else ``vocab_dim`` / ``advanced_index``."""
+    items = index if isinstance(index, tuple) else (index,)
+    for item in items:
+        if isinstance(item, (list, bool, torch.Tensor)) or (isinstance(item, Node) and is_tensor_node(item)):
+            return "advanced_index"
+    if any(item is Ellipsis for item in items):
+        after = items[[i for i, item in enumerate(items) if item is Ellipsis][0] + 1:]
+        consuming = [item for item in after if item is not None]
+        if not consuming:
+            return None
+    else:
+        consuming = [item for item in items if item is not None]
+        if len(consuming) < ndim:
+            return None
+    last = consuming[-1]
+    full = isinstance(last, slice) and last.start is None and last.stop is None and last.step in (None, 1)
+    return None if full else "vocab_dim"
+
+
+def _classify(node: Node) -> str | None:
+    """How a node between projection and loss treats the logits: reshape / copy /
+    cast / index, or a stop kind (``opaque``, ``vocab_dim``, ``advanced_index``)."""
+    name = _tensor_op_name(node)
+    if name is None or not node.args or not is_tensor_node(node.args[0]) or not is_tensor_node(node):
+        return "opaque"
+    before, after = example_value(node.args[0]), example_value(node)
+    ndim = before.dim()
+    if ndim == 0 or after.dim() == 0 or not same_size(after.shape[-1], before.shape[-1]):
+        return "vocab_dim" if name in _RESHAPE | _TOKEN_INDEX else "opaque"
+    if name in _CAST:
+        same = after.shape == before.shape and after.device == before.device
+        return "cast" if same and after.is_floating_point() else "opaque"
+    if after.dtype != before.dtype:
+        return "opaque"
+    if name in _COPY:
+        return "copy" if after.shape == before.shape else "opaque"
+    if name in _RESHAPE:
+        return "reshape"
+    if name == "getitem":
+        return _index_keeps_vocab_dim(node.args[1], ndim) or "index"
+    if name in ("narrow", "select"):
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        return "index" if isinstance(dim, int) and dim % ndim != ndim - 1 else "vocab_dim"
+    if name in ("transpose", "swapaxes", "swapdims"):
+        dims = node.args[1:]
+        ok = len(dims) == 2 and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims)
+        return "index" if ok else "vocab_dim"
+    if name == "permute":
+        dims = _dims(node.args[1:])
+        return "index" if dims and isinstance(dims[-1], int) and dims[-1] % ndim == ndim - 1 else "vocab_dim"
+    return "opaque"
+
+
+def _moves_class_dim_to_1(node: Any) -> bool:
+    """``[B, T, V] -> [B, V, T]``: transpose(1, 2) / permute(0, 2, 1) / movedim(-1, 1)."""
+    if not isinstance(node, Node) or not is_tensor_node(node) or example_value(node).dim() != 3:
+        return False
+    name, args = _tensor_op_name(node), list(node.args[1:])
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return len(args) == 2 and all(isinstance(d, int) for d in args) and {d % 3 for d in args} == {1, 2}
+    if name == "permute":
+        dims = _dims(args)
+        return all(isinstance(d, int) for d in dims) and [d % 3 for d in dims] == [0, 2, 1]
+    if name == "movedim":
+        return len(args) == 2 and all(isinstance(d, int) for d in args) and (args[0] % 3, args[1] % 3) == (2, 1)
+    return False
+
+
+def _plan_hidden(site: Site) -> None:
+    """Replay token-dim indexing on the hidden states; fills ``hidden_plan`` or stops the site.
+
+    Reshapes of the token dims are deferred (row-major order is kept, and the op
+    flattens at the end); one followed by token-dim indexing is made concrete from
+    the static leading shape, or stops the site when that shape is symbolic.
+    """
+    pending = False
+    for node in site.steps:
+        kind = _classify(node)
+        if kind == "reshape":
+            pending = pending or example_value(node).shape != example_value(node.args[0]).shape
+        elif kind == "index":
+            if pending and not _append_reshape(site, example_value(node.args[0]), node):
+                return
+            pending = False
+            site.hidden_plan.append(("replay", node))
+    if site.class_dim_moved is not None and pending:
+        _append_reshape(site, example_value(site.class_dim_moved.args[0]), site.class_dim_moved)
+
+
+def _append_reshape(site: Site, logits: torch.Tensor, at: Node) -> bool:
+    leading = tuple(logits.shape[:-1])
+    if not all(isinstance(s, int) for s in leading):
+        site.stop, site.stop_kind = at, "symbolic_reshape"
+        return False
+    site.hidden_plan.append(("reshape", leading))
+    return True
+
+
+def match_site(node: Node, call: CrossEntropyCall) -> Site:
+    """Walk back from a cross-entropy call's input to its projection."""
+    site = Site(node, call)
+    current = call.input
+    if not is_tensor_node(current):
+        site.stop, site.stop_kind = (current if isinstance(current, Node) else None), "unreadable"
+        return site
+    ndim = example_value(current).dim()
+    if ndim == 1:
+        site.stop, site.stop_kind = current, "unbatched"
+        return site
+    if ndim >= 3:
+        if not _moves_class_dim_to_1(current):
+            site.stop, site.stop_kind = current, "class_dim_1"
+            return site
+        site.class_dim_moved, current = current, current.args[0]
+    steps: list[Node] = []
+    while True:
+        site.projection = as_projection(current)
+        if site.projection is not None:
+            break
+        if not isinstance(current, Node):
+            site.stop, site.stop_kind = None, "unreadable"
+            return site
+        kind = "graph_input" if current.op == "placeholder" else _classify(current)
+        if kind not in ("reshape", "copy", "cast", "index"):
+            site.stop, site.stop_kind = current, kind
+            break
+        steps.append(current)
+        current = current.args[0]
+    site.steps = steps[::-1]
+    if site.projection is not None:
+        if example_value(site.projection.hidden).dim() < 2:
+            site.stop, site.stop_kind, site.projection = site.projection.node, "unbatched", None
+        else:
+            _plan_hidden(site)
+    return site
+
+
+def find_sites(graph: Graph) -> list[Site]:
+    """Every cross-entropy call in ``graph``, in graph order, matched back to its projection."""
+    sites = []
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module = _owning_module_attr(graph, node.target)
+            if isinstance(module, torch.nn.CrossEntropyLoss):
+                sites.append(Site(node, None, stop=node, stop_kind="call_module"))
+            continue
+        call = read_cross_entropy(node)
+        if call is not None:
+            sites.append(match_site(node, call))
+    return sites
+
+
+def _owning_module_attr(graph: Graph, target: str) -> Any:
+    module = graph.owning_module
+    for part in str(target).split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def logits_dtypes(site: Site) -> list[torch.dtype]:
+    """The dtypes the logits pass through: the projection's, each cast's, and the
+    dtype the loss is computed in (the cross-entropy output's: fp32 under autocast).
+    Consecutive repeats are dropped."""
+    chain = [example_value(site.projection.node).dtype]
+    chain += [example_value(node).dtype for node in site.steps if _classify(node) == "cast"]
+    chain.append(example_value(site.node).dtype)
+    return [dtype for i, dtype in enumerate(chain) if i == 0 or dtype != chain[i - 1]]

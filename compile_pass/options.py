@@ -1,0 +1,80 @@
+"""Options of the chunkce pass and backend, as one small frozen dataclass.
+
+    torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "strict": True})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What the pass and the backend take from the user.
+
+    Attributes:
+        chunk_size: tokens per chunk given to every rewritten site; None lets the
+            op choose (``CHUNKCE_CHUNK_SIZE`` or the automatic size).
+        strict: raise ``NotImplementedError`` with the guard's reason when a
+            cross-entropy site cannot be rewritten, instead of leaving it unfused.
+        inner_backend: what compiles the rewritten graph: ``"inductor"`` (default),
+            ``"aot_eager"`` or ``"eager"`` for debugging, any other name
+            registered with Dynamo, or a backend callable.
+        inductor_config: Inductor config patches, forwarded to ``compile_fx`` as
+            ``config_patches`` when the inner backend is Inductor.
+    """
+
+    chunk_size: int | None = None
+    strict: bool = False
+    inner_backend: str | Callable[..., Any] = "inductor"
+    inductor_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        size = self.chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+            raise ValueError(f"chunkce: expected option chunk_size to be a positive int or None, got {size!r}")
+        if not isinstance(self.strict, bool):
+            raise TypeError(f"chunkce: expected option strict to be a bool, got {type(self.strict).__name__}")
+        if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
+            raise TypeError(
+                "chunkce: expected option inner_backend to be a backend name "
+                f"(e.g. {', '.join(_INNER_BACKENDS)}) or a callable, got {type(self.inner_backend).__name__}"
+            )
+        if not isinstance(self.inductor_config, Mapping):
+            raise TypeError(
+                f"chunkce: expected option inductor_config to be a mapping, got {type(self.inductor_config).__name__}"
+            )
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | Options | None) -> Options:
+        """Options from the ``options=`` dict torch.compile passes on.
+
+        Raises:
+            ValueError: a key that is not an option (the message names it), or a bad value.
+            TypeError: a value of the wrong type.
+        """
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, Mapping):
+            raise TypeError(f"chunkce: expected options to be a dict, got {type(options).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"chunkce: unknown option {unknown[0]!r}; expected one of {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    def cache_key(self) -> str:
+        """A stable text of every option that changes the rewritten graph or its compilation."""
+        inner = self.inner_backend if isinstance(self.inner_backend, str) else getattr(
+            self.inner_backend, "__qualname__", repr(self.inner_backend)
+        )
+        config = ",".join(f"{k}={self.inductor_config[k]!r}" for k in sorted(self.inductor_config))
+        return f"chunk_size={self.chunk_size};strict={self.strict};inner={inner};inductor_config={config}"

@@ -1,0 +1,147 @@
+"""What the pass did at each cross-entropy site: log records, counters, a table.
+
+One :class:`SiteRecord` per site; a :class:`PassReport` per graph. Every report is
+logged through ``logging.getLogger("compile_pass.report")`` (rewritten sites at
+INFO, refused ones at DEBUG, as Inductor's passes do), counted in
+``torch._dynamo.utils.counters["chunkce"]``, and kept: :func:`last_report`.
+
+Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
+``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
+sites whose logits other users still need) and ``logits_bytes_avoided``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+from torch._dynamo.utils import counters
+from torch.fx import Node
+
+log = logging.getLogger(__name__)
+
+REWRITTEN, REFUSED = "rewritten", "refused"
+LOGITS_KEPT = "logits still materialized for other users"
+GRAPH_BREAK_FIX = (
+    "fix: remove the graph break between the lm_head and the loss (a print, .item(), "
+    "data-dependent Python control flow, or an unsupported call; `torch._dynamo.explain(model)(...)` "
+    "names it), or compute the loss inside the compiled region"
+)
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """The pass's decision at one cross-entropy call."""
+
+    source: str  # "file.py:12 in forward: loss = F.cross_entropy(...)"
+    module: str  # module path of the projection, e.g. "lm_head"; "" when unknown
+    decision: str  # REWRITTEN or REFUSED
+    reason: str  # why refused; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
+    reason_key: str = ""
+    chunk_size: int | str | None = None  # tokens per chunk: given, the automatic choice, or "auto"
+    logits_bytes_avoided: int = 0
+    fix: str = ""  # how to make a refused site rewritable, where known
+
+
+@dataclass
+class PassReport:
+    """Every site of one graph (or, from :func:`compile_pass.explain`, of every graph)."""
+
+    records: list[SiteRecord] = field(default_factory=list)
+    graph_breaks: list[str] = field(default_factory=list)  # reasons Dynamo gave, when explain saw any
+
+    @property
+    def rewritten(self) -> list[SiteRecord]:
+        return [r for r in self.records if r.decision == REWRITTEN]
+
+    @property
+    def refused(self) -> list[SiteRecord]:
+        return [r for r in self.records if r.decision == REFUSED]
+
+    def __str__(self) -> str:
+        header = (f"chunkce: {len(self.records)} cross-entropy site(s), {len(self.rewritten)} rewritten, "
+                  f"{len(self.refused)} refused")
+        columns = ("#", "decision", "source", "module", "chunk", "logits avoided", "reason")
+        rows = [(str(i), r.decision, _shorten(r.source, _SOURCE_WIDTH), r.module or "-", str(r.chunk_size or "-"),
+                 format_bytes(r.logits_bytes_avoided), r.reason or "-")
+                for i, r in enumerate(self.records, 1)]
+        widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
+        lines = [header, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+        for record, row in zip(self.records, rows):
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+            if record.fix:
+                lines.append(" " * (widths[0] + 2) + record.fix)
+        for reason in self.graph_breaks:
+            lines.append(f"graph break: {reason}")
+        return "\n".join(lines)
+
+
+_SOURCE_WIDTH = 72
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_bytes(n: int) -> str:
+    if not n:
+        return "0"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def source_of(node: Node) -> str:
+    """``file.py:12 in forward: <code>`` from the node's stack trace (its innermost frame)."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    frames = [i for i, line in enumerate(trace) if line.lstrip().startswith("File ")]
+    if not frames:
+        return node.name
+    i = frames[-1]
+    match = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', trace[i])
+    code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+    if match is None:
+        return trace[i].strip()
+    path, line, function = match.groups()
+    return f"{path.rsplit('/', 1)[-1]}:{line} in {function}: {code}"
+
+
+def module_of(node: Node | None) -> str:
+    """Module path of the innermost module that made ``node`` (``lm_head``), or ""."""
+    stack = (node.meta.get("nn_module_stack") or {}) if node is not None else {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\[[^\]]*\](\[[^\]]*\])*\.?", "", str(path))  # L['self'], L['args'][0]
+    return re.sub(r"_modules\['([^']*)'\]", r"\1", path) or type(list(stack.values())[-1][1]).__name__
+
+
+_last: PassReport | None = None
+
+
+def publish(report: PassReport) -> None:
+    """Log each record, count it, and keep the report for :func:`last_report`."""
+    global _last
+    _last = report
+    stats = counters["chunkce"]
+    for record in report.records:
+        stats["sites_found"] += 1
+        if record.decision == REWRITTEN:
+            stats["sites_rewritten"] += 1
+            stats["logits_bytes_avoided"] += record.logits_bytes_avoided
+            stats["logits_kept"] += record.reason == LOGITS_KEPT
+            log.info("chunkce: rewrote %s (module %s, chunk size %s, logits bytes avoided %s)%s",
+                     record.source, record.module or "?", record.chunk_size,
+                     record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
+        else:
+            stats["sites_refused"] += 1
+            stats[f"refused_{record.reason_key}"] += 1
+            log.debug("chunkce: left %s unfused: %s", record.source, record.reason)
+
+
+def last_report() -> PassReport | None:
+    """The report of the pass's latest run in this process."""
+    return _last
