@@ -1,4 +1,22 @@
 """chunkce: memory-efficient cross-entropy for any PyTorch language model through torch.compile."""
 from compile_pass.op import linear_cross_entropy
+from compile_pass.backend import chunkce_backend, register as _register_backend
+from compile_pass.explain import explain
+from compile_pass.fuse import fuse_linear_cross_entropy
+from compile_pass.inductor_pass import ChunkcePreGradPass
+from compile_pass.options import Options
+from compile_pass.report import PassReport, SiteRecord, last_report
 
-__all__ = ["linear_cross_entropy"]
+_register_backend()
+
+__all__ = [
+    "linear_cross_entropy",
+    "chunkce_backend",
+    "explain",
+    "fuse_linear_cross_entropy",
+    "ChunkcePreGradPass",
+    "Options",
+    "PassReport",
+    "SiteRecord",
+    "last_report",
+]

@@ -1,0 +1,82 @@
+"""The ``chunkce`` torch.compile backend: the pass, then an inner backend.
+
+    model = torch.compile(model, backend="chunkce")
+    model = torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "inner_backend": "aot_eager"})
+
+Registered under the name ``chunkce`` twice over: by the ``torch_dynamo_backends``
+entry point of the installed distribution, and on ``import compile_pass`` (so a
+source checkout without install metadata works too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import torch
+from torch._dynamo.backends import registry
+
+from compile_pass.fuse import fuse_linear_cross_entropy
+from compile_pass.options import Options
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "chunkce"
+
+
+def chunkce_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: Mapping[str, Any] | Options | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """Rewrite ``linear -> cross_entropy`` sites of a Dynamo graph, then compile it.
+
+    Args:
+        gm: the graph Dynamo captured (torch-level ops).
+        example_inputs: its (fake) example inputs.
+        options: see :class:`compile_pass.options.Options`; torch.compile passes
+            its ``options=`` dict here.
+        mode: torch.compile's ``mode=``; with the Inductor inner backend it
+            selects Inductor's mode options (e.g. ``"max-autotune"``).
+
+    Raises:
+        ValueError: an unknown option key, or ``mode`` / ``inductor_config`` with
+            a non-Inductor inner backend.
+        NotImplementedError: ``strict=True`` and a site the pass must refuse.
+    """
+    opts = Options.from_mapping(options)
+    inner = opts.inner_backend
+    if inner == BACKEND_NAME:
+        raise ValueError("chunkce: inner_backend cannot be 'chunkce' itself; use 'inductor', 'aot_eager' or 'eager'")
+    if inner != "inductor" and (opts.inductor_config or mode not in (None, "default")):
+        raise ValueError(
+            f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
+        )
+    fuse_linear_cross_entropy(gm.graph, opts)
+    gm.recompile()
+    if inner == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+        patches.update(opts.inductor_config)
+        return compile_fx(gm, example_inputs, config_patches=patches or None)
+    backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
+    return backend(gm, example_inputs)
+
+
+def register() -> None:
+    """Register ``chunkce`` with Dynamo unless the entry point already does.
+
+    Dynamo's ``lookup_backend`` registers an entry-point backend itself after
+    loading it (and refuses a second registration of the name), so when Dynamo
+    already knows ``chunkce`` from the entry point, registering here would break
+    that lookup: leave it to the entry point.
+    """
+    if BACKEND_NAME in registry._COMPILER_FNS or isinstance(registry._BACKENDS.get(BACKEND_NAME), EntryPoint):
+        return
+    registry.register_backend(chunkce_backend, name=BACKEND_NAME)

@@ -1,0 +1,51 @@
+"""The pass as a pre-grad custom pass for stock Inductor.
+
+    from compile_pass import ChunkcePreGradPass
+    with torch._inductor.config.patch(pre_grad_custom_pass=ChunkcePreGradPass()):
+        torch.compile(model, backend="inductor")(...)
+
+Inductor's pre-grad graph is the torch-level graph Dynamo captured, so this is
+the same pass the ``chunkce`` backend runs. ``uuid()`` hashes the source of every
+module whose code ends up in the compiled graph, plus the options, so the FX graph
+and AOTAutograd caches never serve a graph compiled without it, or with other options.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+import compile_pass
+from compile_pass.fuse import fuse_linear_cross_entropy
+from compile_pass.options import Options
+
+_HASHED_MODULES = ("matcher", "guard", "rewrite", "fuse", "options", "inductor_pass", "op", "kernels", "chunking",
+                   "config")
+
+
+def _sources() -> tuple[str, ...]:
+    root = os.path.dirname(compile_pass.__file__)
+    paths = (os.path.join(root, f"{name}.py") for name in _HASHED_MODULES)
+    return tuple(sorted(p for p in paths if os.path.exists(p)))
+
+
+class ChunkcePreGradPass(CustomGraphPass):
+    """``pre_grad_custom_pass`` for Inductor: rewrites ``linear -> cross_entropy`` sites.
+
+    Args:
+        options: :class:`compile_pass.options.Options` or a dict of them
+            (``chunk_size``, ``strict``; the backend-only options are ignored).
+    """
+
+    def __init__(self, options: Mapping[str, Any] | Options | None = None) -> None:
+        self.options = Options.from_mapping(options)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        fuse_linear_cross_entropy(graph, self.options)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_sources(), extra=self.options.cache_key())
