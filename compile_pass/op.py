@@ -262,7 +262,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_lse):
     hidden_states, weight, target, bias, class_weight, lse = ctx.saved_tensors
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
-    grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.linear_cross_entropy_backward(
+    backward_op = (_FuncBackward.apply if torch._C._are_functorch_transforms_active()
+                   else torch.ops.chunkce.linear_cross_entropy_backward)
+    grad_hidden, grad_weight, grad_bias = backward_op(
         grad_loss, hidden_states, weight, target, bias, class_weight, lse,
         *ctx.options, [want_hidden, want_weight, want_bias],
     )
@@ -284,6 +286,42 @@ def _refuse_double_backward(ctx, *grads):
 
 
 _backward_op.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+class _FuncForward(torch.autograd.Function):
+    """The forward op with the same autograd, in the form ``torch.func`` accepts.
+
+    The autograd that ``register_autograd`` gives a custom op raises under
+    ``torch.func`` transforms (grad, vjp, jacrev); the public function calls the op
+    through this Function only while a transform is active; Dynamo and
+    AOTAutograd still see the custom op itself.
+    ``vmap`` runs the op once per sample, as it does the bare custom op.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*inputs):
+        return torch.ops.chunkce.linear_cross_entropy(*inputs)
+
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+
+class _FuncBackward(torch.autograd.Function):
+    """The backward op under ``torch.func``: first order works, second order is refused."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(*inputs):
+        return torch.ops.chunkce.linear_cross_entropy_backward(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    backward = staticmethod(_refuse_double_backward)
 
 
 def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction,
@@ -405,7 +443,9 @@ def linear_cross_entropy(
     logits_dtype = logits_dtype or input.dtype
     hidden_states = input.reshape(-1, input.shape[-1])  # [N, H]
     flat_target = target.reshape(-1)  # [N]
-    loss, _lse = torch.ops.chunkce.linear_cross_entropy(
+    forward_op = (_FuncForward.apply if torch._C._are_functorch_transforms_active()
+                  else torch.ops.chunkce.linear_cross_entropy)
+    loss, _lse = forward_op(
         hidden_states, linear_weight, flat_target, linear_bias, weight,
         ignore_index, float(label_smoothing), logits_dtype, chunk_size or 0, release_cache,
     )  # [N] each, fp32 (fp64 for fp64 logits)
