@@ -1,0 +1,84 @@
+"""Shared fixtures. Not autouse: a test file opts in with
+``pytestmark = pytest.mark.usefixtures("fresh_compile")``."""
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
+
+
+@pytest.fixture
+def fresh_compile():
+    """Isolation for compile tests: Dynamo reset, counters cleared, a fresh Inductor cache dir."""
+    torch._dynamo.reset()
+    counters.clear()
+    with fresh_cache():
+        yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
+def eager_kernels(monkeypatch):
+    """Run the op's per-chunk math eagerly: tests of the pass need not pay for compiling it."""
+    monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", "1")
+
+
+@pytest.fixture
+def chunkce_logs(caplog):
+    """Every record the pass logs (``compile_pass`` loggers at DEBUG)."""
+    caplog.set_level("DEBUG", logger="compile_pass")
+    return caplog
+
+
+def _clone_inputs(inputs):
+    return [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+            for x in inputs]
+
+
+def train_step(model, inputs):
+    """Forward, then backward of the sum of every floating output; returns (outputs, grads).
+
+    grads: parameter gradients by name, then input gradients by position.
+    """
+    outputs = model(*inputs)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if differentiable:
+        sum(o.float().sum() for o in differentiable).backward()
+    module = getattr(model, "_orig_mod", model)
+    params = module.named_parameters() if isinstance(module, torch.nn.Module) else ()
+    grads = {name: p.grad for name, p in params}
+    grads.update({f"input{i}": x.grad for i, x in enumerate(inputs)
+                  if isinstance(x, torch.Tensor) and x.requires_grad})
+    return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs), grads
+
+
+@pytest.fixture
+def compare_with_inductor():
+    """``check(model, *inputs, options=None, backend="inductor", **tolerances) -> generated code``.
+
+    Compiles ``model`` with ``backend="chunkce"`` (inner backend ``backend``) and a
+    deep copy with stock ``backend``, runs a training step on each (cloned
+    inputs), and asserts every output and every parameter / input gradient equal.
+    Returns Inductor's generated code as one string ("" for other backends).
+    """
+    import copy
+
+    from torch._inductor.utils import run_and_get_code
+
+    def check(model, *inputs, options=None, backend="inductor", **tolerances):
+        reference = copy.deepcopy(model)
+        reference_inputs = _clone_inputs(inputs)
+        options = {**(options or {}), "inner_backend": backend}
+        compiled = torch.compile(model, backend="chunkce", options=options)
+        (outputs, grads), code = run_and_get_code(train_step, compiled, list(inputs))
+        ref_outputs, ref_grads = train_step(torch.compile(reference, backend=backend), reference_inputs)
+        torch.testing.assert_close(outputs, ref_outputs, **tolerances)
+        assert grads.keys() == ref_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **tolerances, msg=lambda m: f"{name}: {m}")
+        return "\n".join(code)
+
+    return check

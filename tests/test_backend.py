@@ -1,0 +1,197 @@
+"""The ``chunkce`` backend, its options, the pre-grad pass for stock Inductor, explain()."""
+
+import copy
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.backends.registry import list_backends, lookup_backend
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import compile_pass
+from compile_pass import ChunkcePreGradPass, Options, chunkce_backend
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+
+B, T, H, V = 2, 6, 16, 29
+OP_NAME = "chunkce.linear_cross_entropy"
+
+
+def make_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (B, T), generator=gen)
+    labels[1, -2:] = -100
+    return torch.randn(B, T, H, generator=gen).requires_grad_(), labels
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(H, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, h, labels):
+        return F.cross_entropy(self.lm_head(torch.relu(self.proj(h))).view(-1, V), labels.view(-1))
+
+
+def test_backend_is_registered_by_entry_point_and_on_import():
+    (entry,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "chunkce"]
+    assert entry.value == "compile_pass.backend:chunkce_backend"
+    assert "chunkce" in list_backends()
+    assert lookup_backend("chunkce") is chunkce_backend
+
+
+def test_toy_model_matches_inductor(compare_with_inductor, eager_kernels):
+    code = compare_with_inductor(Toy(), *make_inputs())
+    assert OP_NAME in code and "linear_cross_entropy_backward" in code
+    assert counters["chunkce"]["sites_rewritten"] == 1
+
+
+def test_unknown_option_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="unknown option 'chunk_sise'"):
+        Options.from_mapping({"chunk_sise": 128})
+    model = torch.compile(Toy(), backend="chunkce", options={"chunk_sise": 128})
+    with pytest.raises(Exception, match="chunk_sise"):
+        model(*make_inputs())
+
+
+@pytest.mark.parametrize("bad", [{"chunk_size": 0}, {"strict": "yes"}, {"inner_backend": 3}])
+def test_bad_option_values_are_refused(bad):
+    with pytest.raises((ValueError, TypeError)):
+        Options.from_mapping(bad)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_debug_inner_backends(inner, eager_kernels):
+    model, reference = Toy(), Toy()
+    loss = torch.compile(model, backend="chunkce", options={"inner_backend": inner, "chunk_size": 5})(*make_inputs())
+    loss.backward()
+    expected = reference(*make_inputs())
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(model.lm_head.weight.grad, reference.lm_head.weight.grad)
+    assert counters["chunkce"]["sites_rewritten"] == 1
+    assert compile_pass.last_report().records[0].chunk_size == 5
+
+
+def test_inductor_config_and_mode_are_forwarded_to_compile_fx(monkeypatch, eager_kernels):
+    seen = {}
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen["config_patches"] = config_patches
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    chunkce_backend(gm, [torch.randn(2)], options={"inductor_config": {"max_autotune": True}}, mode="reduce-overhead")
+    assert seen["config_patches"]["max_autotune"] is True
+    assert seen["config_patches"]["triton.cudagraphs"] is True
+    with pytest.raises(ValueError, match="Inductor inner backend only"):
+        chunkce_backend(gm, [torch.randn(2)], options={"inner_backend": "eager", "inductor_config": {"a": 1}})
+
+
+def test_pre_grad_pass_rewrites_under_stock_inductor_and_the_cache_cannot_serve_the_unrewritten_graph(
+        eager_kernels):
+    h, labels = make_inputs()
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        # 1. Stock Inductor fills the caches with the unrewritten graph.
+        stock_model = Toy()
+        stock_loss = torch.compile(stock_model, backend="inductor")(h, labels)
+        stock_loss.backward()
+        assert counters["chunkce"]["sites_found"] == 0
+        # 2. Same graph, now with the pass: it must run, and no cache may answer for it.
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        model = Toy()
+        with torch._inductor.config.patch(pre_grad_custom_pass=ChunkcePreGradPass()):
+            compiled = torch.compile(model, backend="inductor")
+            loss, code = run_and_get_code(compiled, h, labels)
+        loss.backward()
+    assert counters["chunkce"]["sites_rewritten"] == 1
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits
+    assert OP_NAME in "\n".join(code)
+    torch.testing.assert_close(loss, stock_loss)
+    for (name, p), (_, q) in zip(model.named_parameters(), stock_model.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_pre_grad_pass_uuid_follows_options():
+    assert ChunkcePreGradPass().uuid() == ChunkcePreGradPass().uuid()
+    assert ChunkcePreGradPass({"chunk_size": 256}).uuid() != ChunkcePreGradPass().uuid()
+    assert ChunkcePreGradPass({"strict": True}).uuid() != ChunkcePreGradPass().uuid()
+    assert isinstance(ChunkcePreGradPass(), torch._inductor.custom_graph_pass.CustomGraphPass)
+
+
+class TwoHeads(nn.Module):
+    """One rewritable loss, one soft-capped one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.aux_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, h, labels):
+        main = F.cross_entropy(self.lm_head(h).view(-1, V), labels.view(-1))
+        capped = torch.tanh(self.aux_head(h) / 10.0) * 10.0
+        return main + F.cross_entropy(capped.view(-1, V), labels.view(-1))
+
+
+def test_explain_reports_every_site(eager_kernels):
+    report = compile_pass.explain(TwoHeads(), *make_inputs())
+    rewritten, refused = report.records
+    assert (rewritten.decision, rewritten.module) == ("rewritten", "lm_head")
+    assert rewritten.logits_bytes_avoided == B * T * V * 4
+    assert isinstance(rewritten.chunk_size, int) and rewritten.chunk_size >= 1
+    assert "test_backend.py" in rewritten.source and "main = F.cross_entropy" in rewritten.source
+    assert refused.decision == "refused" and "`tanh` between projection and loss" in refused.reason
+    table = str(report)
+    assert table.splitlines()[0] == "chunkce: 2 cross-entropy site(s), 1 rewritten, 1 refused"
+    assert "soft-capped logits" in table and "lm_head" in table
+
+
+def test_explain_names_a_graph_break_between_projection_and_loss(eager_kernels):
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V, bias=False)
+
+        def forward(self, h, labels):
+            logits = self.lm_head(h)
+            torch._dynamo.graph_break()
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+    report = compile_pass.explain(Broken(), *make_inputs())
+    (record,) = report.records
+    assert record.decision == "refused" and "graph broke between the projection and the loss" in record.reason
+    assert record.fix.startswith("fix: remove the graph break")
+    assert report.graph_breaks and "graph broke" in str(report) and "graph break:" in str(report)
+
+
+@pytest.mark.slow
+def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def loss_of(m):
+        return lambda input_ids: m(input_ids=input_ids, labels=input_ids).loss
+
+    loss, code = run_and_get_code(torch.compile(loss_of(model), backend="chunkce"), ids)
+    loss.backward()
+    expected = torch.compile(loss_of(reference), backend="inductor")(ids)
+    expected.backward()
+    assert OP_NAME in "\n".join(code)
+    stats = counters["chunkce"]
+    assert (stats["sites_rewritten"], stats["sites_refused"], stats["logits_kept"]) == (1, 0, 0)
+    torch.testing.assert_close(loss, expected)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,190 @@
+"""The pass rewrites every hand-written lm_head -> cross_entropy form.
+
+Reference: the same model compiled with stock Inductor (torch's unfused path);
+loss, outputs and every gradient must match. The pass fired: counters, and the
+op's name in the code Inductor generated.
+"""
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import compile_pass
+from compile_pass.op import linear_cross_entropy
+
+pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
+
+B, T, H, V = 2, 7, 16, 37  # odd vocab, N = 14 tokens
+OP_NAME = "chunkce.linear_cross_entropy"
+
+
+def make_inputs(dtype=torch.float32, seq=T, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, seq, H, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (B, seq), generator=gen)
+    labels[0, :2] = -100
+    return hidden, labels
+
+
+class Head(nn.Module):
+    """An lm_head and one hand-written form of the loss."""
+
+    def __init__(self, form, bias=False, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm_head = nn.Linear(H, V, bias=bias, dtype=dtype)
+        self.form = form
+        self.loss_fct = nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1, reduction="sum")
+        self.register_buffer("class_weight", torch.rand(V, generator=torch.Generator().manual_seed(1)) + 0.5)
+
+    def forward(self, h, labels):
+        W, b = self.lm_head.weight, self.lm_head.bias
+        return FORMS[self.form](self, h, labels, W, b)
+
+
+FORMS = {
+    "view": lambda m, h, y, W, b: F.cross_entropy(m.lm_head(h).view(-1, V), y.view(-1)),
+    "shift": lambda m, h, y, W, b: F.cross_entropy(
+        m.lm_head(h)[..., :-1, :].contiguous().view(-1, V), y[..., 1:].contiguous().view(-1)),
+    "module": lambda m, h, y, W, b: m.loss_fct(m.lm_head(h).reshape(-1, V), y.reshape(-1)),
+    "matmul_t": lambda m, h, y, W, b: F.cross_entropy((h @ W.t()).flatten(0, 1), y.flatten()),
+    "torch_matmul_T": lambda m, h, y, W, b: F.cross_entropy(torch.matmul(h, W.T).view(-1, V), y.view(-1)),
+    "f_linear": lambda m, h, y, W, b: F.cross_entropy(F.linear(h, W).view(-1, V), y.view(-1), reduction="sum"),
+    "f_linear_bias": lambda m, h, y, W, b: F.cross_entropy(F.linear(h, W, b).view(-1, V), y.view(-1)),
+    "matmul_plus_bias": lambda m, h, y, W, b: F.cross_entropy((h @ W.t() + b).view(-1, V), y.view(-1)),
+    "class_weight": lambda m, h, y, W, b: F.cross_entropy(
+        m.lm_head(h).view(-1, V), y.view(-1), weight=m.class_weight, label_smoothing=0.2),
+    "class_dim_1": lambda m, h, y, W, b: F.cross_entropy(m.lm_head(h).transpose(1, 2), y, reduction="none"),
+    "time_major": lambda m, h, y, W, b: F.cross_entropy(
+        m.lm_head(h).transpose(0, 1)[1:].reshape(-1, V), y.t()[1:].reshape(-1)),
+}
+BIASED = {"f_linear_bias", "matmul_plus_bias"}
+# Through Inductor (op name in the generated code); the rest through aot_eager
+# against stock aot_eager, to keep the file fast on CPU.
+INDUCTOR_FORMS = {"view", "shift", "module", "f_linear_bias", "class_dim_1"}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_form_is_rewritten_and_matches_stock_compile(form, compare_with_inductor):
+    model = Head(form, bias=form in BIASED)
+    backend = "inductor" if form in INDUCTOR_FORMS else "aot_eager"
+    code = compare_with_inductor(model, *make_inputs(), backend=backend)
+    assert backend != "inductor" or OP_NAME in code
+    stats = counters["chunkce"]
+    assert (stats["sites_found"], stats["sites_rewritten"], stats["sites_refused"]) == (1, 1, 0)
+    assert stats["logits_kept"] == 0 and stats["logits_bytes_avoided"] > 0
+
+
+class ReturnsLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(H, V, bias=False)
+
+    def forward(self, h, labels):
+        logits = self.lm_head(h)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        return loss, logits
+
+
+def test_logits_with_other_users_are_kept_and_the_loss_still_rewritten(compare_with_inductor):
+    code = compare_with_inductor(ReturnsLogits(), *make_inputs())
+    assert OP_NAME in code
+    assert counters["chunkce"]["sites_rewritten"] == 1 and counters["chunkce"]["logits_kept"] == 1
+    record = compile_pass.last_report().records[0]
+    assert record.decision == "rewritten" and "logits still materialized for other users" in record.reason
+
+
+class HalfHead(nn.Module):
+    """HF style: logits in bf16, ``.float()`` before the loss."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm_head = nn.Linear(H, V, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, h, labels):
+        logits = self.lm_head(h).float()
+        return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, V), labels[..., 1:].contiguous().view(-1))
+
+
+def test_bf16_logits_cast_to_float(compare_with_inductor):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compare_with_inductor(HalfHead(), *make_inputs(torch.bfloat16), backend="aot_eager", atol=2e-2, rtol=2e-2)
+    assert counters["chunkce"]["sites_rewritten"] == 1
+    torch._dynamo.reset()
+    torch.compile(HalfHead(), backend="chunkce", options={"inner_backend": capture})(*make_inputs(torch.bfloat16))
+    (call,) = [n for n in graphs[0].graph.nodes if n.target is linear_cross_entropy]
+    assert call.kwargs["logits_dtype"] is torch.float32
+
+
+def _rewritten_graph(model, *inputs, **options):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(model, backend="chunkce", options={"inner_backend": capture, **options})(*inputs)
+    return graphs[0], out
+
+
+def test_projection_gone_and_division_after_the_loss_untouched():
+    def hf_style(h, weight, labels, num_items_in_batch):
+        logits = F.linear(h, weight).float()
+        loss = F.cross_entropy(logits.view(-1, V), labels.view(-1), reduction="sum")
+        return loss / num_items_in_batch
+
+    h, labels = make_inputs()
+    weight = torch.randn(V, H, requires_grad=True)
+    gm, out = _rewritten_graph(hf_style, h, weight, labels, 12)
+    targets = [n.target for n in gm.graph.nodes]
+    assert linear_cross_entropy in targets and operator.truediv in targets
+    assert torch._C._nn.linear not in targets and F.cross_entropy not in targets
+    torch.testing.assert_close(out, hf_style(h, weight, labels, 12))
+
+
+def test_shift_is_replayed_on_the_hidden_states():
+    gm, _ = _rewritten_graph(Head("shift"), *make_inputs(), chunk_size=4)
+    (call,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
+    hidden = call.args[0]
+    assert tuple(hidden.meta["example_value"].shape) == (B * (T - 1), H)
+    sliced = hidden.args[0]
+    assert sliced.target is operator.getitem and sliced.args[1][1] == slice(None, -1, None)
+    assert call.kwargs["chunk_size"] == 4
+    assert compile_pass.last_report().records[0].chunk_size == 4
+
+
+def test_no_recompile_for_a_new_sequence_length():
+    model = Head("shift")
+    counter = CompileCounterWithBackend("chunkce")
+    compiled = torch.compile(model, backend=counter, dynamic=None)
+    for seq in (5, 6, 9):
+        h, labels = make_inputs(seq=seq)
+        loss = compiled(h, labels)
+    assert counter.frame_count == 2  # static, then dynamic from the 2nd length on
+    assert counters["chunkce"]["sites_rewritten"] == 2
+    torch.testing.assert_close(loss, model(h, labels))
+
+
+def test_every_site_of_a_graph_is_rewritten():
+    def two_losses(h, weight, labels):
+        logits = F.linear(h, weight)
+        return (F.cross_entropy(logits.view(-1, V), labels.view(-1))
+                + F.cross_entropy(logits[:, 1:].reshape(-1, V), labels[:, :-1].reshape(-1), reduction="sum"))
+
+    h, labels = make_inputs()
+    weight = torch.randn(V, H, requires_grad=True)
+    gm, out = _rewritten_graph(two_losses, h, weight, labels)
+    assert counters["chunkce"]["sites_rewritten"] == 2
+    assert torch._C._nn.linear not in [n.target for n in gm.graph.nodes]
+    torch.testing.assert_close(out, two_losses(h, weight, labels))
