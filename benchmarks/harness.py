@@ -1,0 +1,214 @@
+"""What both benchmarks measure with and how they report: time, peak memory, CSV, tables.
+
+    stats = time_region(run, prepare, device, warmup=3, reps=10)   # ms: p20 / p50 / p80
+    peak, retained = memory_region(run, prepare, device)          # bytes, measured
+    write_csv(rows, "out.csv"); print_table(rows, ...)
+
+``prepare`` runs before each timed or measured call and is never counted (it zeroes
+gradients, or runs the forward whose backward is measured); ``run`` gets what it
+returned. Memory comes from :class:`compile_pass.memory.PeakMemory`: allocator
+statistics on accelerators, profiler allocation events on CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import importlib
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compile_pass.memory import PeakMemory
+
+MiB = 2**20
+
+# Kineto (under the CPU memory measurement) prints two lines per profiler start/stop;
+# read when the profiler first starts, so setting it at import is early enough.
+os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+
+
+def default_device() -> torch.device:
+    """The current accelerator when there is one, else CPU."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return torch.device(acc.current_accelerator().type)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize()
+
+
+def release_memory(device: torch.device) -> None:
+    """Collect garbage and hand cached blocks back, so one implementation's cache never
+    pads the next one's footprint (the numbers are allocated bytes either way)."""
+    gc.collect()
+    if device.type != "cpu":
+        synchronize(device)
+        getattr(torch, device.type).empty_cache()
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Quantiles of repeated measurements (Liger's y_20 / y_50 / y_80)."""
+
+    p20: float
+    p50: float
+    p80: float
+
+    @staticmethod
+    def of(samples: Sequence[float]) -> Stats:
+        if len(samples) == 1:
+            return Stats(samples[0], samples[0], samples[0])
+        q = statistics.quantiles(samples, n=10, method="inclusive")  # deciles
+        return Stats(q[1], statistics.median(samples), q[7])
+
+
+def time_region(run: Callable[[Any], Any], prepare: Callable[[], Any] | None,
+                device: torch.device, *, warmup: int, reps: int) -> Stats:
+    """Milliseconds per ``run(prepare())``, ``prepare`` excluded; ``warmup`` untimed calls first.
+
+    CUDA: events around each call; elsewhere the wall clock between two device
+    synchronizations.
+    """
+    prepare = prepare or (lambda: None)
+    for _ in range(warmup):
+        run(prepare())
+    synchronize(device)
+    samples = []
+    for _ in range(reps):
+        state = prepare()
+        synchronize(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(state)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run(state)
+            synchronize(device)
+            samples.append((time.perf_counter() - t0) * 1e3)
+        del state
+    return Stats.of(samples)
+
+
+def memory_region(run: Callable[[Any], Any], prepare: Callable[[], Any] | None,
+                  device: torch.device, *, warmup: int = 1) -> tuple[int, int]:
+    """``(peak, retained)`` bytes of one ``run(prepare())`` after ``warmup`` unmeasured calls.
+
+    peak: most bytes live at once during the call above the level before it (the
+    inputs and whatever ``prepare`` made). retained: bytes still live when it
+    returned, what it returned included (for a forward: what autograd saved).
+    """
+    prepare = prepare or (lambda: None)
+    for _ in range(warmup):
+        run(prepare())
+    release_memory(device)
+    state = prepare()
+    with PeakMemory(device) as mem:
+        result = run(state)
+    del result, state
+    return mem.peak_bytes, mem.end_bytes
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "?")
+    except Exception:  # noqa: BLE001 - absent or broken: either way not usable
+        return "-"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """Hardware and versions, for the log and the docs."""
+    env = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "cpu_threads": str(torch.get_num_threads()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "liger_kernel": _version("liger_kernel"),
+        "cut_cross_entropy": _version("cut_cross_entropy"),
+    }
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                                       capture_output=True, text=True, timeout=5).stdout.strip() or "-"
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = "-"
+    return env
+
+
+def print_environment(device: torch.device) -> None:
+    print("  ".join(f"{k}={v}" for k, v in environment(device).items()), flush=True)
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: str, *, append: bool = False) -> None:
+    """Rows (dicts with the same keys) to ``path``; the header only when the file is new."""
+    if not rows:
+        return
+    fields = list(rows[0])
+    new = not (append and os.path.exists(path) and os.path.getsize(path) > 0)
+    with open(path, "a" if append else "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> str:
+    """A plain text table (``tabulate``'s when it is installed)."""
+    body = [[str(c) for c in row] for row in body]
+    try:
+        from tabulate import tabulate
+        return tabulate(body, headers=list(header), stralign="right")
+    except ImportError:
+        pass
+    widths = [max(len(str(h)), *(len(r[i]) for r in body)) if body else len(str(h))
+              for i, h in enumerate(header)]
+    lines = ["  ".join(str(h).rjust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body]
+    return "\n".join(lines)
+
+
+def pivot(rows: Sequence[dict[str, Any]], row_keys: Sequence[str], column_key: str,
+          cell: Callable[[dict[str, Any], dict[str, Any] | None], str],
+          baseline: str | None = None) -> tuple[list[str], list[list[str]]]:
+    """Rows keyed by ``row_keys`` against one column per value of ``column_key``.
+
+    ``cell(row, baseline_row)`` renders a cell; ``baseline_row`` is the row of the
+    same key whose ``column_key`` equals ``baseline`` (None if absent).
+    """
+    columns = list(dict.fromkeys(r[column_key] for r in rows))
+    grid: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        grid.setdefault(tuple(r[k] for k in row_keys), {})[r[column_key]] = r
+    body = []
+    for key, by_column in grid.items():
+        base = by_column.get(baseline) if baseline is not None else None
+        body.append([*key, *(cell(by_column[c], base) if c in by_column else "" for c in columns)])
+    return [*row_keys, *columns], body
