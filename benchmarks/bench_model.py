@@ -1,0 +1,264 @@
+"""Model-level benchmark: one Llama training step, eager vs Inductor vs chunkce.
+
+    python -m benchmarks.bench_model --device cpu --configs cpu-small --isolate
+    python -m benchmarks.bench_model --configs gpu-1b --isolate --csv model.csv   # on a GPU: bf16
+
+A ``transformers`` ``LlamaForCausalLM`` built from a registry config (random
+weights, same seed everywhere), trained on one fixed random batch. Per backend:
+``--warmup`` steps (compilation), one step under ``compile_pass.memory.PeakMemory``
+(forward + backward + AdamW step, gradients freed before it), then ``--steps``
+timed steps. Reported: peak step memory above the parameters and optimizer state,
+median step time, tokens/s, and each step's loss against eager's.
+
+``--isolate`` runs every (config, backend) in a fresh process, so neither compile
+caches nor allocator state of one run colour the next one's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from benchmarks import harness
+
+MiB = harness.MiB
+BACKENDS = ("eager", "inductor", "chunkce")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    batch: int
+    seq_len: int
+    dtype: str  # parameters (and so activations) dtype
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+CONFIGS = {
+    "cpu-small": ModelConfig(32000, 256, 688, 2, 4, 4, batch=2, seq_len=512, dtype="fp32"),
+    # Llama-3.2-1B's widths and vocabulary, fewer layers (compile time), untied head.
+    "gpu-1b": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=4, seq_len=2048, dtype="bf16"),
+    "gpu-1b-16k": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=8, seq_len=2048, dtype="bf16"),
+}
+
+
+def build(config: ModelConfig, device: torch.device, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     intermediate_size=config.intermediate_size, num_hidden_layers=config.layers,
+                     num_attention_heads=config.heads, num_key_value_heads=config.kv_heads,
+                     max_position_embeddings=config.seq_len, use_cache=False,
+                     tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf).to(DTYPES[config.dtype])
+    model.train()
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    input_ids = torch.randint(0, config.vocab_size, (config.batch, config.seq_len), device=device,
+                              generator=gen)  # [B, T]; HF shifts the labels inside
+    return model, input_ids
+
+
+def loss_function(model, backend: str, compile_what: str, chunk_size: int | None):
+    def loss(ids):
+        return model(input_ids=ids, labels=ids).loss
+    if backend == "eager":
+        return loss
+    backend_arg, kwargs = backend, {}
+    if backend == "chunkce":
+        from benchmarks.impls import chunkce_backend
+        backend_arg, problem = chunkce_backend()
+        if problem:
+            raise RuntimeError(problem)
+        kwargs = {"options": {"chunk_size": chunk_size}} if chunk_size else {}
+    if compile_what == "model":  # the output keeps the logits alive: the pass must keep the linear
+        compiled = torch.compile(model, backend=backend_arg, **kwargs)
+        return lambda ids: compiled(input_ids=ids, labels=ids).loss
+    return torch.compile(loss, backend=backend_arg, **kwargs)
+
+
+def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
+    """One (config, backend) training run in this process; every number measured."""
+    config, device = CONFIGS[name], args.device
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, ids = build(config, device, args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loss_fn = loss_function(model, backend, args.compile, args.chunk_size)
+
+    def step(_=None) -> float:
+        loss = loss_fn(ids)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    losses = []
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step())
+    harness.synchronize(device)
+    warmup_s = time.perf_counter() - start
+
+    static = sum(t.numel() * t.element_size() for t in model.parameters())
+    static += sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                  for t in s.values() if isinstance(t, torch.Tensor))
+    optimizer.zero_grad(set_to_none=True)
+    harness.release_memory(device)
+    with harness.PeakMemory(device) as mem:
+        losses.append(step())
+
+    def prepare():
+        optimizer.zero_grad(set_to_none=True)
+
+    def timed(_):
+        losses.append(step())
+
+    stats = harness.time_region(timed, prepare, device, warmup=0, reps=args.steps)
+    chunkce_counters = dict(torch._dynamo.utils.counters.get("chunkce", {}))
+    return {
+        "config": name, "backend": backend, "compile": args.compile if backend != "eager" else "-",
+        "device": device.type, "dtype": config.dtype, "tokens": config.tokens,
+        "chunk_size": (args.chunk_size or "auto") if backend == "chunkce" else "",
+        "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
+        "step_ms_p20": stats.p20, "step_ms_p50": stats.p50, "step_ms_p80": stats.p80,
+        "tokens_per_s": config.tokens / (stats.p50 / 1e3),
+        "peak_mib": mem.peak_bytes / MiB, "static_mib": static / MiB,
+        "warmup_s": warmup_s,
+        "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
+        "losses": [float(x) for x in losses],
+    }
+
+
+def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
+    """``run_one`` in a fresh interpreter; its output streams through."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "benchmarks.bench_model", "--configs", name, "--backends", backend,
+               "--device", str(args.device), "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--lr", str(args.lr), "--seed", str(args.seed), "--compile", args.compile,
+               "--result-json", out, *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else [])]
+        proc = subprocess.run(cmd, timeout=args.run_timeout)
+        if not os.path.exists(out):
+            raise RuntimeError(f"child exited with {proc.returncode} and no result")
+        with open(out) as f:
+            return json.load(f)[0]  # a failure inside the child comes back as its note
+
+
+COLUMNS = ("config", "backend", "compile", "chunk_size", "device", "dtype", "tokens", "vocab", "hidden", "layers",
+           "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "static_mib",
+           "warmup_s", "loss_first", "loss_last", "max_loss_diff_vs_eager", "sites_rewritten", "note")
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """CSV rows: losses reduced to first, last and the largest per-step gap to eager's."""
+    eager = {r["config"]: r["losses"] for r in results if r["backend"] == "eager" and "losses" in r}
+    rows = []
+    for r in results:
+        row = {c: r.get(c, "") for c in COLUMNS}
+        if r.get("losses"):
+            row["loss_first"], row["loss_last"] = r["losses"][0], r["losses"][-1]
+            if r["config"] in eager:
+                row["max_loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(r["losses"], eager[r["config"]]))
+        rows.append(row)
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    header = ["config", "backend", "tokens", "step ms", "tokens/s", "peak MiB", "x vs inductor",
+              "static MiB", "warm-up s", "loss[0]", "max |dloss| vs eager", "sites"]
+    base = {r["config"]: r["peak_mib"] for r in rows if r["backend"] == "inductor" and r["peak_mib"] != ""}
+    body = []
+    for r in rows:
+        if r["peak_mib"] == "":
+            body.append([r["config"], r["backend"], r["tokens"], "failed: " + r["note"][:60], *[""] * 8])
+            continue
+        ratio = f"{r['peak_mib'] / base[r['config']]:.2f}" if r["config"] in base else ""
+        diff = r["max_loss_diff_vs_eager"]
+        body.append([r["config"], r["backend"], r["tokens"], f"{r['step_ms_p50']:.1f}",
+                     f"{r['tokens_per_s']:.0f}", f"{r['peak_mib']:.1f}", ratio, f"{r['static_mib']:.1f}",
+                     f"{r['warmup_s']:.1f}", f"{r['loss_first']:.5f}",
+                     f"{diff:.2e}" if diff != "" else "", r["sites_rewritten"]])
+    print("\n" + harness.format_table(header, body))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
+                   help="default: gpu-1b on an accelerator, cpu-small on cpu")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    p.add_argument("--compile", choices=("loss", "model"), default="loss",
+                   help="compile a function returning only the loss (logits dead) or the model "
+                        "(its output keeps the logits alive)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="chunkce's chunk_size option; default: the op's automatic size")
+    p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (compilation)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps; default 10 (cpu 3)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isolate", action="store_true", help="a fresh process per (config, backend)")
+    p.add_argument("--run-timeout", type=float, default=None, help="seconds per isolated run")
+    p.add_argument("--csv", default=None)
+    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # child -> parent
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device) if args.device else harness.default_device()
+    cpu = args.device.type == "cpu"
+    args.configs = args.configs or (["cpu-small"] if cpu else ["gpu-1b"])
+    args.steps = args.steps if args.steps is not None else (3 if cpu else 10)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.result_json is None:
+        harness.print_environment(args.device)
+    child = args.result_json is not None
+    results = []
+    for name in args.configs:
+        if not child:
+            print(f"config {name}: {asdict(CONFIGS[name])}", flush=True)
+        for backend in args.backends:
+            if not child:
+                print(f"  {name} / {backend} ...", flush=True)
+            try:
+                result = (run_isolated if args.isolate else run_one)(name, backend, args)
+            except Exception as e:  # noqa: BLE001 - one failing backend must not end the sweep
+                message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                print(f"  {name} / {backend} failed: {message}", flush=True)
+                result = {"config": name, "backend": backend, "note": message}
+            results.append(result)
+            harness.release_memory(args.device)
+    if child:
+        with open(args.result_json, "w") as f:
+            json.dump(results, f)
+        return 0 if all("losses" in r for r in results) else 1
+    rows = summarize(results)
+    report(rows)
+    if args.csv:
+        harness.write_csv(rows, args.csv)
+        print(f"\nwrote {len(rows)} rows to {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
