@@ -15,7 +15,8 @@ from torch.fx import Graph
 
 from compile_pass import guard, report
 from compile_pass.config import settings
-from compile_pass.matcher import Site, example_value, find_sites, size_hint
+from compile_pass.forms import example_value, size_hint
+from compile_pass.matcher import Site, find_sites
 from compile_pass.options import Options
 from compile_pass.rewrite import rewrite_site
 
@@ -52,7 +53,7 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
     records = []
     for site, reason in decisions:
         source = report.source_of(site.node)
-        module = report.module_of(site.projection.node if site.projection else None)
+        module = report.module_of(site.projection.node if site.projection else site.stop)
         if reason is not None:
             fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
             records.append(report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix))

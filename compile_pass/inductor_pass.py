@@ -23,8 +23,8 @@ import compile_pass
 from compile_pass.fuse import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
-_HASHED_MODULES = ("matcher", "guard", "rewrite", "fuse", "options", "inductor_pass", "op", "kernels", "chunking",
-                   "config")
+_HASHED_MODULES = ("forms", "matcher", "guard", "rewrite", "fuse", "options", "inductor_pass",
+                   "op", "kernels", "chunking", "config")
 
 
 def _sources() -> tuple[str, ...]:

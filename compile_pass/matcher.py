@@ -2,38 +2,36 @@
 
 Works on the graph TorchDynamo captures (and on Inductor's pre-grad graph, which
 is the same IR): torch-level ops, tensor metadata in ``node.meta["example_value"]``.
-What Dynamo 2.13 emits for the forms we read:
+From the cross-entropy input the walk goes back through ops that only reshape,
+copy, cast or index the token dims of the logits, as Dynamo emits them:
 
-    nn.Linear / F.linear        call_function torch._C._nn.linear(h, W, b|None)
-    h @ W.t() / matmul(h, W.T)  call_function operator.matmul / torch.matmul,
-                                W.t() = call_method t, W.T = call_function getattr(W, "T")
-    F.cross_entropy, nn.CrossEntropyLoss
-                                call_function torch.nn.functional.cross_entropy
-                                (the module is inlined, all its keywords spelled out)
-    .float() .view() .contiguous()   call_method
+    .float() .view(-1, V) .contiguous() .to(dtype)   call_method
     logits[..., :-1, :]         call_function operator.getitem(x, (Ellipsis, slice, slice))
+    logits.transpose(1, 2)      call_method transpose (class dim moved to 1 for the loss)
 
-The matcher only states facts (what each node on the path is); the guard decides.
+until it reaches a projection (:mod:`compile_pass.forms`). The matcher only
+states facts (what each node on the path is); the guard decides.
 """
 
 from __future__ import annotations
 
-import builtins
-import inspect
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
-_LINEAR = (torch._C._nn.linear, F.linear)
-_MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
-_ADD = (operator.add, torch.add, torch.Tensor.add)
-_REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.cross_entropy_loss
+from compile_pass.forms import (
+    CrossEntropyCall,
+    Projection,
+    as_projection,
+    dims_arg,
+    example_value,
+    is_tensor_node,
+    read_cross_entropy,
+    same_size,
+    tensor_op_name,
+)
 
 # Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
 # or cast: the hidden states need nothing for them but a final flatten.
@@ -42,91 +40,6 @@ _COPY = {"contiguous", "clone"}
 _CAST = {"float", "half", "bfloat16", "double", "to", "type", "type_as"}
 # Ops that select or reorder token dims: replayed on the hidden states.
 _TOKEN_INDEX = {"getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute"}
-_TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT"}
-
-_TORCH_FUNCTIONS = {
-    getattr(torch, name): name
-    for name in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "clone", "narrow",
-                 "select", "transpose", "swapaxes", "swapdims", "permute", "t", "movedim")
-}
-
-
-def op_name(node: Node) -> str:
-    """Short name of what a node does: ``view``, ``mul``, ``tanh``, ``.T``, ``placeholder``."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        if node.target is builtins.getattr:
-            return f".{node.args[1]}"
-        return _TORCH_FUNCTIONS.get(node.target) or getattr(node.target, "__name__", str(node.target))
-    if node.op == "call_module":
-        return f"module {node.target}"
-    return node.op
-
-
-def _tensor_op_name(node: Node) -> str | None:
-    """The method name of a tensor op that the matcher may look through, else None."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        return "getitem"
-    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):
-        return f".{node.args[1]}"
-    if node.target in _TORCH_FUNCTIONS:
-        return _TORCH_FUNCTIONS[node.target]
-    name = getattr(node.target, "__name__", None)
-    if name and getattr(torch.Tensor, name, None) is node.target:
-        return name
-    return None
-
-
-def example_value(arg: Any) -> Any:
-    return arg.meta.get("example_value") if isinstance(arg, Node) else arg
-
-
-def is_tensor_node(arg: Any) -> bool:
-    return isinstance(example_value(arg), torch.Tensor)
-
-
-def same_size(a: Any, b: Any) -> bool:
-    return statically_known_true(a == b)
-
-
-def size_hint(size: Any) -> int:
-    """An int for a possibly symbolic size: its hint (adds no guard)."""
-    if isinstance(size, torch.SymInt):
-        node = size.node
-        if node.hint is not None:
-            return int(node.hint)
-        return int(node.shape_env.size_hint(node.expr, allow_none=True) or 0)
-    return int(size)
-
-
-@dataclass(frozen=True)
-class CrossEntropyCall:
-    """A cross-entropy call with every argument spelled out (torch defaults filled in)."""
-
-    input: Any
-    target: Any
-    weight: Any  # class weights Node or None
-    ignore_index: Any
-    reduction: Any
-    label_smoothing: Any
-    legacy: bool = False  # size_average / reduce were given (mapped onto reduction)
-
-
-@dataclass(frozen=True)
-class Projection:
-    """``logits = hidden @ weight.T + bias`` however it was spelled."""
-
-    node: Node  # its output is the logits
-    hidden: Any  # [..., H]
-    weight: Any  # [V, H], or [H, V] when weight_is_hv
-    bias: Any = None  # [V] or None
-    weight_is_hv: bool = False
-    inner: tuple[Node, ...] = ()  # nodes of the form besides `node` (W.t(), the matmul under a bias add)
 
 
 @dataclass
@@ -147,78 +60,6 @@ class Site:
     stop_kind: str | None = None  # opaque | graph_input | vocab_dim | advanced_index | symbolic_reshape
     #                               | class_dim_1 | unbatched | call_module | unreadable
     hidden_plan: list[tuple[str, Any]] = field(default_factory=list)  # ("reshape", shape) | ("replay", node)
-
-
-def read_cross_entropy(node: Node) -> CrossEntropyCall | None:
-    """Normalize a cross-entropy call's arguments; None when the node is not one."""
-    if node.op != "call_function" or node.target not in CROSS_ENTROPY_FUNCTIONS:
-        return None
-    if node.target is torch._C._nn.cross_entropy_loss:  # (input, target, weight, reduction:int, ignore_index, ls)
-        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
-        values = dict(zip(names, (None, None, None, 1, -100, 0.0)))
-        values.update(zip(names, node.args))
-        values.update(node.kwargs)
-        values["reduction"] = _REDUCTION_ENUM.get(values["reduction"], values["reduction"])
-        return CrossEntropyCall(**values)
-    bound = inspect.signature(F.cross_entropy).bind(*node.args, **node.kwargs)
-    bound.apply_defaults()
-    args = bound.arguments
-    legacy = args["size_average"] is not None or args["reduce"] is not None
-    reduction = args["reduction"]
-    if legacy:
-        reduction = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"], emit_warning=False)
-    return CrossEntropyCall(args["input"], args["target"], args["weight"], args["ignore_index"],
-                            reduction, args["label_smoothing"], legacy)
-
-
-def _transposed_2d_input(node: Any) -> Node | None:
-    """``W`` when ``node`` is ``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` / ... of a 2-D ``W``."""
-    if not isinstance(node, Node) or _tensor_op_name(node) not in _TRANSPOSE_2D:
-        return None
-    source = node.args[0]
-    if not is_tensor_node(source) or example_value(source).dim() != 2:
-        return None
-    name, rest = _tensor_op_name(node), [a for a in node.args[1:]]
-    if name == "permute":
-        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
-        return source if [d % 2 for d in dims] == [1, 0] else None
-    if name in ("transpose", "swapaxes", "swapdims"):
-        return source if len(rest) == 2 and {d % 2 for d in rest} == {0, 1} else None
-    return source  # t, .T, .mT
-
-
-def as_projection(node: Any) -> Projection | None:
-    """The plain linear / matmul producing ``node``, or None."""
-    if not isinstance(node, Node) or node.op not in ("call_function", "call_method"):
-        return None
-    target = node.target if node.op == "call_function" else getattr(torch.Tensor, str(node.target), None)
-    if target in _LINEAR:
-        bound = inspect.signature(lambda input, weight, bias=None: None).bind(*node.args, **node.kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        return Projection(node, a["input"], a["weight"], a["bias"])
-    if target in _MATMUL and len(node.args) == 2 and not node.kwargs:
-        hidden, rhs = node.args
-        if not (is_tensor_node(hidden) and is_tensor_node(rhs)) or example_value(rhs).dim() != 2:
-            return None
-        weight = _transposed_2d_input(rhs)
-        if weight is not None:
-            return Projection(node, hidden, weight, inner=(rhs,))
-        return Projection(node, hidden, rhs, weight_is_hv=True)
-    if target in _ADD and len(node.args) == 2 and not node.kwargs:
-        for base, bias in (node.args, node.args[::-1]):
-            inner = as_projection(base)
-            if inner is None or inner.bias is not None or not is_tensor_node(bias):
-                continue
-            logits, b = example_value(base), example_value(bias)
-            if b.dim() == 1 and same_size(b.shape[0], logits.shape[-1]) and b.dtype == logits.dtype:
-                return Projection(node, inner.hidden, inner.weight, bias, inner.weight_is_hv,
-                                  (*inner.inner, inner.node))
-    return None
-
-
-def _dims(args: list[Any]) -> list[Any]:
-    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
 
 
 def _index_keeps_vocab_dim(index: Any, ndim: int) -> str | None:
@@ -244,7 +85,7 @@ def _index_keeps_vocab_dim(index: Any, ndim: int) -> str | None:
 def _classify(node: Node) -> str | None:
     """How a node between projection and loss treats the logits: reshape / copy /
     cast / index, or a stop kind (``opaque``, ``vocab_dim``, ``advanced_index``)."""
-    name = _tensor_op_name(node)
+    name = tensor_op_name(node)
     if name is None or not node.args or not is_tensor_node(node.args[0]) or not is_tensor_node(node):
         return "opaque"
     before, after = example_value(node.args[0]), example_value(node)
@@ -270,7 +111,7 @@ def _classify(node: Node) -> str | None:
         ok = len(dims) == 2 and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims)
         return "index" if ok else "vocab_dim"
     if name == "permute":
-        dims = _dims(node.args[1:])
+        dims = dims_arg(node.args[1:])
         return "index" if dims and isinstance(dims[-1], int) and dims[-1] % ndim == ndim - 1 else "vocab_dim"
     return "opaque"
 
@@ -279,11 +120,11 @@ def _moves_class_dim_to_1(node: Any) -> bool:
     """``[B, T, V] -> [B, V, T]``: transpose(1, 2) / permute(0, 2, 1) / movedim(-1, 1)."""
     if not isinstance(node, Node) or not is_tensor_node(node) or example_value(node).dim() != 3:
         return False
-    name, args = _tensor_op_name(node), list(node.args[1:])
+    name, args = tensor_op_name(node), list(node.args[1:])
     if name in ("transpose", "swapaxes", "swapdims"):
         return len(args) == 2 and all(isinstance(d, int) for d in args) and {d % 3 for d in args} == {1, 2}
     if name == "permute":
-        dims = _dims(args)
+        dims = dims_arg(args)
         return all(isinstance(d, int) for d in dims) and [d % 3 for d in dims] == [0, 2, 1]
     if name == "movedim":
         return len(args) == 2 and all(isinstance(d, int) for d in args) and (args[0] % 3, args[1] % 3) == (2, 1)

@@ -71,6 +71,9 @@ class Options:
             )
         return cls(**options)
 
+    def __hash__(self) -> int:  # inductor_config is a dict: hash the options' text instead
+        return hash(self.cache_key())
+
     def cache_key(self) -> str:
         """A stable text of every option that changes the rewritten graph or its compilation."""
         inner = self.inner_backend if isinstance(self.inner_backend, str) else getattr(

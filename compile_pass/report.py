@@ -115,7 +115,7 @@ def module_of(node: Node | None) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\[[^\]]*\](\[[^\]]*\])*\.?", "", str(path))  # L['self'], L['args'][0]
+    path = re.sub(r"^[LG]\[[^\]]*\](\[[^\]]*\])*\.?", "", str(path))  # L['self'], L['args'][0], G['model']
     return re.sub(r"_modules\['([^']*)'\]", r"\1", path) or type(list(stack.values())[-1][1]).__name__
 
 
@@ -123,9 +123,10 @@ _last: PassReport | None = None
 
 
 def publish(report: PassReport) -> None:
-    """Log each record, count it, and keep the report for :func:`last_report`."""
+    """Log each record, count it, and keep the report for :func:`last_report` if it has any."""
     global _last
-    _last = report
+    if report.records:
+        _last = report
     stats = counters["chunkce"]
     for record in report.records:
         stats["sites_found"] += 1
@@ -143,5 +144,5 @@ def publish(report: PassReport) -> None:
 
 
 def last_report() -> PassReport | None:
-    """The report of the pass's latest run in this process."""
+    """The report of the pass's latest run in this process that found a cross-entropy site."""
     return _last

@@ -22,7 +22,8 @@ from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
 from compile_pass import op
-from compile_pass.matcher import Site, example_value, logits_dtypes, size_hint
+from compile_pass.forms import example_value, size_hint
+from compile_pass.matcher import Site, logits_dtypes
 
 log = logging.getLogger(__name__)
 

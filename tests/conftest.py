@@ -78,7 +78,8 @@ def compare_with_inductor():
         torch.testing.assert_close(outputs, ref_outputs, **tolerances)
         assert grads.keys() == ref_grads.keys()
         for name in grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], **tolerances, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grads[name], ref_grads[name], **tolerances,
+                                       msg=lambda m, name=name: f"{name}: {m}")
         return "\n".join(code)
 
     return check

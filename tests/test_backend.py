@@ -114,7 +114,7 @@ def test_pre_grad_pass_rewrites_under_stock_inductor_and_the_cache_cannot_serve_
     assert counters["inductor"]["fxgraph_cache_hit"] == hits
     assert OP_NAME in "\n".join(code)
     torch.testing.assert_close(loss, stock_loss)
-    for (name, p), (_, q) in zip(model.named_parameters(), stock_model.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), stock_model.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
@@ -193,5 +193,5 @@ def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
     stats = counters["chunkce"]
     assert (stats["sites_rewritten"], stats["sites_refused"], stats["logits_kept"]) == (1, 0, 0)
     torch.testing.assert_close(loss, expected)
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{name}: {m}")
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")

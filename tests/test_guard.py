@@ -70,7 +70,8 @@ REFUSALS = [
     # (transform, counter key, words in the reason, inner backend)
     (soft_cap, "soft_cap", "`tanh` between projection and loss", "inductor"),
     (scaled, "op_mul", "`mul` between projection and loss", "aot_eager"),
-    (lora, "op_add", "`add` between projection and loss is not shape/dtype-only (an added tensor, e.g. LoRA", "inductor"),
+    (lora, "op_add", "`add` between projection and loss is not shape/dtype-only (an added tensor, e.g. LoRA",
+     "inductor"),
     (lossy_cast, "lossy_cast", "float32 -> bfloat16 -> float32", "aot_eager"),
     (in_place, "mutation", "in-place `mul_`", "aot_eager"),
     (vocab_slice, "vocab_dim", "`getitem` on the vocab dim", "aot_eager"),

@@ -1,0 +1,187 @@
+"""Reading Dynamo graph nodes: op names and metadata, and the two ends of a site,
+the cross-entropy call and the projection, in every spelling Dynamo 2.13 emits:
+
+    nn.Linear / F.linear        call_function torch._C._nn.linear(h, W, b|None)
+    h @ W.t() / matmul(h, W.T)  call_function operator.matmul / torch.matmul,
+                                W.t() = call_method t, W.T = call_function getattr(W, "T")
+    h @ W.t() + b               the matmul under operator.add of a [V] tensor (a bias)
+    F.cross_entropy, nn.CrossEntropyLoss
+                                call_function torch.nn.functional.cross_entropy
+                                (the module is inlined, all its keywords spelled out)
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
+_LINEAR = (torch._C._nn.linear, F.linear)
+_MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
+_ADD = (operator.add, torch.add, torch.Tensor.add)
+_REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.cross_entropy_loss
+_TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT"}
+
+_TORCH_FUNCTIONS = {
+    getattr(torch, name): name
+    for name in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "clone", "narrow",
+                 "select", "transpose", "swapaxes", "swapdims", "permute", "t", "movedim")
+}
+
+
+def op_name(node: Node) -> str:
+    """Short name of what a node does: ``view``, ``mul``, ``tanh``, ``.T``, ``placeholder``."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        if node.target is builtins.getattr:
+            return f".{node.args[1]}"
+        return _TORCH_FUNCTIONS.get(node.target) or getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_module":
+        return f"module {node.target}"
+    return node.op
+
+
+def tensor_op_name(node: Node) -> str | None:
+    """The method name of a tensor op that the matcher may look through, else None."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return "getitem"
+    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):
+        return f".{node.args[1]}"
+    if node.target in _TORCH_FUNCTIONS:
+        return _TORCH_FUNCTIONS[node.target]
+    name = getattr(node.target, "__name__", None)
+    if name and getattr(torch.Tensor, name, None) is node.target:
+        return name
+    return None
+
+
+def example_value(arg: Any) -> Any:
+    return arg.meta.get("example_value") if isinstance(arg, Node) else arg
+
+
+def is_tensor_node(arg: Any) -> bool:
+    return isinstance(example_value(arg), torch.Tensor)
+
+
+def same_size(a: Any, b: Any) -> bool:
+    return statically_known_true(a == b)
+
+
+def size_hint(size: Any) -> int:
+    """An int for a possibly symbolic size: its hint (adds no guard)."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        if node.hint is not None:
+            return int(node.hint)
+        return int(node.shape_env.size_hint(node.expr, allow_none=True) or 0)
+    return int(size)
+
+
+@dataclass(frozen=True)
+class CrossEntropyCall:
+    """A cross-entropy call with every argument spelled out (torch defaults filled in)."""
+
+    input: Any
+    target: Any
+    weight: Any  # class weights Node or None
+    ignore_index: Any
+    reduction: Any
+    label_smoothing: Any
+    legacy: bool = False  # size_average / reduce were given (mapped onto reduction)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """``logits = hidden @ weight.T + bias`` however it was spelled."""
+
+    node: Node  # its output is the logits
+    hidden: Any  # [..., H]
+    weight: Any  # [V, H], or [H, V] when weight_is_hv
+    bias: Any = None  # [V] or None
+    weight_is_hv: bool = False
+    inner: tuple[Node, ...] = ()  # nodes of the form besides `node` (W.t(), the matmul under a bias add)
+
+
+def read_cross_entropy(node: Node) -> CrossEntropyCall | None:
+    """Normalize a cross-entropy call's arguments; None when the node is not one."""
+    if node.op != "call_function" or node.target not in CROSS_ENTROPY_FUNCTIONS:
+        return None
+    if node.target is torch._C._nn.cross_entropy_loss:  # (input, target, weight, reduction:int, ignore_index, ls)
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        values = dict(zip(names, (None, None, None, 1, -100, 0.0)))
+        values.update(zip(names, node.args))
+        values.update(node.kwargs)
+        values["reduction"] = _REDUCTION_ENUM.get(values["reduction"], values["reduction"])
+        return CrossEntropyCall(**values)
+    bound = inspect.signature(F.cross_entropy).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    args = bound.arguments
+    legacy = args["size_average"] is not None or args["reduce"] is not None
+    reduction = args["reduction"]
+    if legacy:
+        reduction = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"], emit_warning=False)
+    return CrossEntropyCall(args["input"], args["target"], args["weight"], args["ignore_index"],
+                            reduction, args["label_smoothing"], legacy)
+
+
+def _transposed_2d_input(node: Any) -> Node | None:
+    """``W`` when ``node`` is ``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` / ... of a 2-D ``W``."""
+    if not isinstance(node, Node) or tensor_op_name(node) not in _TRANSPOSE_2D:
+        return None
+    source = node.args[0]
+    if not is_tensor_node(source) or example_value(source).dim() != 2:
+        return None
+    name, rest = tensor_op_name(node), [a for a in node.args[1:]]
+    if name == "permute":
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
+        return source if [d % 2 for d in dims] == [1, 0] else None
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return source if len(rest) == 2 and {d % 2 for d in rest} == {0, 1} else None
+    return source  # t, .T, .mT
+
+
+def as_projection(node: Any) -> Projection | None:
+    """The plain linear / matmul producing ``node``, or None."""
+    if not isinstance(node, Node) or node.op not in ("call_function", "call_method"):
+        return None
+    target = node.target if node.op == "call_function" else getattr(torch.Tensor, str(node.target), None)
+    if target in _LINEAR:
+        bound = inspect.signature(lambda input, weight, bias=None: None).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        return Projection(node, a["input"], a["weight"], a["bias"])
+    if target in _MATMUL and len(node.args) == 2 and not node.kwargs:
+        hidden, rhs = node.args
+        if not (is_tensor_node(hidden) and is_tensor_node(rhs)) or example_value(rhs).dim() != 2:
+            return None
+        weight = _transposed_2d_input(rhs)
+        if weight is not None:
+            return Projection(node, hidden, weight, inner=(rhs,))
+        return Projection(node, hidden, rhs, weight_is_hv=True)
+    if target in _ADD and len(node.args) == 2 and not node.kwargs:
+        for base, bias in (node.args, node.args[::-1]):
+            inner = as_projection(base)
+            if inner is None or inner.bias is not None or not is_tensor_node(bias):
+                continue
+            logits, b = example_value(base), example_value(bias)
+            if b.dim() == 1 and same_size(b.shape[0], logits.shape[-1]) and b.dtype == logits.dtype:
+                return Projection(node, inner.hidden, inner.weight, bias, inner.weight_is_hv,
+                                  (*inner.inner, inner.node))
+    return None
+
+
+def dims_arg(args: list[Any]) -> list[Any]:
+    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
