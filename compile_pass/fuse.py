@@ -42,7 +42,7 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
     options = options or Options()
     sites = find_sites(graph)
     order = {node: i for i, node in enumerate(graph.nodes)}
-    decisions = [(site, guard.check(site, order)) for site in sites]
+    decisions = [(site, _check(site, order)) for site in sites]
     refused = [(site, reason) for site, reason in decisions if reason is not None]
     if options.strict and refused:
         site, reason = refused[0]
@@ -69,6 +69,14 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
     result = report.PassReport(records)
     report.publish(result)
     return result
+
+
+def _check(site: Site, order: dict) -> guard.Reason | None:
+    try:
+        return guard.check(site, order)
+    except Exception as exc:  # noqa: BLE001 - refusing is always safe; failing the compile is not
+        log.warning("chunkce: guard failed on %s", site.node.format_node(), exc_info=True)
+        return guard.internal_error(f"{type(exc).__name__}: {exc}")
 
 
 def _chunk_size(site: Site, options: Options) -> int | str:

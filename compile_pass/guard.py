@@ -58,8 +58,15 @@ def check(site: Site, order: dict[Node, int]) -> Reason | None:
         site: a site from :func:`compile_pass.matcher.find_sites`.
         order: position of every node of the graph (to look between projection and loss).
     """
+    if site.stop_kind == "internal_error":
+        return internal_error(site.error)
     return (_check_call(site) or _check_stop(site) or _check_projection(site)
             or _check_casts(site) or _check_between(site, order))
+
+
+def internal_error(what: str | None) -> Reason:
+    """The pass could not analyse a site (a bug or an unforeseen graph): refuse it."""
+    return Reason("internal_error", f"chunkce could not analyse this site ({what}); please report it")
 
 
 def _check_call(site: Site) -> Reason | None:

@@ -22,6 +22,7 @@ import torch
 from torch.fx import Graph, Node
 
 from compile_pass.forms import (
+    CROSS_ENTROPY_FUNCTIONS,
     CrossEntropyCall,
     Projection,
     as_projection,
@@ -58,7 +59,8 @@ class Site:
     class_dim_moved: Node | None = None  # transpose taking [B, T, V] to [B, V, T] right before the loss
     stop: Node | None = None
     stop_kind: str | None = None  # opaque | graph_input | vocab_dim | advanced_index | symbolic_reshape
-    #                               | class_dim_1 | unbatched | call_module | unreadable
+    #                               | class_dim_1 | unbatched | call_module | unreadable | internal_error
+    error: str | None = None  # what went wrong reading the site (internal_error)
     hidden_plan: list[tuple[str, Any]] = field(default_factory=list)  # ("reshape", shape) | ("replay", node)
 
 
@@ -209,9 +211,12 @@ def find_sites(graph: Graph) -> list[Site]:
             if isinstance(module, torch.nn.CrossEntropyLoss):
                 sites.append(Site(node, None, stop=node, stop_kind="call_module"))
             continue
-        call = read_cross_entropy(node)
-        if call is not None:
-            sites.append(match_site(node, call))
+        if node.op != "call_function" or node.target not in CROSS_ENTROPY_FUNCTIONS:
+            continue
+        try:
+            sites.append(match_site(node, read_cross_entropy(node)))
+        except Exception as exc:  # noqa: BLE001 - a graph we cannot read never fails the compile
+            sites.append(Site(node, None, stop=node, stop_kind="internal_error", error=f"{type(exc).__name__}: {exc}"))
     return sites
 
 

@@ -114,9 +114,10 @@ def module_of(node: Node | None) -> str:
     stack = (node.meta.get("nn_module_stack") or {}) if node is not None else {}
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
+    path, module_type = list(stack.values())[-1][:2]
     path = re.sub(r"^[LG]\[[^\]]*\](\[[^\]]*\])*\.?", "", str(path))  # L['self'], L['args'][0], G['model']
-    return re.sub(r"_modules\['([^']*)'\]", r"\1", path) or type(list(stack.values())[-1][1]).__name__
+    path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
+    return path or getattr(module_type, "__name__", str(module_type))  # the root module: its class
 
 
 _last: PassReport | None = None
@@ -140,7 +141,8 @@ def publish(report: PassReport) -> None:
         else:
             stats["sites_refused"] += 1
             stats[f"refused_{record.reason_key}"] += 1
-            log.debug("chunkce: left %s unfused: %s", record.source, record.reason)
+            level = logging.WARNING if record.reason_key == "internal_error" else logging.DEBUG
+            log.log(level, "chunkce: left %s unfused: %s", record.source, record.reason)
 
 
 def last_report() -> PassReport | None:

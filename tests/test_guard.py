@@ -151,3 +151,15 @@ def test_strict_raises_with_the_reason():
     with pytest.raises(Exception, match="soft-capped logits: `tanh` between projection and loss") as info:
         model(*make_inputs())
     assert "strict=True" in str(info.value)
+
+
+@pytest.mark.parametrize("broken", ["compile_pass.matcher.match_site", "compile_pass.guard.check"])
+def test_a_bug_in_the_pass_refuses_the_site_instead_of_failing_the_compile(broken, monkeypatch, chunkce_logs):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(broken, boom)
+    model, reference = Head(scaled), Head(scaled)
+    loss = torch.compile(model, backend="chunkce", options={"inner_backend": "eager"})(*make_inputs())
+    torch.testing.assert_close(loss, reference(*make_inputs()))
+    assert_refused("internal_error", "chunkce could not analyse this site (RuntimeError: boom)", chunkce_logs)

@@ -153,6 +153,20 @@ def test_projection_gone_and_division_after_the_loss_untouched():
     torch.testing.assert_close(out, hf_style(h, weight, labels, 12))
 
 
+def test_legacy_size_average_is_mapped_onto_reduction():
+    def legacy(h, weight, labels):
+        return F.cross_entropy(F.linear(h, weight).view(-1, V), labels.view(-1), size_average=False)
+
+    h, labels = make_inputs()
+    weight = torch.randn(V, H, requires_grad=True)
+    with pytest.warns(UserWarning, match="size_average"):
+        gm, out = _rewritten_graph(legacy, h, weight, labels)
+    (call,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
+    assert call.kwargs["reduction"] == "sum"
+    torch.testing.assert_close(out, F.cross_entropy(F.linear(h, weight).view(-1, V), labels.view(-1),
+                                                    reduction="sum"))
+
+
 def test_shift_is_replayed_on_the_hidden_states():
     gm, _ = _rewritten_graph(Head("shift"), *make_inputs(), chunk_size=4)
     (call,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
