@@ -119,7 +119,7 @@ def _check_stop(site: Site) -> Reason | None:
         return Reason("advanced_index", f"`{name}` with tensor indices between projection and loss "
                                         "(data-dependent token selection)")
     if kind == "symbolic_reshape":
-        return Reason("symbolic_reshape", f"`{name}` on token dims after a reshape with symbolic sizes")
+        return Reason("symbolic_reshape", f"`{name}` on token dims after a reshape to several symbolic sizes")
     if kind == "unreadable":
         return Reason("unreadable", "cross_entropy input is not a tensor computed in this graph")
     return _opaque_reason(stop)

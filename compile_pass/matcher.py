@@ -80,7 +80,7 @@ def _index_keeps_vocab_dim(index: Any, ndim: int) -> str | None:
         if len(consuming) < ndim:
             return None
     last = consuming[-1]
-    full = isinstance(last, slice) and last.start is None and last.stop is None and last.step in (None, 1)
+    full = isinstance(last, slice) and last.start in (None, 0) and last.stop is None and last.step in (None, 1)
     return None if full else "vocab_dim"
 
 
@@ -138,7 +138,7 @@ def _plan_hidden(site: Site) -> None:
 
     Reshapes of the token dims are deferred (row-major order is kept, and the op
     flattens at the end); one followed by token-dim indexing is made concrete from
-    the static leading shape, or stops the site when that shape is symbolic.
+    the leading shape of the logits at that point.
     """
     pending = False
     for node in site.steps:
@@ -155,11 +155,15 @@ def _plan_hidden(site: Site) -> None:
 
 
 def _append_reshape(site: Site, logits: torch.Tensor, at: Node) -> bool:
+    """Plan ``hidden.reshape(*leading, H)`` for the logits' leading shape; one symbolic
+    size becomes -1, more than one (or a symbolic H) stops the site."""
     leading = tuple(logits.shape[:-1])
-    if not all(isinstance(s, int) for s in leading):
+    symbolic = [i for i, size in enumerate(leading) if not isinstance(size, int)]
+    hidden_size = example_value(site.projection.hidden).shape[-1]
+    if len(symbolic) > 1 or not isinstance(hidden_size, int):
         site.stop, site.stop_kind = at, "symbolic_reshape"
         return False
-    site.hidden_plan.append(("reshape", leading))
+    site.hidden_plan.append(("reshape", tuple(-1 if i in symbolic else size for i, size in enumerate(leading))))
     return True
 
 

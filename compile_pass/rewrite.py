@@ -49,8 +49,12 @@ def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
                 hidden = _node(graph, "call_method", "reshape", (hidden, *what, hidden_size))
             else:  # replay the token-dim indexing of the logits on the hidden states
                 hidden = _node(graph, what.op, what.target, (hidden, *what.args[1:]), dict(what.kwargs))
-        if site.class_dim_moved is None and example_value(hidden).dim() != 2:
-            hidden = _node(graph, "call_method", "flatten", (hidden, 0, -2))  # [N, H]
+        if site.class_dim_moved is None:  # the loss saw [N, V] logits: give the op [N, H]
+            ndim = example_value(hidden).dim()
+            if ndim == 1:  # a single token selected, then reshaped back to [1, V]
+                hidden = _node(graph, "call_method", "unsqueeze", (hidden, 0))
+            elif ndim > 2:
+                hidden = _node(graph, "call_method", "flatten", (hidden, 0, -2))
         weight = projection.weight
         if projection.weight_is_hv:
             weight = _node(graph, "call_method", "t", (weight,))  # [H, V] -> [V, H]

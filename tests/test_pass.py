@@ -190,6 +190,19 @@ def test_no_recompile_for_a_new_sequence_length():
     torch.testing.assert_close(loss, model(h, labels))
 
 
+def test_token_slicing_after_a_reshape_is_replayed_with_dynamic_shapes():
+    def flat_then_slice(h, weight, labels):
+        logits = F.linear(h, weight).reshape(-1, V)  # [B*T, V], symbolic once T is dynamic
+        return F.cross_entropy(logits[1:], labels.reshape(-1)[1:])
+
+    weight = torch.randn(V, H, requires_grad=True)
+    compiled = torch.compile(flat_then_slice, backend="chunkce", options={"inner_backend": "aot_eager"})
+    for seq in (5, 6, 9):
+        h, labels = make_inputs(seq=seq)
+        torch.testing.assert_close(compiled(h, weight, labels), flat_then_slice(h, weight, labels))
+    assert (counters["chunkce"]["sites_rewritten"], counters["chunkce"]["sites_refused"]) == (2, 0)
+
+
 def test_every_site_of_a_graph_is_rewritten():
     def two_losses(h, weight, labels):
         logits = F.linear(h, weight)
