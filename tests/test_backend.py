@@ -174,7 +174,7 @@ def test_explain_names_a_graph_break_between_projection_and_loss(eager_kernels):
 @pytest.mark.slow
 def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=4, vocab_size=1000,
                                       max_position_embeddings=64)
     torch.manual_seed(0)
