@@ -2,7 +2,8 @@
 
     report = fuse_linear_cross_entropy(gm.graph, Options(chunk_size=1024))
 
-Works on torch-level graphs (what Dynamo captures; Inductor's pre-grad graph).
+Works on torch-level graphs (what Dynamo captures; Inductor's pre-grad graph) and
+the subgraphs of their higher-order ops.
 A refused site is left as it is; only ``Options(strict=True)`` turns a refusal
 into an error.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from torch.fx import Graph
+from torch.fx import Graph, GraphModule
 
 from compile_pass import guard, report
 from compile_pass.config import settings
@@ -31,6 +32,9 @@ except ImportError:  # the op's chunk sizing is not there: report "auto"
 def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> report.PassReport:
     """Rewrite every accepted ``linear -> cross_entropy`` site of ``graph`` in place.
 
+    Subgraphs of higher-order ops (e.g. the body of a ``torch.utils.checkpoint``
+    region) are rewritten too, innermost first.
+
     Returns:
         The report (also logged, counted in ``counters["chunkce"]`` and kept as
         :func:`compile_pass.report.last_report`).
@@ -40,7 +44,32 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
             message carries the guard's reason).
     """
     options = options or Options()
-    sites = find_sites(graph)
+    records = []
+    for subgraph in _subgraph_modules(graph):
+        records += _fuse_graph(subgraph.graph, options, in_subgraph=True)
+        subgraph.recompile()
+    records += _fuse_graph(graph, options, in_subgraph=False)
+    result = report.PassReport(records)
+    report.publish(result)
+    return result
+
+
+def _subgraph_modules(graph: Graph, seen: set[int] | None = None) -> list[GraphModule]:
+    """GraphModules that ``graph``'s get_attr nodes name (higher-order op bodies), innermost first."""
+    seen = set() if seen is None else seen
+    found = []
+    for node in graph.find_nodes(op="get_attr"):
+        module = graph.owning_module
+        for part in str(node.target).split("."):
+            module = getattr(module, part, None)
+        if isinstance(module, GraphModule) and id(module) not in seen:
+            seen.add(id(module))
+            found += [*_subgraph_modules(module.graph, seen), module]
+    return found
+
+
+def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[report.SiteRecord]:
+    sites = find_sites(graph, in_subgraph)
     order = {node: i for i, node in enumerate(graph.nodes)}
     decisions = [(site, _check(site, order)) for site in sites]
     refused = [(site, reason) for site, reason in decisions if reason is not None]
@@ -66,9 +95,7 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
         ))
     if any(r.decision == report.REWRITTEN for r in records):
         graph.lint()
-    result = report.PassReport(records)
-    report.publish(result)
-    return result
+    return records
 
 
 def _check(site: Site, order: dict) -> guard.Reason | None:

@@ -107,6 +107,9 @@ def _check_stop(site: Site) -> Reason | None:
     if kind == "graph_input":
         return Reason("graph_break", f"logits enter this graph as an input (`{stop.target}`): the graph broke "
                                      "between the projection and the loss")
+    if kind == "subgraph_input":
+        return Reason("subgraph_input", f"logits enter this higher-order op's body (e.g. a checkpoint region) as "
+                                        f"its input `{stop.target}`: the projection is outside it")
     if kind == "unbatched":
         return Reason("unbatched", "unbatched cross_entropy (1-D logits or hidden states) is not supported")
     if kind == "class_dim_1":

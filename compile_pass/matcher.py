@@ -58,8 +58,9 @@ class Site:
     steps: list[Node] = field(default_factory=list)
     class_dim_moved: Node | None = None  # transpose taking [B, T, V] to [B, V, T] right before the loss
     stop: Node | None = None
-    stop_kind: str | None = None  # opaque | graph_input | vocab_dim | advanced_index | symbolic_reshape
-    #                               | class_dim_1 | unbatched | call_module | unreadable | internal_error
+    # opaque | graph_input | subgraph_input | vocab_dim | advanced_index | symbolic_reshape
+    # | class_dim_1 | unbatched | call_module | unreadable | internal_error
+    stop_kind: str | None = None
     error: str | None = None  # what went wrong reading the site (internal_error)
     hidden_plan: list[tuple[str, Any]] = field(default_factory=list)  # ("reshape", shape) | ("replay", node)
 
@@ -206,8 +207,12 @@ def match_site(node: Node, call: CrossEntropyCall) -> Site:
     return site
 
 
-def find_sites(graph: Graph) -> list[Site]:
-    """Every cross-entropy call in ``graph``, in graph order, matched back to its projection."""
+def find_sites(graph: Graph, in_subgraph: bool = False) -> list[Site]:
+    """Every cross-entropy call in ``graph``, in graph order, matched back to its projection.
+
+    ``in_subgraph``: ``graph`` is a higher-order op's body, whose inputs come from the
+    enclosing graph (a loss on such an input is ``subgraph_input``, not a graph break).
+    """
     sites = []
     for node in graph.nodes:
         if node.op == "call_module":
@@ -218,7 +223,10 @@ def find_sites(graph: Graph) -> list[Site]:
         if node.op != "call_function" or node.target not in CROSS_ENTROPY_FUNCTIONS:
             continue
         try:
-            sites.append(match_site(node, read_cross_entropy(node)))
+            site = match_site(node, read_cross_entropy(node))
+            if in_subgraph and site.stop_kind == "graph_input":
+                site.stop_kind = "subgraph_input"
+            sites.append(site)
         except Exception as exc:  # noqa: BLE001 - a graph we cannot read never fails the compile
             sites.append(Site(node, None, stop=node, stop_kind="internal_error", error=f"{type(exc).__name__}: {exc}"))
     return sites

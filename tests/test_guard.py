@@ -146,6 +146,20 @@ def test_class_dim_1_logits_not_from_a_transpose_are_refused(compare_with_induct
     assert_refused("class_dim_1", "with the class dim at 1", chunkce_logs)
 
 
+def test_loss_in_a_checkpoint_region_with_the_head_outside_is_refused(compare_with_inductor, chunkce_logs):
+    class LossInside(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(H, V, bias=False)
+
+        def forward(self, h, labels):
+            loss = lambda logits: F.cross_entropy(logits.view(-1, V), labels.view(-1))  # noqa: E731
+            return torch.utils.checkpoint.checkpoint(loss, self.lm_head(h), use_reentrant=False)
+
+    compare_with_inductor(LossInside(), *make_inputs(), backend="aot_eager")
+    assert_refused("subgraph_input", "logits enter this higher-order op's body", chunkce_logs)
+
+
 def test_strict_raises_with_the_reason():
     model = torch.compile(Head(soft_cap), backend="chunkce", options={"strict": True, "inner_backend": "eager"})
     with pytest.raises(Exception, match="soft-capped logits: `tanh` between projection and loss") as info:

@@ -203,6 +203,25 @@ def test_token_slicing_after_a_reshape_is_replayed_with_dynamic_shapes():
     assert (counters["chunkce"]["sites_rewritten"], counters["chunkce"]["sites_refused"]) == (2, 0)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_head_inside_a_checkpoint_region_is_rewritten(use_reentrant, compare_with_inductor):
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Linear(H, H)
+            self.lm_head = nn.Linear(H, V, bias=False)
+
+        def head(self, h, labels):
+            return F.cross_entropy(self.lm_head(torch.relu(self.body(h))).view(-1, V), labels.view(-1))
+
+        def forward(self, h, labels):
+            return torch.utils.checkpoint.checkpoint(self.head, h, labels, use_reentrant=use_reentrant)
+
+    compare_with_inductor(Checkpointed(), *make_inputs(), backend="aot_eager")
+    assert counters["chunkce"]["sites_rewritten"] == 1
+
+
 def test_every_site_of_a_graph_is_rewritten():
     def two_losses(h, weight, labels):
         logits = F.linear(h, weight)
