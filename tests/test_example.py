@@ -46,6 +46,7 @@ def check_summary(out, backend):
         assert re.search(rf"^{re.escape(line)}\s+\S", out, re.M), line
     if backend == "both":
         assert re.search(r"^peak memory chunkce/inductor: [\d.]+x", out, re.M)
+        assert re.search(r"^chunkce counters: .*'sites_rewritten': [1-9]", out, re.M), out   # the pass fired
         assert re.search(r"^max \|loss diff\| over 4 steps: \S+ \(tolerance \S+\): OK$", out, re.M)
 
 
