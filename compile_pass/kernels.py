@@ -40,6 +40,7 @@ import types
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,14 @@ def _compiled(fn_name: str, variant: tuple):
     return torch.compile(clone, dynamic=True, fullgraph=True)
 
 
+def _plain_context() -> bool:
+    """False under a dispatch mode or a functorch transform (e.g. opcheck, AOTAutograd's
+    checks, torch.func): the kernel runs eagerly there, and a compile failure in such a
+    context never marks the variant as failed for the plain calls that follow."""
+    return (_get_current_dispatch_mode() is None
+            and not torch._C._are_functorch_transforms_active())
+
+
 def run(fn_name: str, variant: tuple, eager: bool, *args):
     """Run ``fn_name`` (``"chunk_forward"`` or ``"chunk_backward"``) on ``args``.
 
@@ -141,7 +150,7 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     execution raises too (e.g. a target out of range) propagates unchanged.
     """
     key = (fn_name, variant)
-    if eager or key in _failed:
+    if eager or key in _failed or not _plain_context():
         return globals()[fn_name](*args)
     try:
         return _compiled(fn_name, variant)(*args)
