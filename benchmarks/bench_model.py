@@ -6,8 +6,9 @@
 A ``transformers`` ``LlamaForCausalLM`` built from a registry config (random
 weights, same seed everywhere), trained on one fixed random batch. Per backend:
 ``--warmup`` steps (compilation), one step under ``compile_pass.memory.PeakMemory``
-(forward + backward + AdamW step, gradients freed before it), then ``--steps``
-timed steps. Reported: peak step memory above the parameters and optimizer state,
+(forward + backward + AdamW step, gradients freed before it), one more with the
+forward + backward alone measured, then ``--steps`` timed steps. Reported: peak
+step memory above the parameters and optimizer state (and of forward + backward),
 median step time, tokens/s, and each step's loss against eager's.
 
 ``--isolate`` runs every (config, backend) in a fresh process, so neither compile
@@ -125,6 +126,15 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     harness.release_memory(device)
     with harness.PeakMemory(device) as mem:
         losses.append(step())
+    # The same without the optimizer step, whose temporaries can set the peak of a small model.
+    optimizer.zero_grad(set_to_none=True)
+    harness.release_memory(device)
+    with harness.PeakMemory(device) as mem_fwd_bwd:
+        loss = loss_fn(ids)
+        loss.backward()
+    optimizer.step()
+    losses.append(loss.detach())
+    del loss
 
     def prepare():
         optimizer.zero_grad(set_to_none=True)
@@ -141,7 +151,8 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
         "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
         "step_ms_p20": stats.p20, "step_ms_p50": stats.p50, "step_ms_p80": stats.p80,
         "tokens_per_s": config.tokens / (stats.p50 / 1e3),
-        "peak_mib": mem.peak_bytes / MiB, "static_mib": static / MiB,
+        "peak_mib": mem.peak_bytes / MiB, "peak_fwd_bwd_mib": mem_fwd_bwd.peak_bytes / MiB,
+        "static_mib": static / MiB,
         "warmup_s": warmup_s,
         "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
         "losses": [float(x) for x in losses],
@@ -164,7 +175,8 @@ def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
 
 
 COLUMNS = ("config", "backend", "compile", "chunk_size", "device", "dtype", "tokens", "vocab", "hidden", "layers",
-           "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "static_mib",
+           "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "peak_fwd_bwd_mib",
+           "static_mib",
            "warmup_s", "loss_first", "loss_last", "max_loss_diff_vs_eager", "sites_rewritten", "note")
 
 
@@ -184,17 +196,18 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def report(rows: list[dict]) -> None:
     header = ["config", "backend", "tokens", "step ms", "tokens/s", "peak MiB", "x vs inductor",
-              "static MiB", "warm-up s", "loss[0]", "max |dloss| vs eager", "sites"]
+              "fwd+bwd peak", "static MiB", "warm-up s", "loss[0]", "max |dloss| vs eager", "sites"]
     base = {r["config"]: r["peak_mib"] for r in rows if r["backend"] == "inductor" and r["peak_mib"] != ""}
     body = []
     for r in rows:
         if r["peak_mib"] == "":
-            body.append([r["config"], r["backend"], r["tokens"], "failed: " + r["note"][:60], *[""] * 8])
+            body.append([r["config"], r["backend"], r["tokens"], "failed: " + r["note"][:60], *[""] * 9])
             continue
         ratio = f"{r['peak_mib'] / base[r['config']]:.2f}" if r["config"] in base else ""
         diff = r["max_loss_diff_vs_eager"]
         body.append([r["config"], r["backend"], r["tokens"], f"{r['step_ms_p50']:.1f}",
-                     f"{r['tokens_per_s']:.0f}", f"{r['peak_mib']:.1f}", ratio, f"{r['static_mib']:.1f}",
+                     f"{r['tokens_per_s']:.0f}", f"{r['peak_mib']:.1f}", ratio,
+                     f"{r['peak_fwd_bwd_mib']:.1f}", f"{r['static_mib']:.1f}",
                      f"{r['warmup_s']:.1f}", f"{r['loss_first']:.5f}",
                      f"{diff:.2e}" if diff != "" else "", r["sites_rewritten"]])
     print("\n" + harness.format_table(header, body))

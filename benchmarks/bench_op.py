@@ -191,7 +191,7 @@ COLUMNS = ("run", "metric", "unit", "impl", "mode", "shape", "tokens", "hidden",
 
 
 def report(rows: list[dict], baseline: str = "unfused-eager") -> None:
-    keys = ("shape", "tokens", "mode")
+    keys = ("shape", "tokens", "chunk_size", "mode")
 
     def ratio_cell(fmt):
         def cell(row, base):
@@ -236,7 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk; default: each impl's own")
+    p.add_argument("--chunk-size", nargs="+", default=["auto"],
+                   help="tokens per chunk, one case each ('auto': each impl's own choice)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first; default 3 (cpu 1)")
     p.add_argument("--reps", type=int, default=None, help="timed calls; default 10 (cpu 3)")
     p.add_argument("--csv", default=None, help="write the rows here")
@@ -250,6 +251,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype = DTYPES[args.dtype or ("fp32" if cpu else "bf16")]
     args.warmup = args.warmup if args.warmup is not None else (1 if cpu else 3)
     args.reps = args.reps if args.reps is not None else (3 if cpu else 10)
+    try:
+        args.chunk_size = [None if c == "auto" else int(c) for c in args.chunk_size]
+    except ValueError:
+        p.error(f"--chunk-size takes positive ints or 'auto', got {args.chunk_size}")
     return args
 
 
@@ -261,10 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes:
         for tokens in args.tokens:
-            case = Case(shape, tokens, args.dtype, logits_dtype, args.chunk_size, args.device)
-            print(f"case {case.describe()}", flush=True)
-            rows += run_case(case, impls, args)
-            harness.release_memory(args.device)
+            for chunk_size in args.chunk_size:
+                case = Case(shape, tokens, args.dtype, logits_dtype, chunk_size, args.device)
+                print(f"case {case.describe()}", flush=True)
+                rows += run_case(case, impls, args)
+                harness.release_memory(args.device)
     rows = [{c: r.get(c, "") for c in COLUMNS} for r in rows]
     report(rows)
     if args.csv:
