@@ -155,12 +155,16 @@ def run_case(case: Case, impls: list[Impl], args: argparse.Namespace) -> list[di
     for impl in impls:
         base = {**case.describe(), "impl": impl.name}
         problem = impl.problem(case.device, inputs)
+        if not problem:
+            try:
+                loss_fn = impl.build(inputs)
+            except Exception as e:  # noqa: BLE001 - a peer that imports but cannot be set up
+                problem = f"set-up failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         if problem:
             print(f"  skip {impl.name}: {problem}", flush=True)
             rows.append({**base, "run": "-", "mode": "-", "metric": "skipped", "note": problem})
             continue
         note = impl.note(inputs)
-        loss_fn = impl.build(inputs)
         jobs = [(run, mode) for run in args.runs for mode in (("full",) if run == "error" else args.modes)]
         for run, mode in jobs:
             try:
