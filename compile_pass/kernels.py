@@ -78,44 +78,51 @@ def chunk_forward(
 
 
 def chunk_backward(
-    logits: Tensor,  # [n, V] projection dtype
+    logits: Tensor,  # [n, Vb] projection dtype: vocabulary columns [vocab_start, vocab_start + Vb)
     lse: Tensor,  # [n] fp32
     target: Tensor,  # [n] int64
-    class_weight: Tensor | None,  # [V] or None
+    class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
     grad_loss: Tensor,  # [n] fp32
     ignore_index: int,
     label_smoothing: float,
     logits_dtype: torch.dtype,
+    vocab_start: int,
+    vocab_size: int,  # V, the whole vocabulary
 ) -> Tensor:
-    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. the chunk's logits.
+    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits.
 
-    Returns ``[n, V]`` in the projection dtype, rounded through ``logits_dtype``
+    The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``; the
+    full-row log-sum-exp ``lse`` makes it independent of the other columns.
+    Returns ``[n, Vb]`` in the projection dtype, rounded through ``logits_dtype``
     exactly as autograd rounds it through the graph's cast.
     """
-    vocab_size = logits.shape[-1]
-    z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V]
-    probs = torch.exp(z - lse.unsqueeze(1))  # [n, V]
+    block = logits.shape[-1]
+    z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
+    probs = torch.exp(z - lse.unsqueeze(1))  # [n, Vb]
     valid = target != ignore_index
     safe_target = torch.where(valid, target, 0)
     grad = torch.where(valid, grad_loss.to(z.dtype), 0.0)  # [n]
+    w_block = None
     if class_weight is not None:
-        w = class_weight.to(z.dtype)
+        w = class_weight.to(z.dtype)  # [V]
         grad_target = grad * w[safe_target]
+        w_block = w.narrow(0, vocab_start, block)  # [Vb]
     else:
-        w = None
         grad_target = grad
-    one_hot = torch.arange(vocab_size, device=logits.device).unsqueeze(0) == safe_target.unsqueeze(1)
+    columns = torch.arange(block, device=logits.device) + vocab_start  # [Vb]
+    one_hot = columns.unsqueeze(0) == safe_target.unsqueeze(1)  # [n, Vb]
     coef_probs = (1.0 - label_smoothing) * grad_target  # [n]
     coef_target = coef_probs
-    grad_logits = None
+    uniform = None
     if label_smoothing > 0.0:
-        total_weight = w.sum() if w is not None else float(vocab_size)
+        total_weight = w.sum() if class_weight is not None else float(vocab_size)
         coef_probs = coef_probs + grad * (label_smoothing * total_weight / vocab_size)
         uniform = grad.unsqueeze(1) * (label_smoothing / vocab_size)  # [n, 1]
-        grad_logits = -(uniform * w) if w is not None else -uniform
+        if w_block is not None:
+            uniform = uniform * w_block
     out = coef_probs.unsqueeze(1) * probs - torch.where(one_hot, coef_target.unsqueeze(1), 0.0)
-    if grad_logits is not None:
-        out = out + grad_logits
+    if uniform is not None:
+        out = out - uniform
     return out.to(logits_dtype).to(logits.dtype)
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from compile_pass import kernels
-from compile_pass.chunking import choose_chunk_size
+from compile_pass.chunking import VOCAB_BLOCKS, choose_chunk_size, min_chunk_bytes_for
 from compile_pass.config import settings
 
 _NAME = "chunkce.linear_cross_entropy"
@@ -52,6 +52,7 @@ class _ChunkPlan:
             chunk_size = env.chunk_size or choose_chunk_size(
                 num_tokens, hidden_size, weight.shape[0],
                 hidden_states.element_size(), hidden_states.element_size(),
+                min_chunk_bytes_for(hidden_states.device.type),
             )
         return _ChunkPlan(
             ignore_index=ignore_index,
@@ -68,9 +69,10 @@ class _ChunkPlan:
             class_weight is not None, self.label_smoothing > 0.0,
         )
 
-    def chunks(self, num_tokens: int):
-        for start in range(0, num_tokens, self.chunk_size):
-            yield start, min(start + self.chunk_size, num_tokens)
+    def chunks(self, num_tokens: int, chunk_size: int | None = None):
+        chunk_size = chunk_size or self.chunk_size
+        for start in range(0, num_tokens, chunk_size):
+            yield start, min(start + chunk_size, num_tokens)
 
 
 def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
@@ -149,25 +151,24 @@ def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smo
 _NO_MIXED_ADDMM: set[str] = set()  # device types without aten::addmm.dtype_out
 
 
-def _accumulate_outer(accumulator: Tensor, grad_logits: Tensor, hidden_chunk: Tensor) -> None:
-    """``accumulator [V, H] += grad_logits.T @ hidden_chunk``, in the accumulator's dtype.
+def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
+    """``accumulator += a @ b``, accumulated in the accumulator's dtype.
 
     For half-precision operands and an fp32 accumulator, ``aten::addmm.dtype_out``
-    (CUDA) accumulates in place with no ``[V, H]`` temporary; where the device has
-    no such kernel, one half-precision ``[V, H]`` product is formed and added.
+    (CUDA) accumulates in place with no temporary; where the device has no such
+    kernel, one half-precision product is formed and added.
     """
-    if accumulator.dtype == grad_logits.dtype:
-        accumulator.addmm_(grad_logits.t(), hidden_chunk)
+    if accumulator.dtype == a.dtype:
+        accumulator.addmm_(a, b)
         return
     device_type = accumulator.device.type
     if device_type not in _NO_MIXED_ADDMM:
         try:
-            torch.ops.aten.addmm.dtype_out(accumulator, grad_logits.t(), hidden_chunk,
-                                           accumulator.dtype, out=accumulator)
+            torch.ops.aten.addmm.dtype_out(accumulator, a, b, accumulator.dtype, out=accumulator)
             return
         except (NotImplementedError, RuntimeError):
             _NO_MIXED_ADDMM.add(device_type)
-    accumulator += grad_logits.t() @ hidden_chunk
+    accumulator += a @ b
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=())
@@ -189,8 +190,11 @@ def _backward_op(
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
 
     A gradient that ``output_mask`` does not ask for comes back as an empty
-    tensor and costs no work. The weight and bias gradients accumulate over
-    chunks in fp32 and are cast to the parameter's dtype once at the end.
+    tensor and costs no work. Sums over chunks accumulate in fp32 (fp64 for fp64)
+    and are cast to the parameter's dtype once. A half-precision weight over
+    several token chunks is walked in ``VOCAB_BLOCKS`` vocabulary blocks, so its
+    fp32 accumulator holds one block; the hidden-state gradient then sums over
+    blocks in an fp32 ``[N, H]`` accumulator.
     """
     plan = _ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
                               logits_dtype, chunk_size, release_cache)
@@ -198,40 +202,57 @@ def _backward_op(
     want_bias = want_bias and bias is not None
     num_tokens, hidden_size = hidden_states.shape
     vocab_size = weight.shape[0]
-    one_chunk = 0 < num_tokens <= plan.chunk_size
-    grad_hidden = (torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
-                   if want_hidden else hidden_states.new_empty(0))
-    # fp32 (or fp64) accumulators; for an fp32 weight it is the result itself.
     accumulate = kernels.accumulate_dtype(weight.dtype)
-    grad_weight = (
-        weight.new_zeros(vocab_size, hidden_size, dtype=accumulate)
-        if want_weight and not one_chunk else weight.new_empty(0)
-    )
-    grad_bias = weight.new_zeros(vocab_size, dtype=accumulate) if want_bias else weight.new_empty(0)
+    blocks = VOCAB_BLOCKS if accumulate != weight.dtype and num_tokens > plan.chunk_size else 1
+    block_size = -(-vocab_size // blocks)
+    token_chunks = list(plan.chunks(num_tokens, plan.chunk_size * blocks))  # same logits bytes a chunk
+
+    def new_or_empty(wanted, *shape, like, dtype=None):
+        if not wanted:
+            return like.new_empty(0)
+        return like.new_zeros(*shape, dtype=dtype or like.dtype)
+
+    grad_hidden = new_or_empty(want_hidden, num_tokens, hidden_size, like=hidden_states,
+                               dtype=kernels.accumulate_dtype(hidden_states.dtype) if blocks > 1 else None)
+    grad_weight = new_or_empty(want_weight, vocab_size, hidden_size, like=weight)
+    grad_bias = new_or_empty(want_bias, vocab_size, like=weight, dtype=accumulate)
     variant = plan.variant(hidden_states, class_weight)
-    weight_t = weight.t()  # [H, V]
     with _AutocastOff(hidden_states.device):
-        for start, end in plan.chunks(num_tokens):
-            hidden_chunk = hidden_states[start:end]  # [n, H]
-            logits_chunk = _project(hidden_chunk, weight_t, bias)  # [n, V]
-            grad_logits = kernels.run(
-                "chunk_backward", variant, plan.eager_kernels,
-                logits_chunk, lse[start:end], target[start:end], class_weight,
-                grad_loss[start:end], ignore_index, label_smoothing, logits_dtype,
-            )  # [n, V] projection dtype
-            del logits_chunk
-            if want_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
-            if want_weight:
-                if one_chunk:
-                    grad_weight = grad_logits.t() @ hidden_chunk  # [V, H], as F.linear's backward
-                else:
-                    _accumulate_outer(grad_weight, grad_logits, hidden_chunk)
-            if want_bias:
-                grad_bias += grad_logits.sum(0, dtype=accumulate)
-            del grad_logits
-    if want_weight:
-        grad_weight = grad_weight.to(weight.dtype)
+        for vocab_start in range(0, vocab_size, block_size):
+            vocab_end = min(vocab_start + block_size, vocab_size)
+            weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
+            bias_block = None if bias is None else bias[vocab_start:vocab_end]
+            # [Vb, H] sum over token chunks: written straight into grad_weight when one
+            # chunk (or an fp32 weight) needs no wider accumulator.
+            grad_weight_block = grad_weight[vocab_start:vocab_end] if want_weight else None
+            if want_weight and len(token_chunks) > 1 and accumulate != weight.dtype:
+                grad_weight_block = weight_block.new_zeros(weight_block.shape, dtype=accumulate)
+            for start, end in token_chunks:
+                hidden_chunk = hidden_states[start:end]  # [n, H]
+                logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
+                grad_logits = kernels.run(
+                    "chunk_backward", variant, plan.eager_kernels,
+                    logits_chunk, lse[start:end], target[start:end], class_weight,
+                    grad_loss[start:end], ignore_index, label_smoothing, logits_dtype,
+                    vocab_start, vocab_size,
+                )  # [n, Vb] projection dtype
+                del logits_chunk
+                if want_hidden and blocks == 1:
+                    torch.mm(grad_logits, weight_block, out=grad_hidden[start:end])
+                elif want_hidden:
+                    _add_matmul(grad_hidden[start:end], grad_logits, weight_block)
+                if want_weight and len(token_chunks) == 1:
+                    torch.mm(grad_logits.t(), hidden_chunk, out=grad_weight_block)  # as F.linear's backward
+                elif want_weight:
+                    _add_matmul(grad_weight_block, grad_logits.t(), hidden_chunk)
+                if want_bias:
+                    grad_bias[vocab_start:vocab_end] += grad_logits.sum(0, dtype=accumulate)
+                del grad_logits
+            if want_weight and grad_weight_block.dtype != weight.dtype:
+                grad_weight[vocab_start:vocab_end] = grad_weight_block
+            del grad_weight_block
+    if want_hidden:
+        grad_hidden = grad_hidden.to(hidden_states.dtype)
     if want_bias:
         grad_bias = grad_bias.to(bias.dtype)
     _release_cache(hidden_states.device, plan.release_cache)

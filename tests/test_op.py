@@ -119,12 +119,13 @@ def test_no_tokens():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("logits_dtype", [None, torch.float32])
-def test_half_precision_error_no_worse_than_unfused(dtype, logits_dtype):
+@pytest.mark.parametrize("chunk_size", [7, 2])  # 2: several token chunks in each vocabulary block
+def test_half_precision_error_no_worse_than_unfused(dtype, logits_dtype, chunk_size):
     # Tiny: half-precision matmul is emulated on this CPU.
     hidden, weight, target, bias = make_inputs(n=24, h=16, v=40, dtype=dtype, bias=True, ignored=3)
     exact = [t.detach().double().requires_grad_() for t in (hidden, weight, bias)]
     truth = loss_and_grads(unfused, exact[0], exact[1], target, exact[2], label_smoothing=0.1)
-    ours = loss_and_grads(chunked, hidden, weight, target, bias, chunk_size=7,
+    ours = loss_and_grads(chunked, hidden, weight, target, bias, chunk_size=chunk_size,
                           logits_dtype=logits_dtype, label_smoothing=0.1)
     theirs = loss_and_grads(unfused, hidden, weight, target, bias, logits_dtype=logits_dtype,
                             label_smoothing=0.1)
@@ -265,6 +266,19 @@ def test_eager_kernels_equal_compiled(monkeypatch):
     eager = loss_and_grads(chunked, *inputs, chunk_size=8, label_smoothing=0.2, weight=CLASS_WEIGHT)
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+def test_half_precision_weight_gradient_accumulator_is_one_vocabulary_block():
+    # A bf16 head over several token chunks accumulates its gradient in fp32 one
+    # vocabulary block at a time: the backward never holds a [V, H] fp32 buffer.
+    n, h, v = 256, 128, 4096
+    hidden, weight, target, _ = make_inputs(n=n, h=h, v=v, dtype=torch.bfloat16, ignored=0)
+    loss = linear_cross_entropy(hidden, weight, target, chunk_size=16)
+    _, peak = measure_peak_bytes(torch.autograd.backward, loss)
+    fp32_accumulator = v * h * 4
+    assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
+    assert peak < fp32_accumulator, peak
+    assert peak > v * h * 2  # the bf16 gradient itself is counted
 
 
 def test_peak_memory_far_below_logits():
