@@ -68,7 +68,7 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     DEVICE=cuda
     OP_ARGS=(--shapes llama3-8b gemma-2b-like --tokens 8192 16384 --dtype bf16 --warmup 2 --reps 5)
     MODEL_ARGS=(--configs gpu-1b --steps 5)
-    SWEEP_ARGS=(--tokens 8192 --chunk-size auto 1024 2048 4096 --warmup 2 --reps 5)
+    SWEEP_ARGS=(--tokens 8192 --chunk-size auto 256 1024 2048 4096 --warmup 2 --reps 5)
     PROFILE_ARGS=(--shape llama3-8b --tokens 8192 --chunk-size auto 2048)
 else
     DEVICE=cpu
