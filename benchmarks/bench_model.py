@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = {"config": name, "backend": backend, "note": message}
             results.append(result)
             harness.release_memory(args.device)
+            if args.csv and not child:  # after each run, so a sweep cut short keeps its rows
+                harness.write_csv(summarize(results), args.csv)
     if child:
         with open(args.result_json, "w") as f:
             json.dump(results, f)
@@ -268,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results)
     report(rows)
     if args.csv:
-        harness.write_csv(rows, args.csv)
         print(f"\nwrote {len(rows)} rows to {args.csv}")
     return 0
 

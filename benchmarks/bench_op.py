@@ -273,12 +273,13 @@ def main(argv: list[str] | None = None) -> int:
             for chunk_size in args.chunk_size:
                 case = Case(shape, tokens, args.dtype, logits_dtype, chunk_size, args.device)
                 print(f"case {case.describe()}", flush=True)
-                rows += run_case(case, impls, args)
+                case_rows = [{c: r.get(c, "") for c in COLUMNS} for r in run_case(case, impls, args)]
+                report(case_rows)  # per case, so a run cut short still shows what it measured
+                if args.csv:  # likewise on disk
+                    harness.write_csv(case_rows, args.csv, append=args.append or bool(rows))
+                rows += case_rows
                 harness.release_memory(args.device)
-    rows = [{c: r.get(c, "") for c in COLUMNS} for r in rows]
-    report(rows)
     if args.csv:
-        harness.write_csv(rows, args.csv, append=args.append)
         print(f"\nwrote {len(rows)} rows to {args.csv}")
     return 0
 

@@ -67,7 +67,7 @@ EOF
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     DEVICE=cuda
     OP_ARGS=(--shapes llama3-8b gemma-2b-like --tokens 8192 16384 --dtype bf16 --warmup 2 --reps 5)
-    MODEL_ARGS=(--configs gpu-1b --steps 5)
+    MODEL_ARGS=(--configs gpu-1b --steps 5 --backends eager chunkce inductor)
     SWEEP_ARGS=(--tokens 8192 --chunk-size auto 256 1024 2048 4096 --warmup 2 --reps 5)
     PROFILE_ARGS=(--shape llama3-8b --tokens 8192 --chunk-size auto 2048)
 else
@@ -80,15 +80,15 @@ else
 fi
 
 section "tests: tests/test_gpu.py tests/test_op.py"
-capped 140 "$PY" -m pytest tests/test_gpu.py tests/test_op.py -q -x -rs -p no:cacheprovider \
+capped 150 "$PY" -m pytest tests/test_gpu.py tests/test_op.py -q -x -rs -p no:cacheprovider \
     --durations=12 --junitxml="$OUT/junit.xml"
 
 section "op benchmark: full mode, HF-style fp32 logits, speed + memory + error"
-capped 160 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]}" --modes full \
+capped 150 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]}" --modes full \
     --logits-dtype fp32 --csv "$OUT/op.csv"
 
 section "model benchmark: Llama train step, eager / inductor / chunkce, fresh process each"
-capped 160 "$PY" -m benchmarks.bench_model --device "$DEVICE" "${MODEL_ARGS[@]}" --isolate \
+capped 170 "$PY" -m benchmarks.bench_model --device "$DEVICE" "${MODEL_ARGS[@]}" --isolate \
     --csv "$OUT/model.csv"
 
 section "extra, if time is left: chunkce's chunk size against speed and memory (full mode)"
