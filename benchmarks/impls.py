@@ -187,6 +187,6 @@ IMPLS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("chunkce-compiled", _build_chunkce_compiled,
          lambda device, inputs: chunkce_backend()[1]),
     Impl("torch-lce", _build_torch_lce, _torch_lce_problem, _grads_in_forward),
-    Impl("liger", _build_liger, _triton_problem("liger_kernel"), _grads_in_forward),
+    Impl("liger", _build_liger, _triton_problem("liger_kernel.transformers.functional"), _grads_in_forward),
     Impl("cce", _build_cce, _triton_problem("cut_cross_entropy"), _native_logits),
 )}
