@@ -104,3 +104,4 @@ capped 90 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]:0:2}" --
 
 section "done"
 ls -la "$OUT"
+sleep 1  # let tee flush log.txt before the files are collected
