@@ -156,7 +156,9 @@ def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
 
     For half-precision operands and an fp32 accumulator, ``aten::addmm.dtype_out``
     (CUDA) accumulates in place with no temporary; where the device has no such
-    kernel, one half-precision product is formed and added.
+    kernel (CPU, whose half-precision matmul is emulated anyway), the operands are
+    upcast and multiplied in the accumulator's dtype, so no product is rounded to
+    half precision before it is summed.
     """
     if accumulator.dtype == a.dtype:
         accumulator.addmm_(a, b)
@@ -168,7 +170,7 @@ def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
             return
         except (NotImplementedError, RuntimeError):
             _NO_MIXED_ADDMM.add(device_type)
-    accumulator += a @ b
+    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=())
