@@ -275,9 +275,12 @@ def test_half_precision_weight_gradient_accumulator_is_one_vocabulary_block():
     hidden, weight, target, _ = make_inputs(n=n, h=h, v=v, dtype=torch.bfloat16, ignored=0)
     loss = linear_cross_entropy(hidden, weight, target, chunk_size=16)
     _, peak = measure_peak_bytes(torch.autograd.backward, loss)
-    fp32_accumulator = v * h * 4
+    # A whole-vocabulary fp32 accumulator and its bf16 cast alive together: 6 V H bytes.
+    # Blocked: the bf16 gradient (2 V H), one fp32 block (V H / 2) and, on CPU, one
+    # upcast weight block (V H / 2), plus chunk-sized buffers.
+    whole_vocabulary = v * h * (4 + 2)
     assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
-    assert peak < fp32_accumulator, peak
+    assert peak < whole_vocabulary * 5 / 6, (peak, whole_vocabulary)
     assert peak > v * h * 2  # the bf16 gradient itself is counted
 
 
