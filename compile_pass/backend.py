@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch._dynamo.backends import registry
 
+from compile_pass import dynamo_scope
 from compile_pass.fuse import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
@@ -56,6 +57,7 @@ def chunkce_backend(
         raise ValueError(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
+    dynamo_scope.install()  # for the next frame, should someone have replaced Dynamo's ignore set since
     fuse_linear_cross_entropy(gm.graph, opts)
     gm.recompile()
     if inner == "inductor":
@@ -69,14 +71,19 @@ def chunkce_backend(
     return backend(gm, example_inputs)
 
 
+dynamo_scope.mark(chunkce_backend)  # transformers' one-shot logging does not break its graphs
+
+
 def register() -> None:
-    """Register ``chunkce`` with Dynamo unless the entry point already does.
+    """Register ``chunkce`` with Dynamo unless the entry point already does; make
+    Dynamo's logging-ignore set chunkce-scoped (:mod:`compile_pass.dynamo_scope`).
 
     Dynamo's ``lookup_backend`` registers an entry-point backend itself after
     loading it (and refuses a second registration of the name), so when Dynamo
     already knows ``chunkce`` from the entry point, registering here would break
     that lookup: leave it to the entry point.
     """
+    dynamo_scope.install()
     if BACKEND_NAME in registry._COMPILER_FNS or isinstance(registry._BACKENDS.get(BACKEND_NAME), EntryPoint):
         return
     registry.register_backend(chunkce_backend, name=BACKEND_NAME)

@@ -4,7 +4,8 @@
 
 Runs one forward through Dynamo with a capturing backend: each captured graph is
 copied and the pass runs on the copy (the forward itself runs the original,
-uncompiled graph), so nothing is trained, compiled by Inductor or changed. Like
+uncompiled graph), so nothing is trained, compiled by Inductor or changed. Dynamo
+traces as it does for the chunkce backend (:mod:`compile_pass.dynamo_scope`). Like
 ``torch._dynamo.explain``, it resets Dynamo before and after.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from compile_pass import dynamo_scope
 from compile_pass.fuse import fuse_linear_cross_entropy
 from compile_pass.options import Options
 from compile_pass.report import PassReport
@@ -41,6 +43,8 @@ def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
         copy = torch.fx.GraphModule(gm, graph)
         reports.append(fuse_linear_cross_entropy(copy.graph, Options()))
         return gm.forward
+
+    dynamo_scope.mark(capture)  # trace as the chunkce backend does (transformers' one-shot logging skipped)
 
     torch._dynamo.reset()
     breaks_before = dict(counters["graph_break"])
