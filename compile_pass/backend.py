@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch._dynamo.backends import registry
 
-from compile_pass import dynamo_scope
+from compile_pass import dynamo_scope, logits_drop
 from compile_pass.fuse import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
@@ -60,15 +60,18 @@ def chunkce_backend(
     dynamo_scope.install()  # for the next frame, should someone have replaced Dynamo's ignore set since
     fuse_linear_cross_entropy(gm.graph, opts)
     gm.recompile()
+    dropped = logits_drop.dropped_positions(gm.graph)  # only with drop_unused_logits
     if inner == "inductor":
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
         patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
         patches.update(opts.inductor_config)
-        return compile_fx(gm, example_inputs, config_patches=patches or None)
-    backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
-    return backend(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+    else:
+        backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
+        compiled = backend(gm, example_inputs)
+    return logits_drop.wrap(compiled, dropped) if dropped else compiled
 
 
 dynamo_scope.mark(chunkce_backend)  # transformers' one-shot logging does not break its graphs

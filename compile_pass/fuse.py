@@ -14,7 +14,7 @@ import logging
 
 from torch.fx import Graph, GraphModule
 
-from compile_pass import guard, report
+from compile_pass import guard, logits_drop, report
 from compile_pass.config import settings
 from compile_pass.forms import example_value, size_hint
 from compile_pass.matcher import Site, find_sites
@@ -89,9 +89,17 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
             continue
         chunk = _chunk_size(site, options)
         done = rewrite_site(site, options.chunk_size)
+        note, fix, dropped = "", "", 0
+        if done.logits_kept and not in_subgraph and options.drop_unused_logits:
+            dropped = logits_drop.drop_if_only_returned(site.projection)
+        if dropped:
+            note = report.LOGITS_DROPPED
+        elif done.logits_kept:
+            note = report.LOGITS_KEPT
+            fix = report.DROP_LOGITS_FIX if logits_drop.droppable(site.projection.node) else ""
         records.append(report.SiteRecord(
-            source, module, report.REWRITTEN, report.LOGITS_KEPT if done.logits_kept else "",
-            chunk_size=chunk, logits_bytes_avoided=done.logits_bytes_avoided,
+            source, module, report.REWRITTEN, note, chunk_size=chunk,
+            logits_bytes_avoided=done.logits_bytes_avoided + dropped, fix=fix,
         ))
     if any(r.decision == report.REWRITTEN for r in records):
         graph.lint()

@@ -24,7 +24,7 @@ from compile_pass.fuse import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
 _HASHED_MODULES = ("forms", "matcher", "guard", "rewrite", "fuse", "options", "inductor_pass",
-                   "op", "kernels", "chunking", "config")
+                   "op", "kernels", "chunking", "config", "logits_drop")
 
 
 def _sources() -> tuple[str, ...]:
@@ -38,11 +38,19 @@ class ChunkcePreGradPass(CustomGraphPass):
 
     Args:
         options: :class:`compile_pass.options.Options` or a dict of them
-            (``chunk_size``, ``strict``; the backend-only options are ignored).
+            (``chunk_size``, ``strict``; ``inner_backend`` and ``inductor_config``
+            are ignored).
+
+    Raises:
+        ValueError: ``drop_unused_logits=True``: it needs the backend's wrapper
+            around the compiled graph, which a pre-grad pass cannot add.
     """
 
     def __init__(self, options: Mapping[str, Any] | Options | None = None) -> None:
         self.options = Options.from_mapping(options)
+        if self.options.drop_unused_logits:
+            raise ValueError("chunkce: drop_unused_logits needs the chunkce backend (torch.compile(model, "
+                             "backend='chunkce', options=...)); the pre-grad pass cannot drop logits")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_linear_cross_entropy(graph, self.options)

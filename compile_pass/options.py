@@ -26,19 +26,28 @@ class Options:
             registered with Dynamo, or a backend callable.
         inductor_config: Inductor config patches, forwarded to ``compile_fx`` as
             ``config_patches`` when the inner backend is Inductor.
+        drop_unused_logits: backend only, opt-in. In a training graph (logits
+            require grad) whose loss was rewritten, logits that are returned but
+            read by nothing else in the graph (HF's ``outputs.logits``) are not
+            computed; the step returns a :class:`compile_pass.logits_drop.DroppedLogits`
+            in their place, which has their shape, dtype and device and raises on
+            any read of values. See ``docs/models.md``.
     """
 
     chunk_size: int | None = None
     strict: bool = False
     inner_backend: str | Callable[..., Any] = "inductor"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
+    drop_unused_logits: bool = False
 
     def __post_init__(self) -> None:
         size = self.chunk_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
             raise ValueError(f"chunkce: expected option chunk_size to be a positive int or None, got {size!r}")
-        if not isinstance(self.strict, bool):
-            raise TypeError(f"chunkce: expected option strict to be a bool, got {type(self.strict).__name__}")
+        for name in ("strict", "drop_unused_logits"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"chunkce: expected option {name} to be a bool, got {type(value).__name__}")
         if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
             raise TypeError(
                 "chunkce: expected option inner_backend to be a backend name "
@@ -80,4 +89,5 @@ class Options:
             self.inner_backend, "__qualname__", repr(self.inner_backend)
         )
         config = ",".join(f"{k}={self.inductor_config[k]!r}" for k in sorted(self.inductor_config))
-        return f"chunk_size={self.chunk_size};strict={self.strict};inner={inner};inductor_config={config}"
+        return (f"chunk_size={self.chunk_size};strict={self.strict};inner={inner};inductor_config={config};"
+                f"drop_unused_logits={self.drop_unused_logits}")

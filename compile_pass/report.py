@@ -7,7 +7,8 @@ INFO, refused ones at DEBUG, as Inductor's passes do), counted in
 
 Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
 ``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
-sites whose logits other users still need) and ``logits_bytes_avoided``.
+sites whose logits other users still need), ``logits_dropped`` (returned logits
+not computed, ``drop_unused_logits``) and ``logits_bytes_avoided``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ log = logging.getLogger(__name__)
 
 REWRITTEN, REFUSED = "rewritten", "refused"
 LOGITS_KEPT = "logits still materialized for other users"
+LOGITS_DROPPED = "returned logits not computed (drop_unused_logits)"
+DROP_LOGITS_FIX = (
+    "fix: the only other user is the graph output (e.g. HF's outputs.logits); a training step that never "
+    "reads it can skip it: options={'drop_unused_logits': True}"
+)
 GRAPH_BREAK_FIX = (
     "fix: remove the graph break between the lm_head and the loss (a print, .item(), "
     "data-dependent Python control flow, or an unsupported call; `torch._dynamo.explain(model)(...)` "
@@ -41,7 +47,7 @@ class SiteRecord:
     reason_key: str = ""
     chunk_size: int | str | None = None  # tokens per chunk: given, the automatic choice, or "auto"
     logits_bytes_avoided: int = 0
-    fix: str = ""  # how to make a refused site rewritable, where known
+    fix: str = ""  # how to make a refused site rewritable (or a kept logits droppable), where known
 
 
 @dataclass
@@ -135,6 +141,7 @@ def publish(report: PassReport) -> None:
             stats["sites_rewritten"] += 1
             stats["logits_bytes_avoided"] += record.logits_bytes_avoided
             stats["logits_kept"] += record.reason == LOGITS_KEPT
+            stats["logits_dropped"] += record.reason == LOGITS_DROPPED
             log.info("chunkce: rewrote %s (module %s, chunk size %s, logits bytes avoided %s)%s",
                      record.source, record.module or "?", record.chunk_size,
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")

@@ -1,0 +1,161 @@
+"""Opt-in: a training step does not compute the logits it returns but never reads.
+
+    model = torch.compile(model, backend="chunkce", options={"drop_unused_logits": True})
+    out = model(input_ids=ids, labels=labels)   # out.loss as usual
+    out.logits                                  # DroppedLogits: shape / dtype / device only
+
+HF causal LMs return ``logits`` beside ``loss``. Once the loss is rewritten, the
+projection stays in the graph only for that output: ``[N, V]`` in the weight's
+dtype in forward, held for as long as the caller holds the output (usually
+across backward), and, because the output requires grad, a zero ``[N, V]``
+gradient and two matmuls against it in backward.
+
+With the option, such logits are replaced in the graph by a NaN scalar expanded
+to their shape (no memory), and the backend's wrapper hands the caller a
+:class:`DroppedLogits` in that slot. Only logits that (1) fed a loss the pass
+rewrote in the same top-level graph, (2) are read by nothing in the graph but
+the graph output, and (3) require grad (a training graph: eval and generation
+under ``no_grad`` keep theirs) are dropped. Code that reads a dropped tensor's
+values fails with an error naming the option; it never sees wrong numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils._pytree import tree_map
+
+from compile_pass.forms import Projection, example_value, size_hint
+
+DROPPED = "chunkce_dropped_logits"  # meta key on the stand-in node of the graph output
+
+_aten = torch.ops.aten
+# Ops that only change a tensor's metadata (view, dtype, device): they give another
+# DroppedLogits. accelerate's mixed-precision wrapper calls .float() on every output,
+# callers detach or move outputs: none of that reads a value.
+_METADATA_OPS = {
+    _aten.detach.default, _aten.alias.default, _aten._to_copy.default, _aten.clone.default,
+    _aten.view.default, _aten._unsafe_view.default, _aten.t.default, _aten.transpose.int,
+    _aten.permute.default, _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default,
+    _aten.squeeze.dim, _aten.squeeze.default, _aten.expand.default,
+}
+
+
+class DroppedLogits(torch.Tensor):
+    """Stands in for logits a training step did not compute (``drop_unused_logits=True``).
+
+    Has the logits' shape, dtype and device and no storage. View, cast and copy
+    ops give another ``DroppedLogits``; any op that would read values raises
+    ``RuntimeError``.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> DroppedLogits:
+        return torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device,
+                                                   requires_grad=False)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"DroppedLogits(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    def tolist(self) -> Any:  # these read values without going through dispatch
+        raise _not_computed("tolist")
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        raise _not_computed("numpy")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise _not_computed("__array__")
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func not in _METADATA_OPS:
+            raise _not_computed(func)
+        source = args[0]
+        device = kwargs.pop("device", None) or source.device
+        meta = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                        if isinstance(t, DroppedLogits) else t, (args, kwargs))
+        out = func(*meta[0], **meta[1])
+        return DroppedLogits(out.shape, out.dtype, device)
+
+
+def _not_computed(what: Any) -> RuntimeError:
+    return RuntimeError(
+        f"chunkce: {what} read logits that were not computed: this compiled step was built with "
+        "options={'drop_unused_logits': True}, which skips returned logits nothing in the graph reads. "
+        "Compile without it to get the logits."
+    )
+
+
+def droppable(node: Node) -> bool:
+    """Whether ``node`` (a kept projection of a top-level graph) is training logits read
+    by nothing but the graph output."""
+    logits = example_value(node)
+    return (isinstance(logits, torch.Tensor) and logits.requires_grad and bool(node.users)
+            and all(user.op == "output" for user in node.users))
+
+
+def drop_if_only_returned(projection: Projection) -> int:
+    """Replace a kept projection by a stand-in if it is :func:`droppable`; returns the
+    bytes of logits no longer computed (0: left as is)."""
+    node = projection.node
+    if not droppable(node):
+        return 0
+    logits = example_value(node)
+    graph: Graph = node.graph
+    with graph.inserting_before(node):
+        nan = _node(graph, "call_method", "new_full", (projection.hidden, (), float("nan")), {"dtype": logits.dtype})
+        sizes = [size if isinstance(size, int) else _node(graph, "call_function", _aten.sym_size.int,
+                                                          (projection.hidden, dim))
+                 for dim, size in enumerate(logits.shape[:-1])]
+        stand_in = _node(graph, "call_method", "expand", (nan, *sizes, logits.shape[-1]))
+    stand_in.meta[DROPPED] = True
+    node.replace_all_uses_with(stand_in)
+    for dead in (node, *projection.inner[::-1]):
+        if not dead.users:
+            graph.erase_node(dead)
+    return size_hint(logits.numel()) * logits.element_size()
+
+
+def dropped_positions(graph: Graph) -> list[int]:
+    """Positions in the graph's (flat) output of the stand-ins :func:`drop_if_only_returned` put there."""
+    (output,) = graph.find_nodes(op="output")
+    values = output.args[0]
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return [i for i, value in enumerate(values) if isinstance(value, Node) and value.meta.get(DROPPED)]
+
+
+def wrap(compiled: Callable[..., Any], positions: list[int]) -> Callable[..., Any]:
+    """``compiled`` with a :class:`DroppedLogits` handed out at each of ``positions``."""
+
+    @functools.wraps(compiled)  # keeps its attributes (e.g. _boxed_call): called as it would be
+    def run(*args: Any) -> Any:
+        outputs = compiled(*args)
+        swapped = list(outputs)
+        for i in positions:
+            stand_in = swapped[i]
+            swapped[i] = DroppedLogits(stand_in.shape, stand_in.dtype, stand_in.device)
+        return type(outputs)(swapped) if isinstance(outputs, tuple) else swapped
+
+    return run
+
+
+def _node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: dict | None = None) -> Node:
+    """A node with its ``example_value`` (computed on the fake inputs)."""
+    node = graph.create_node(kind, target, args, kwargs or {})
+    values, values_kwargs = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta.get("example_value"))
+    fake = next((v for v in values if hasattr(v, "fake_mode")), None)
+    with fake.fake_mode if fake is not None else contextlib.nullcontext():
+        if kind == "call_method":
+            node.meta["example_value"] = getattr(values[0], target)(*values[1:], **values_kwargs)
+        else:
+            node.meta["example_value"] = target(*values, **values_kwargs)
+    return node
+
