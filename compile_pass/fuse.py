@@ -17,16 +17,13 @@ from torch.fx import Graph, GraphModule
 from compile_pass import guard, logits_drop, report
 from compile_pass.config import settings
 from compile_pass.forms import example_value, size_hint
+from compile_pass.chunking import choose_chunk_size, min_chunk_bytes_for
 from compile_pass.matcher import Site, find_sites
 from compile_pass.options import Options
 from compile_pass.rewrite import rewrite_site
 
 log = logging.getLogger(__name__)
 
-try:
-    from compile_pass.chunking import choose_chunk_size
-except ImportError:  # the op's chunk sizing is not there: report "auto"
-    choose_chunk_size = None
 
 
 def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> report.PassReport:
@@ -121,10 +118,9 @@ def _chunk_size(site: Site, options: Options) -> int | str:
     env = settings().chunk_size
     if env is not None:
         return env
-    if choose_chunk_size is None:
-        return "auto"
     hidden = example_value(site.projection.hidden)  # [..., H]
     logits = example_value(site.projection.node)  # [..., V], projection dtype
     num_tokens = size_hint(example_value(site.call.target).numel())
     return choose_chunk_size(num_tokens, size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
-                             logits.element_size(), logits.element_size())
+                             logits.element_size(), logits.element_size(),
+                             min_chunk_bytes_for(logits.device.type))

@@ -34,7 +34,10 @@ class Rewritten:
 
     node: Node  # the new op call
     logits_kept: bool  # the projection stays for other users
-    logits_bytes_avoided: int  # forward bytes of logits (and their casts) no longer materialized
+    # bytes no longer materialized: cross_entropy's own [N, V] buffers (the log-softmax it
+    # saves for backward and the logits' gradient), plus the forward logits and their
+    # casts where nothing else needs them
+    logits_bytes_avoided: int
 
 
 def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
@@ -70,9 +73,11 @@ def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
         )
         new = graph.call_function(op.linear_cross_entropy, (hidden, weight, call.target), kwargs)
     new.meta.update({k: v for k, v in site.node.meta.items() if k != "source_fn_stack"})
+    loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
+    loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     site.node.replace_all_uses_with(new)
     graph.erase_node(site.node)
-    bytes_avoided = _erase_dead(site)
+    bytes_avoided = loss_buffers + _erase_dead(site)
     return Rewritten(new, projection.node in graph.nodes, bytes_avoided)
 
 

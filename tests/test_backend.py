@@ -144,7 +144,7 @@ def test_explain_reports_every_site(eager_kernels):
     report = compile_pass.explain(TwoHeads(), *make_inputs())
     rewritten, refused = report.records
     assert (rewritten.decision, rewritten.module) == ("rewritten", "lm_head")
-    assert rewritten.logits_bytes_avoided == B * T * V * 4
+    assert rewritten.logits_bytes_avoided == 3 * B * T * V * 4  # logits, log-softmax, their gradient
     assert isinstance(rewritten.chunk_size, int) and rewritten.chunk_size >= 1
     assert "test_backend.py" in rewritten.source and "main = F.cross_entropy" in rewritten.source
     assert refused.decision == "refused" and "`tanh` between projection and loss" in refused.reason
