@@ -69,10 +69,21 @@ class _ChunkPlan:
             class_weight is not None, self.label_smoothing > 0.0,
         )
 
-    def chunks(self, num_tokens: int, chunk_size: int | None = None):
-        chunk_size = chunk_size or self.chunk_size
-        for start in range(0, num_tokens, chunk_size):
-            yield start, min(start + chunk_size, num_tokens)
+    def chunks(self, num_tokens: int, chunk_size: int | None = None) -> list[tuple[int, int]]:
+        return spans(num_tokens, chunk_size or self.chunk_size)
+
+
+def spans(total: int, size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` pieces of ``range(total)`` of ``size`` elements each.
+
+    A trailing piece of one element joins the one before it: the per-chunk kernels
+    are compiled with dynamic shapes, and Dynamo specialises a dimension of size 1,
+    so a one-token (or one-class) last piece would compile a second variant.
+    """
+    bounds = list(range(0, total, size)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
@@ -88,12 +99,17 @@ def _release_cache(device: torch.device, enabled: bool) -> None:
         torch.accelerator.empty_cache()
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled`` for device types that have autocast (not e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 class _AutocastOff:
     """Run the op's body with autocast off: its inputs are already in the right dtypes."""
 
     def __init__(self, device: torch.device):
         self._ctx = None
-        if torch.is_autocast_enabled(device.type):
+        if _autocast_enabled(device.type):
             self._ctx = torch.autocast(device.type, enabled=False)
 
     def __enter__(self):
@@ -103,6 +119,14 @@ class _AutocastOff:
     def __exit__(self, *exc):
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+
+
+def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise (CPU) or device-assert (accelerators: no host sync) on a target outside
+    ``[0, V)`` that is not ``ignore_index``, before any kernel indexes with it."""
+    in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
+    torch._assert_async(in_range.all(), f"{_NAME}: expected every target in [0, {vocab_size}) "
+                                        f"or equal to ignore_index ({ignore_index})")
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=())
@@ -120,6 +144,7 @@ def _forward_op(
 ) -> tuple[Tensor, Tensor]:
     plan = _ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
                               logits_dtype, chunk_size, release_cache)
+    _assert_targets_in_range(target, weight.shape[0], ignore_index)
     num_tokens = hidden_states.shape[0]
     accumulate = kernels.accumulate_dtype(logits_dtype)
     loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
@@ -220,8 +245,7 @@ def _backward_op(
     grad_bias = new_or_empty(want_bias, vocab_size, like=weight, dtype=accumulate)
     variant = plan.variant(hidden_states, class_weight)
     with _AutocastOff(hidden_states.device):
-        for vocab_start in range(0, vocab_size, block_size):
-            vocab_end = min(vocab_start + block_size, vocab_size)
+        for vocab_start, vocab_end in spans(vocab_size, block_size):
             weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
             bias_block = None if bias is None else bias[vocab_start:vocab_end]
             # [Vb, H] sum over token chunks: written straight into grad_weight when one
@@ -362,7 +386,7 @@ def _check_arguments(input, linear_weight, target, linear_bias, weight, reductio
     if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
         fail(ValueError, f"expected linear_weight of shape [V, {input.shape[-1]}], "
                          f"got {tuple(linear_weight.shape)}")
-    if linear_weight.dtype != input.dtype and not torch.is_autocast_enabled(input.device.type):
+    if linear_weight.dtype != input.dtype and not _autocast_enabled(input.device.type):
         fail(TypeError, f"expected linear_weight of dtype {input.dtype} (the input's), "
                         f"got {linear_weight.dtype}")
     if target.is_floating_point():
@@ -380,6 +404,14 @@ def _check_arguments(input, linear_weight, target, linear_bias, weight, reductio
                              f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
     if weight is not None and not weight.is_floating_point():
         fail(TypeError, f"expected a floating-point weight (class weights), got {weight.dtype}")
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        fail(NotImplementedError, "class weights (weight=) that require grad are not supported: "
+                                  "torch's cross_entropy does not differentiate them either; "
+                                  "pass weight.detach()")
+    for name, value in (("linear_weight", linear_weight), ("target", target),
+                        ("linear_bias", linear_bias), ("weight", weight)):
+        if value is not None and value.device != input.device:
+            fail(ValueError, f"expected {name} on {input.device} (the input's device), got {value.device}")
     if reduction not in _REDUCTIONS:
         fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -458,7 +490,7 @@ def linear_cross_entropy(
     _check_arguments(input, linear_weight, target, linear_bias, weight, reduction,
                      ignore_index, label_smoothing, logits_dtype, chunk_size)
     device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
+    if _autocast_enabled(device_type):
         autocast_dtype = torch.get_autocast_dtype(device_type)
         input, linear_weight = input.to(autocast_dtype), linear_weight.to(autocast_dtype)
         linear_bias = None if linear_bias is None else linear_bias.to(autocast_dtype)
