@@ -24,7 +24,7 @@ from compile_pass.fuse import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
 _HASHED_MODULES = ("forms", "matcher", "guard", "rewrite", "fuse", "options", "inductor_pass",
-                   "op", "kernels", "chunking", "config", "logits_drop")
+                   "op", "custom_ops", "kernels", "chunking", "config", "logits_drop")
 
 
 def _sources() -> tuple[str, ...]:

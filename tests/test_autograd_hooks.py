@@ -24,7 +24,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass import op as op_module
+from compile_pass import custom_ops as op_module
 from compile_pass.op import linear_cross_entropy
 
 B, T, H, V = 2, 19, 16, 96  # N = 38 tokens
