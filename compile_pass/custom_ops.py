@@ -33,7 +33,6 @@ NAME = "chunkce.linear_cross_entropy"
 class _ChunkPlan:
     """What one call of either op needs besides its tensors."""
 
-    ignore_index: int
     label_smoothing: float
     logits_dtype: torch.dtype
     chunk_size: int  # tokens per chunk, resolved
@@ -41,7 +40,7 @@ class _ChunkPlan:
     release_cache: bool
 
     @staticmethod
-    def resolve(hidden_states, weight, ignore_index, label_smoothing, logits_dtype,
+    def resolve(hidden_states, weight, label_smoothing, logits_dtype,
                 chunk_size, release_cache) -> "_ChunkPlan":
         env = settings()
         num_tokens, hidden_size = hidden_states.shape
@@ -52,7 +51,6 @@ class _ChunkPlan:
                 min_chunk_bytes_for(hidden_states.device.type),
             )
         return _ChunkPlan(
-            ignore_index=ignore_index,
             label_smoothing=label_smoothing,
             logits_dtype=logits_dtype,
             chunk_size=max(1, chunk_size),
@@ -139,7 +137,7 @@ def _forward_op(
     chunk_size: int,  # 0 = automatic
     release_cache: bool | None,
 ) -> tuple[Tensor, Tensor]:
-    plan = _ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
+    plan = _ChunkPlan.resolve(hidden_states, weight, label_smoothing,
                               logits_dtype, chunk_size, release_cache)
     _assert_targets_in_range(target, weight.shape[0], ignore_index)
     num_tokens = hidden_states.shape[0]
@@ -220,7 +218,7 @@ def _backward_op(
     fp32 accumulator holds one block; the hidden-state gradient then sums over
     blocks in an fp32 ``[N, H]`` accumulator.
     """
-    plan = _ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
+    plan = _ChunkPlan.resolve(hidden_states, weight, label_smoothing,
                               logits_dtype, chunk_size, release_cache)
     want_hidden, want_weight, want_bias = output_mask
     want_bias = want_bias and bias is not None
@@ -231,15 +229,19 @@ def _backward_op(
     block_size = -(-vocab_size // blocks)
     token_chunks = list(plan.chunks(num_tokens, plan.chunk_size * blocks))  # same logits bytes a chunk
 
-    def new_or_empty(wanted, *shape, like, dtype=None):
+    def new_buffer(wanted, *shape, like, dtype=None, accumulates=True):
+        """Zeros where chunks add into it (or no chunk runs); uninitialised where ``out=`` fills it."""
         if not wanted:
             return like.new_empty(0)
-        return like.new_zeros(*shape, dtype=dtype or like.dtype)
+        make = like.new_zeros if accumulates or not token_chunks else like.new_empty
+        return make(*shape, dtype=dtype or like.dtype)
 
-    grad_hidden = new_or_empty(want_hidden, num_tokens, hidden_size, like=hidden_states,
-                               dtype=kernels.accumulate_dtype(hidden_states.dtype) if blocks > 1 else None)
-    grad_weight = new_or_empty(want_weight, vocab_size, hidden_size, like=weight)
-    grad_bias = new_or_empty(want_bias, vocab_size, like=weight, dtype=accumulate)
+    grad_hidden = new_buffer(want_hidden, num_tokens, hidden_size, like=hidden_states,
+                             dtype=kernels.accumulate_dtype(hidden_states.dtype) if blocks > 1 else None,
+                             accumulates=blocks > 1)
+    grad_weight = new_buffer(want_weight, vocab_size, hidden_size, like=weight,
+                             accumulates=len(token_chunks) > 1 and accumulate == weight.dtype)
+    grad_bias = new_buffer(want_bias, vocab_size, like=weight, dtype=accumulate)
     variant = plan.variant(hidden_states, class_weight)
     with _AutocastOff(hidden_states.device):
         for vocab_start, vocab_end in spans(vocab_size, block_size):
