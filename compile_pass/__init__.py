@@ -2,10 +2,10 @@
 from compile_pass.op import linear_cross_entropy
 from compile_pass.backend import chunkce_backend, register as _register_backend
 from compile_pass.explain import explain
-from compile_pass.fuse import fuse_linear_cross_entropy
-from compile_pass.inductor_pass import ChunkcePreGradPass
+from compile_pass.graph import fuse_linear_cross_entropy
+from compile_pass.pre_grad import ChunkcePreGradPass
 from compile_pass.options import Options
-from compile_pass.report import PassReport, SiteRecord, last_report
+from compile_pass.graph.report import PassReport, SiteRecord, last_report
 
 _register_backend()
 

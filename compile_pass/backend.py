@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch._dynamo.backends import registry
 
-from compile_pass import dynamo_scope, logits_drop
-from compile_pass.fuse import fuse_linear_cross_entropy
+from compile_pass import dynamo_scope
+from compile_pass.graph import logits_drop
+from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from compile_pass import dynamo_scope
-from compile_pass.fuse import fuse_linear_cross_entropy
+from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.options import Options
-from compile_pass.report import PassReport
+from compile_pass.graph.report import PassReport
 
 
 def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
@@ -33,7 +33,7 @@ def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
     gave are listed under the table.
 
     Returns:
-        A :class:`compile_pass.report.PassReport`; ``str()`` of it is a table.
+        A :class:`compile_pass.graph.report.PassReport`; ``str()`` of it is a table.
     """
     reports: list[PassReport] = []
 

@@ -29,7 +29,7 @@ class Options:
         drop_unused_logits: backend only, opt-in. In a training graph (logits
             require grad) whose loss was rewritten, logits that are returned but
             read by nothing else in the graph (HF's ``outputs.logits``) are not
-            computed; the step returns a :class:`compile_pass.logits_drop.DroppedLogits`
+            computed; the step returns a :class:`compile_pass.graph.logits_drop.DroppedLogits`
             in their place, which has their shape, dtype and device and raises on
             any read of values. See ``docs/models.md``.
     """

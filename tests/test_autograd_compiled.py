@@ -21,7 +21,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass import custom_ops as op_module
+from compile_pass.op import custom_ops as op_module
 from test_autograd_hooks import (
     CHUNK, H, V, CountingSaveOnCpu, Recorder, assert_no_logits_saved, weight_grad_matmuls,
 )

@@ -24,8 +24,8 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass import custom_ops as op_module
-from compile_pass.op import linear_cross_entropy
+from compile_pass.op import custom_ops as op_module
+from compile_pass import linear_cross_entropy
 
 B, T, H, V = 2, 19, 16, 96  # N = 38 tokens
 N = B * T

@@ -167,7 +167,7 @@ def test_strict_raises_with_the_reason():
     assert "strict=True" in str(info.value)
 
 
-@pytest.mark.parametrize("broken", ["compile_pass.matcher.match_site", "compile_pass.guard.check"])
+@pytest.mark.parametrize("broken", ["compile_pass.graph.sites.match_site", "compile_pass.graph.guard.check"])
 def test_a_bug_in_the_pass_refuses_the_site_instead_of_failing_the_compile(broken, monkeypatch, chunkce_logs):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")

@@ -31,7 +31,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
-from compile_pass.logits_drop import DroppedLogits
+from compile_pass.graph.logits_drop import DroppedLogits
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_pass import kernels
-from compile_pass.chunking import ALIGN, MIN_CHUNK_BYTES, choose_chunk_size
+from compile_pass.op import kernels
+from compile_pass.op.chunking import ALIGN, MIN_CHUNK_BYTES, choose_chunk_size
 from compile_pass.memory import measure_peak_bytes
-from compile_pass.op import linear_cross_entropy
+from compile_pass import linear_cross_entropy
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float64: dict(atol=1e-10, rtol=1e-10)}
 

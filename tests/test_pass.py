@@ -15,7 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.op import linear_cross_entropy
+from compile_pass import linear_cross_entropy
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 

@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from compile_pass.forms import as_projection, example_value, is_tensor_node, op_name
-from compile_pass.matcher import Site, logits_dtypes
+from compile_pass.graph.forms import as_projection, example_value, is_tensor_node, op_name
+from compile_pass.graph.sites import Site, logits_dtypes
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSSLESS = {  # widening casts: every value of the first dtype is exact in the second
@@ -55,7 +55,7 @@ def check(site: Site, order: dict[Node, int]) -> Reason | None:
     """None when ``site`` may be rewritten, else why not.
 
     Args:
-        site: a site from :func:`compile_pass.matcher.find_sites`.
+        site: a site from :func:`compile_pass.graph.sites.find_sites`.
         order: position of every node of the graph (to look between projection and loss).
     """
     if site.stop_kind == "internal_error":

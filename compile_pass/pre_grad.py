@@ -20,17 +20,13 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 import compile_pass
-from compile_pass.fuse import fuse_linear_cross_entropy
+from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.options import Options
-
-_HASHED_MODULES = ("forms", "matcher", "guard", "rewrite", "fuse", "options", "inductor_pass",
-                   "op", "custom_ops", "kernels", "chunking", "config", "logits_drop")
 
 
 def _sources() -> tuple[str, ...]:
     root = os.path.dirname(compile_pass.__file__)
-    paths = (os.path.join(root, f"{name}.py") for name in _HASHED_MODULES)
-    return tuple(sorted(p for p in paths if os.path.exists(p)))
+    return tuple(sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names if f.endswith(".py")))
 
 
 class ChunkcePreGradPass(CustomGraphPass):

@@ -1,7 +1,7 @@
 """What the pass did at each cross-entropy site: log records, counters, a table.
 
 One :class:`SiteRecord` per site; a :class:`PassReport` per graph. Every report is
-logged through ``logging.getLogger("compile_pass.report")`` (rewritten sites at
+logged through ``logging.getLogger("compile_pass.graph.report")`` (rewritten sites at
 INFO, refused ones at DEBUG, as Inductor's passes do), counted in
 ``torch._dynamo.utils.counters["chunkce"]``, and kept: :func:`last_report`.
 

@@ -8,8 +8,8 @@ custom op below (one opaque node for Dynamo, AOTAutograd and Inductor) and the
 reduction in ordinary torch ops, so that ``mean`` over class weights, and anything
 the surrounding graph does with the loss, stays visible to the compiler.
 
-The custom ops, their chunk loop and autograd are in :mod:`compile_pass.custom_ops`;
-the per-chunk math in :mod:`compile_pass.kernels`.
+The custom ops, their chunk loop and autograd are in :mod:`compile_pass.op.custom_ops`;
+the per-chunk math in :mod:`compile_pass.op.kernels`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compile_pass.custom_ops import NAME as _NAME
-from compile_pass.custom_ops import FunctorchForward, autocast_enabled
+from compile_pass.op.custom_ops import NAME as _NAME
+from compile_pass.op.custom_ops import FunctorchForward, autocast_enabled
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -105,7 +105,7 @@ def linear_cross_entropy(
     ``torch.nn.functional.linear_cross_entropy``. The logits are computed
     ``chunk_size`` tokens at a time in the projection's dtype, rounded to
     ``logits_dtype``, and reduced with an fp32 log-sum-exp; backward recomputes
-    each chunk (formulas in :mod:`compile_pass.kernels`) and accumulates the
+    each chunk (formulas in :mod:`compile_pass.op.kernels`) and accumulates the
     weight and bias gradients in fp32.
 
     Args:
@@ -126,7 +126,7 @@ def linear_cross_entropy(
             projection's dtype. Under ``torch.autocast`` the projection runs in
             the autocast dtype and the loss in fp32, as torch's autocast does.
         chunk_size: tokens per chunk; None = ``CHUNKCE_CHUNK_SIZE`` or
-            :func:`compile_pass.chunking.choose_chunk_size`.
+            :func:`compile_pass.op.chunking.choose_chunk_size`.
         release_cache: empty the device allocator's cache after forward and
             backward; None = ``CHUNKCE_RELEASE_CACHE``. Read at run time.
 

@@ -9,7 +9,7 @@ copy, cast or index the token dims of the logits, as Dynamo emits them:
     logits[..., :-1, :]         call_function operator.getitem(x, (Ellipsis, slice, slice))
     logits.transpose(1, 2)      call_method transpose (class dim moved to 1 for the loss)
 
-until it reaches a projection (:mod:`compile_pass.forms`). The matcher only
+until it reaches a projection (:mod:`compile_pass.graph.forms`). The matcher only
 states facts (what each node on the path is); the guard decides.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from compile_pass.forms import (
+from compile_pass.graph.forms import (
     CROSS_ENTROPY_FUNCTIONS,
     CrossEntropyCall,
     Projection,

@@ -2,11 +2,11 @@
 
 ``chunkce::linear_cross_entropy`` loops over token chunks: project one chunk
 (``[n, V]`` logits, freed before the next), then the per-chunk kernel of
-:mod:`compile_pass.kernels` gives its per-token loss and fp32 log-sum-exp. It
+:mod:`compile_pass.op.kernels` gives its per-token loss and fp32 log-sum-exp. It
 returns ``loss [N]`` and ``lse [N]``. Autograd saves only its inputs and ``lse``.
 
 ``chunkce::linear_cross_entropy_backward`` recomputes each chunk's logits and
-applies the analytic gradient (formulas in :mod:`compile_pass.kernels`); being a
+applies the analytic gradient (formulas in :mod:`compile_pass.op.kernels`); being a
 custom op itself, AOTAutograd traces the backward graph with it as one node, and
 its own autograd refuses double backward. No autograd graph is built inside
 either op and ``torch.func`` is not used, so both run under any saved-tensor
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from compile_pass import kernels
-from compile_pass.chunking import VOCAB_BLOCKS, choose_chunk_size, min_chunk_bytes_for
-from compile_pass.config import settings
+from compile_pass.op import kernels
+from compile_pass.op.chunking import VOCAB_BLOCKS, choose_chunk_size, min_chunk_bytes_for
+from compile_pass.op.settings import settings
 
 NAME = "chunkce.linear_cross_entropy"
 

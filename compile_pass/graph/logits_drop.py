@@ -30,7 +30,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
-from compile_pass.forms import Projection, example_value, size_hint
+from compile_pass.graph.forms import Projection, example_value, size_hint
 
 DROPPED = "chunkce_dropped_logits"  # meta key on the stand-in node of the graph output
 

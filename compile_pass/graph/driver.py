@@ -14,13 +14,13 @@ import logging
 
 from torch.fx import Graph, GraphModule
 
-from compile_pass import guard, logits_drop, report
-from compile_pass.config import settings
-from compile_pass.forms import example_value, size_hint
-from compile_pass.chunking import choose_chunk_size, min_chunk_bytes_for
-from compile_pass.matcher import Site, find_sites
+from compile_pass.graph import guard, logits_drop, report
+from compile_pass.op.settings import settings
+from compile_pass.graph.forms import example_value, size_hint
+from compile_pass.op.chunking import choose_chunk_size, min_chunk_bytes_for
+from compile_pass.graph.sites import Site, find_sites
 from compile_pass.options import Options
-from compile_pass.rewrite import rewrite_site
+from compile_pass.graph.rewrite import rewrite_site
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
 
     Returns:
         The report (also logged, counted in ``counters["chunkce"]`` and kept as
-        :func:`compile_pass.report.last_report`).
+        :func:`compile_pass.graph.report.last_report`).
 
     Raises:
         NotImplementedError: ``options.strict`` and a site was refused (the

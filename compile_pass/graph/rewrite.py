@@ -21,9 +21,9 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.node import map_arg
 
-from compile_pass import op
-from compile_pass.forms import example_value, size_hint
-from compile_pass.matcher import Site, logits_dtypes
+from compile_pass.op import function as op
+from compile_pass.graph.forms import example_value, size_hint
+from compile_pass.graph.sites import Site, logits_dtypes
 
 log = logging.getLogger(__name__)
 

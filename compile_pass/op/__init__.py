@@ -1,0 +1,13 @@
+"""The op: chunked linear + cross-entropy that never materializes the ``[N, V]`` logits.
+
+    function.py    the public function: argument checks, flatten, the custom op, the reduction
+    custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: the chunk loops, autograd
+    kernels.py     the per-chunk math, compiled by Inductor for the device
+    chunking.py    how many tokens a chunk holds
+    settings.py    the ``CHUNKCE_*`` environment variables
+
+This package never imports the graph pass (:mod:`compile_pass.graph`) or the entry points.
+"""
+from compile_pass.op.function import linear_cross_entropy
+
+__all__ = ["linear_cross_entropy"]
