@@ -1,9 +1,10 @@
 """The op: chunked linear + cross-entropy that never materializes the ``[N, V]`` logits.
 
     function.py    the public function: argument checks, flatten, the custom op, the reduction
-    custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: the chunk loops, autograd
+    custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func
+    loops.py       the ops' chunk loops: project a chunk, run its kernel, write its share of the outputs
     kernels.py     the per-chunk math, compiled by Inductor for the device
-    chunking.py    how many tokens a chunk holds
+    chunking.py    how a call is cut: tokens per chunk (``resolve_chunk_size``), the backward's block walk
     settings.py    the ``CHUNKCE_*`` environment variables
 
 This package never imports the graph pass (:mod:`compile_pass.graph`) or the entry points.

@@ -1,14 +1,16 @@
 """The two custom ops behind :func:`compile_pass.linear_cross_entropy`, and their autograd.
 
-``chunkce::linear_cross_entropy`` loops over token chunks: project one chunk
-(``[n, V]`` logits, freed before the next), then the per-chunk kernel of
+``chunkce::linear_cross_entropy`` loops over token chunks
+(:func:`compile_pass.op.loops.chunked_forward`): project one chunk (``[n, V]``
+logits, freed before the next), then the per-chunk kernel of
 :mod:`compile_pass.op.kernels` gives its per-token loss and fp32 log-sum-exp. It
 returns ``loss [N]`` and ``lse [N]``. Autograd saves only its inputs and ``lse``.
 
 ``chunkce::linear_cross_entropy_backward`` recomputes each chunk's logits and
-applies the analytic gradient (formulas in :mod:`compile_pass.op.kernels`); being a
-custom op itself, AOTAutograd traces the backward graph with it as one node, and
-its own autograd refuses double backward. No autograd graph is built inside
+applies the analytic gradient (:func:`compile_pass.op.loops.chunked_backward`,
+formulas in :mod:`compile_pass.op.kernels`); being a custom op itself,
+AOTAutograd traces the backward graph with it as one node, and its own autograd
+refuses double backward. No autograd graph is built inside
 either op and ``torch.func`` is not used, so both run under any saved-tensor
 hooks and activation checkpointing. While a ``torch.func`` transform is active
 (never while tracing), the same forward and backward run through two thin
@@ -17,75 +19,13 @@ hooks and activation checkpointing. While a ``torch.func`` transform is active
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from compile_pass.op import kernels
-from compile_pass.op.chunking import VOCAB_BLOCKS, choose_chunk_size, min_chunk_bytes_for
-from compile_pass.op.settings import settings
+from compile_pass.op import kernels, loops
+from compile_pass.op.loops import ChunkPlan
 
 NAME = "chunkce.linear_cross_entropy"
-
-
-@dataclass(frozen=True)
-class _ChunkPlan:
-    """What one call of either op needs besides its tensors."""
-
-    label_smoothing: float
-    logits_dtype: torch.dtype
-    chunk_size: int  # tokens per chunk, resolved
-    eager_kernels: bool
-    release_cache: bool
-
-    @staticmethod
-    def resolve(hidden_states, weight, label_smoothing, logits_dtype,
-                chunk_size, release_cache) -> "_ChunkPlan":
-        env = settings()
-        num_tokens, hidden_size = hidden_states.shape
-        if chunk_size <= 0:
-            chunk_size = env.chunk_size or choose_chunk_size(
-                num_tokens, hidden_size, weight.shape[0],
-                hidden_states.element_size(), hidden_states.element_size(),
-                min_chunk_bytes_for(hidden_states.device.type),
-            )
-        return _ChunkPlan(
-            label_smoothing=label_smoothing,
-            logits_dtype=logits_dtype,
-            chunk_size=max(1, chunk_size),
-            eager_kernels=env.eager_kernels,
-            release_cache=env.release_cache if release_cache is None else release_cache,
-        )
-
-    def variant(self, hidden_states: Tensor, class_weight: Tensor | None) -> tuple:
-        return (
-            hidden_states.device.type, hidden_states.dtype, self.logits_dtype,
-            class_weight is not None, self.label_smoothing > 0.0,
-        )
-
-    def chunks(self, num_tokens: int, chunk_size: int | None = None) -> list[tuple[int, int]]:
-        return spans(num_tokens, chunk_size or self.chunk_size)
-
-
-def spans(total: int, size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` pieces of ``range(total)`` of ``size`` elements each.
-
-    A trailing piece of one element joins the one before it: the per-chunk kernels
-    are compiled with dynamic shapes, and Dynamo specialises a dimension of size 1,
-    so a one-token (or one-class) last piece would compile a second variant.
-    """
-    bounds = list(range(0, total, size)) + [total]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
-        del bounds[-2]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
-    """Logits of one chunk ``[n, V]`` in the projection dtype, as ``F.linear`` computes them."""
-    if bias is None:
-        return hidden_chunk @ weight_t
-    return torch.addmm(bias, hidden_chunk, weight_t)
 
 
 def _release_cache(device: torch.device, enabled: bool) -> None:
@@ -137,24 +77,12 @@ def _forward_op(
     chunk_size: int,  # 0 = automatic
     release_cache: bool | None,
 ) -> tuple[Tensor, Tensor]:
-    plan = _ChunkPlan.resolve(hidden_states, weight, label_smoothing,
-                              logits_dtype, chunk_size, release_cache)
+    """Per-token ``loss [N]`` and ``lse [N]``, fp32 (fp64 for fp64 logits); 0 loss where ignored."""
+    plan = ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
+                             logits_dtype, chunk_size, release_cache)
     _assert_targets_in_range(target, weight.shape[0], ignore_index)
-    num_tokens = hidden_states.shape[0]
-    accumulate = kernels.accumulate_dtype(logits_dtype)
-    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
-    lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
-    variant = plan.variant(hidden_states, class_weight)
-    weight_t = weight.t()  # [H, V]
     with _AutocastOff(hidden_states.device):
-        for start, end in plan.chunks(num_tokens):
-            logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
-            loss[start:end], lse[start:end] = kernels.run(
-                "chunk_forward", variant, plan.eager_kernels,
-                logits_chunk, target[start:end], class_weight,
-                ignore_index, label_smoothing, logits_dtype,
-            )
-            del logits_chunk
+        loss, lse = loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
     _release_cache(hidden_states.device, plan.release_cache)
     return loss, lse
 
@@ -166,31 +94,6 @@ def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smo
     accumulate = kernels.accumulate_dtype(logits_dtype)
     return (hidden_states.new_empty(num_tokens, dtype=accumulate),
             hidden_states.new_empty(num_tokens, dtype=accumulate))
-
-
-_NO_MIXED_ADDMM: set[str] = set()  # device types without aten::addmm.dtype_out
-
-
-def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
-    """``accumulator += a @ b``, accumulated in the accumulator's dtype.
-
-    For half-precision operands and an fp32 accumulator, ``aten::addmm.dtype_out``
-    (CUDA) accumulates in place with no temporary; where the device has no such
-    kernel (CPU, whose half-precision matmul is emulated anyway), the operands are
-    upcast and multiplied in the accumulator's dtype, so no product is rounded to
-    half precision before it is summed.
-    """
-    if accumulator.dtype == a.dtype:
-        accumulator.addmm_(a, b)
-        return
-    device_type = accumulator.device.type
-    if device_type not in _NO_MIXED_ADDMM:
-        try:
-            torch.ops.aten.addmm.dtype_out(accumulator, a, b, accumulator.dtype, out=accumulator)
-            return
-        except (NotImplementedError, RuntimeError):
-            _NO_MIXED_ADDMM.add(device_type)
-    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=())
@@ -218,70 +121,13 @@ def _backward_op(
     fp32 accumulator holds one block; the hidden-state gradient then sums over
     blocks in an fp32 ``[N, H]`` accumulator.
     """
-    plan = _ChunkPlan.resolve(hidden_states, weight, label_smoothing,
-                              logits_dtype, chunk_size, release_cache)
-    want_hidden, want_weight, want_bias = output_mask
-    want_bias = want_bias and bias is not None
-    num_tokens, hidden_size = hidden_states.shape
-    vocab_size = weight.shape[0]
-    accumulate = kernels.accumulate_dtype(weight.dtype)
-    blocks = VOCAB_BLOCKS if accumulate != weight.dtype and num_tokens > plan.chunk_size else 1
-    block_size = -(-vocab_size // blocks)
-    token_chunks = list(plan.chunks(num_tokens, plan.chunk_size * blocks))  # same logits bytes a chunk
-
-    def new_buffer(wanted, *shape, like, dtype=None, accumulates=True):
-        """Zeros where chunks add into it (or no chunk runs); uninitialised where ``out=`` fills it."""
-        if not wanted:
-            return like.new_empty(0)
-        make = like.new_zeros if accumulates or not token_chunks else like.new_empty
-        return make(*shape, dtype=dtype or like.dtype)
-
-    grad_hidden = new_buffer(want_hidden, num_tokens, hidden_size, like=hidden_states,
-                             dtype=kernels.accumulate_dtype(hidden_states.dtype) if blocks > 1 else None,
-                             accumulates=blocks > 1)
-    grad_weight = new_buffer(want_weight, vocab_size, hidden_size, like=weight,
-                             accumulates=len(token_chunks) > 1 and accumulate == weight.dtype)
-    grad_bias = new_buffer(want_bias, vocab_size, like=weight, dtype=accumulate)
-    variant = plan.variant(hidden_states, class_weight)
+    plan = ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
+                             logits_dtype, chunk_size, release_cache)
     with _AutocastOff(hidden_states.device):
-        for vocab_start, vocab_end in spans(vocab_size, block_size):
-            weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
-            bias_block = None if bias is None else bias[vocab_start:vocab_end]
-            # [Vb, H] sum over token chunks: written straight into grad_weight when one
-            # chunk (or an fp32 weight) needs no wider accumulator.
-            grad_weight_block = grad_weight[vocab_start:vocab_end] if want_weight else None
-            if want_weight and len(token_chunks) > 1 and accumulate != weight.dtype:
-                grad_weight_block = weight_block.new_zeros(weight_block.shape, dtype=accumulate)
-            for start, end in token_chunks:
-                hidden_chunk = hidden_states[start:end]  # [n, H]
-                logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
-                grad_logits = kernels.run(
-                    "chunk_backward", variant, plan.eager_kernels,
-                    logits_chunk, lse[start:end], target[start:end], class_weight,
-                    grad_loss[start:end], ignore_index, label_smoothing, logits_dtype,
-                    vocab_start, vocab_size,
-                )  # [n, Vb] projection dtype
-                del logits_chunk
-                if want_hidden and blocks == 1:
-                    torch.mm(grad_logits, weight_block, out=grad_hidden[start:end])
-                elif want_hidden:
-                    _add_matmul(grad_hidden[start:end], grad_logits, weight_block)
-                if want_weight and len(token_chunks) == 1:
-                    torch.mm(grad_logits.t(), hidden_chunk, out=grad_weight_block)  # as F.linear's backward
-                elif want_weight:
-                    _add_matmul(grad_weight_block, grad_logits.t(), hidden_chunk)
-                if want_bias:
-                    grad_bias[vocab_start:vocab_end] += grad_logits.sum(0, dtype=accumulate)
-                del grad_logits
-            if want_weight and grad_weight_block.dtype != weight.dtype:
-                grad_weight[vocab_start:vocab_end] = grad_weight_block
-            del grad_weight_block
-    if want_hidden:
-        grad_hidden = grad_hidden.to(hidden_states.dtype)
-    if want_bias:
-        grad_bias = grad_bias.to(bias.dtype)
+        grads = loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
+                                       class_weight, lse, output_mask)
     _release_cache(hidden_states.device, plan.release_cache)
-    return grad_hidden, grad_weight, grad_bias
+    return grads
 
 
 @_backward_op.register_fake

@@ -3,10 +3,13 @@
 Public entry point: :func:`linear_cross_entropy`, a drop-in for torch 2.13's
 ``torch.nn.functional.linear_cross_entropy`` (class-index targets) that never
 materializes the ``[N, V]`` logits, their fp32 upcast, their log-softmax or their
-gradient. It is a traceable Python function: argument checks, flattening, the
-custom op below (one opaque node for Dynamo, AOTAutograd and Inductor) and the
-reduction in ordinary torch ops, so that ``mean`` over class weights, and anything
-the surrounding graph does with the loss, stays visible to the compiler.
+gradient. It is a traceable Python function: argument checks, then
+:func:`chunked_cross_entropy`: flattening, the custom op (one opaque node for
+Dynamo, AOTAutograd and Inductor) and the reduction in ordinary torch ops, so that
+``mean`` over class weights, and anything the surrounding graph does with the
+loss, stays visible to the compiler. The graph pass emits a rewritten site by
+tracing :func:`chunked_cross_entropy` into the graph, so a rewritten site and an
+eager call run the same code.
 
 The custom ops, their chunk loop and autograd are in :mod:`compile_pass.op.custom_ops`;
 the per-chunk math in :mod:`compile_pass.op.kernels`.
@@ -19,63 +22,69 @@ from torch import Tensor
 
 from compile_pass.op.custom_ops import NAME as _NAME
 from compile_pass.op.custom_ops import FunctorchForward, autocast_enabled
+from compile_pass.op.kernels import accumulate_dtype
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _check_arguments(input, linear_weight, target, linear_bias, weight, reduction,
-                     ignore_index, label_smoothing, logits_dtype, chunk_size):
-    def fail(kind, message):
-        raise kind(f"{_NAME}: {message}")
+def _fail(kind: type[Exception], message: str) -> None:
+    raise kind(f"{_NAME}: {message}")
 
+
+def _check_tensors(input, linear_weight, target, linear_bias, weight) -> None:
+    """Types, dtypes, shapes and devices of the tensor arguments."""
     for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(value, Tensor):
-            fail(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
+            _fail(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
     if input.dim() < 2:
-        fail(ValueError, f"expected input of shape [N, H] or [B, T, H], got {tuple(input.shape)}")
+        _fail(ValueError, f"expected input of shape [N, H] or [B, T, H], got {tuple(input.shape)}")
     if not input.is_floating_point():
-        fail(TypeError, f"expected a floating-point input, got {input.dtype}")
+        _fail(TypeError, f"expected a floating-point input, got {input.dtype}")
     if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
-        fail(ValueError, f"expected linear_weight of shape [V, {input.shape[-1]}], "
+        _fail(ValueError, f"expected linear_weight of shape [V, {input.shape[-1]}], "
                          f"got {tuple(linear_weight.shape)}")
     if linear_weight.dtype != input.dtype and not autocast_enabled(input.device.type):
-        fail(TypeError, f"expected linear_weight of dtype {input.dtype} (the input's), "
+        _fail(TypeError, f"expected linear_weight of dtype {input.dtype} (the input's), "
                         f"got {linear_weight.dtype}")
     if target.is_floating_point():
-        fail(NotImplementedError, "probability (soft) targets are not supported; "
+        _fail(NotImplementedError, "probability (soft) targets are not supported; "
                                   "pass class indices of dtype torch.int64")
     if target.dtype != torch.int64:
-        fail(TypeError, f"expected target of dtype torch.int64, got {target.dtype}")
+        _fail(TypeError, f"expected target of dtype torch.int64, got {target.dtype}")
     if tuple(target.shape) != tuple(input.shape[:-1]):
-        fail(ValueError, f"expected target of shape {tuple(input.shape[:-1])} (input's without "
+        _fail(ValueError, f"expected target of shape {tuple(input.shape[:-1])} (input's without "
                          f"the hidden dim), got {tuple(target.shape)}")
     vocab_size = linear_weight.shape[0]
     for name, value in (("linear_bias", linear_bias), ("weight", weight)):
         if value is not None and (not isinstance(value, Tensor) or tuple(value.shape) != (vocab_size,)):
-            fail(ValueError, f"expected {name} of shape [{vocab_size}], got "
+            _fail(ValueError, f"expected {name} of shape [{vocab_size}], got "
                              f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
     if weight is not None and not weight.is_floating_point():
-        fail(TypeError, f"expected a floating-point weight (class weights), got {weight.dtype}")
+        _fail(TypeError, f"expected a floating-point weight (class weights), got {weight.dtype}")
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-        fail(NotImplementedError, "class weights (weight=) that require grad are not supported: "
+        _fail(NotImplementedError, "class weights (weight=) that require grad are not supported: "
                                   "torch's cross_entropy does not differentiate them either; "
                                   "pass weight.detach()")
     for name, value in (("linear_weight", linear_weight), ("target", target),
                         ("linear_bias", linear_bias), ("weight", weight)):
         if value is not None and value.device != input.device:
-            fail(ValueError, f"expected {name} on {input.device} (the input's device), got {value.device}")
+            _fail(ValueError, f"expected {name} on {input.device} (the input's device), got {value.device}")
+
+
+def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size) -> None:
+    """The non-tensor arguments."""
     if reduction not in _REDUCTIONS:
-        fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
+        _fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        fail(TypeError, f"expected ignore_index to be an int, got {type(ignore_index).__name__}")
+        _fail(TypeError, f"expected ignore_index to be an int, got {type(ignore_index).__name__}")
     if not 0.0 <= float(label_smoothing) <= 1.0:
-        fail(ValueError, f"expected label_smoothing in [0.0, 1.0], got {label_smoothing}")
+        _fail(ValueError, f"expected label_smoothing in [0.0, 1.0], got {label_smoothing}")
     if logits_dtype is not None and (not isinstance(logits_dtype, torch.dtype)
                                      or not logits_dtype.is_floating_point):
-        fail(TypeError, f"expected logits_dtype to be a floating torch.dtype, got {logits_dtype!r}")
+        _fail(TypeError, f"expected logits_dtype to be a floating torch.dtype, got {logits_dtype!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size <= 0):
-        fail(ValueError, f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
+        _fail(ValueError, f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
 
 
 def linear_cross_entropy(
@@ -125,8 +134,8 @@ def linear_cross_entropy(
             ``torch.float32`` for HF's ``logits.float()``); None = the
             projection's dtype. Under ``torch.autocast`` the projection runs in
             the autocast dtype and the loss in fp32, as torch's autocast does.
-        chunk_size: tokens per chunk; None = ``CHUNKCE_CHUNK_SIZE`` or
-            :func:`compile_pass.op.chunking.choose_chunk_size`.
+        chunk_size: tokens per chunk; None = automatic
+            (:func:`compile_pass.op.chunking.resolve_chunk_size`: ``CHUNKCE_CHUNK_SIZE``, else by size).
         release_cache: empty the device allocator's cache after forward and
             backward; None = ``CHUNKCE_RELEASE_CACHE``. Read at run time.
 
@@ -139,31 +148,73 @@ def linear_cross_entropy(
             (the message names it).
         NotImplementedError: probability (floating) targets; double backward.
     """
-    _check_arguments(input, linear_weight, target, linear_bias, weight, reduction,
-                     ignore_index, label_smoothing, logits_dtype, chunk_size)
-    device_type = input.device.type
-    if autocast_enabled(device_type):
-        autocast_dtype = torch.get_autocast_dtype(device_type)
-        input, linear_weight = input.to(autocast_dtype), linear_weight.to(autocast_dtype)
-        linear_bias = None if linear_bias is None else linear_bias.to(autocast_dtype)
+    _check_tensors(input, linear_weight, target, linear_bias, weight)
+    _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size)
+    projection_dtype = None
+    if autocast_enabled(input.device.type):  # the projection in the autocast dtype, the loss in fp32
+        projection_dtype = torch.get_autocast_dtype(input.device.type)
         logits_dtype = logits_dtype or torch.float32
-    logits_dtype = logits_dtype or input.dtype
-    hidden_states = input.reshape(-1, input.shape[-1])  # [N, H]
+    return chunked_cross_entropy(
+        input, linear_weight, target, linear_bias, weight,
+        reduction=reduction, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
+        logits_dtype=logits_dtype or input.dtype, projection_dtype=projection_dtype,
+        chunk_size=chunk_size or 0, release_cache=release_cache,
+    )
+
+
+def chunked_cross_entropy(
+    hidden_states: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    class_weight: Tensor | None,
+    *,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+    projection_dtype: torch.dtype | None = None,
+    chunk_size: int = 0,
+    release_cache: bool | None = None,
+) -> Tensor:
+    """:func:`linear_cross_entropy` after its checks, with every decision made by the caller.
+
+    The custom op ``chunkce::linear_cross_entropy`` on the flattened tokens, then
+    the reduction in plain torch ops. It reads no tensor's value or metadata, so
+    the graph pass calls it with FX proxies to emit a rewritten site's nodes
+    (:func:`compile_pass.graph.nodes.trace_into`): the graph then holds only
+    registered ops and tensor methods, which the compile caches accept.
+
+    Args:
+        hidden_states: ``[..., H]``; weight ``[V, H]``; target ``hidden_states.shape[:-1]``
+            int64; bias, class_weight ``[V]`` or None.
+        logits_dtype: the dtype the loss is computed in (resolved, not None).
+        projection_dtype: cast hidden_states, weight and bias to it first (the
+            autocast dtype); None = no cast.
+        chunk_size: tokens per chunk; 0 = automatic.
+
+    Returns:
+        The loss in ``logits_dtype``: 0-d, or shaped like ``target`` for ``"none"``.
+    """
+    if projection_dtype is not None:
+        hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
+        bias = None if bias is None else bias.to(projection_dtype)
     flat_target = target.reshape(-1)  # [N]
     forward_op = (FunctorchForward.apply if torch._C._are_functorch_transforms_active()
-                  else torch.ops.chunkce.linear_cross_entropy)
-    loss, _lse = forward_op(
-        hidden_states, linear_weight, flat_target, linear_bias, weight,
-        ignore_index, float(label_smoothing), logits_dtype, chunk_size or 0, release_cache,
-    )  # [N] each, fp32 (fp64 for fp64 logits)
+                  else torch.ops.chunkce.linear_cross_entropy.default)
+    loss = forward_op(
+        hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
+        ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache,
+    )[0]  # [N] fp32 (fp64 for fp64 logits); [1] is the lse
     if reduction == "none":
-        return loss.view(target.shape).to(logits_dtype)
+        return loss.view_as(target).to(logits_dtype)
     total = loss.sum()
     if reduction == "sum":
         return total.to(logits_dtype)
-    valid = flat_target != ignore_index
-    if weight is None:
+    valid = flat_target != ignore_index  # [N]
+    if class_weight is None:
         denominator = valid.sum()
     else:
-        denominator = (weight.to(loss.dtype)[flat_target.masked_fill(~valid, 0)] * valid).sum()
+        class_weight = class_weight.to(accumulate_dtype(logits_dtype))
+        denominator = (class_weight[flat_target.masked_fill(~valid, 0)] * valid).sum()
     return (total / denominator).to(logits_dtype)

@@ -50,31 +50,66 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """``valid [n]`` (not ignored) and the target with ignored tokens pointed at class 0,
+    so it can index; every use masks those tokens with ``valid``."""
+    valid = target != ignore_index
+    return valid, torch.where(valid, target, 0)
+
+
 def chunk_forward(
     logits: Tensor,  # [n, V] projection dtype
     target: Tensor,  # [n] int64
     class_weight: Tensor | None,  # [V] or None
     ignore_index: int,
-    label_smoothing: float,
+    label_smoothing: float | None,  # None: no smoothing term in the graph
     logits_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token loss ``[n]`` and log-sum-exp ``[n]`` of one chunk, in ``accumulate_dtype``."""
+    """Per-token loss ``[n]`` and log-sum-exp ``[n]`` of one chunk, in ``accumulate_dtype``.
+
+    ``label_smoothing`` is only ever computed with, never branched on (Dynamo then
+    passes it as a graph input, the same way in every process, so the compiled
+    graph and its cache key do not depend on what the process compiled before).
+    """
     z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
     lse = torch.logsumexp(z, dim=-1)  # [n]
-    valid = target != ignore_index
-    safe_target = torch.where(valid, target, 0)
+    valid, safe_target = _safe_target(target, ignore_index)
     z_target = z.gather(1, safe_target.unsqueeze(1)).squeeze(1)  # [n]
     nll = lse - z_target
     if class_weight is not None:
         nll = nll * class_weight.to(z.dtype)[safe_target]
     loss = nll
-    if label_smoothing > 0.0:
+    if label_smoothing is not None:
         neg_logp = lse.unsqueeze(1) - z  # [n, V]
         if class_weight is not None:
             neg_logp = neg_logp * class_weight.to(z.dtype)
         smooth = neg_logp.sum(dim=-1)  # [n]
         loss = (1.0 - label_smoothing) * nll + (label_smoothing / z.shape[-1]) * smooth
     return torch.where(valid, loss, 0.0), lse
+
+
+def _gradient_coefficients(
+    grad: Tensor,  # [n] g_i: the upstream gradient, 0 for ignored tokens
+    safe_target: Tensor,  # [n] int64
+    class_weight: Tensor | None,  # [V] in grad's dtype, or None
+    label_smoothing: float | None,
+    vocab_size: int,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The per-token factors of ``g_i * d loss_i / d z_ic``, ``[n]`` each::
+
+        coef_probs_i   = g_i * ((1 - eps) * w_y + eps * W / C)   times p_ic
+        coef_target_i  = g_i * (1 - eps) * w_y                   subtracted where c == y
+        coef_uniform_i = g_i * eps / C                           times w_c, subtracted at every c
+
+    ``coef_uniform`` is None without label smoothing (``label_smoothing`` None: ``eps = 0``).
+    """
+    grad_target = grad if class_weight is None else grad * class_weight[safe_target]  # g_i * w_y
+    if label_smoothing is None:
+        return grad_target, grad_target, None
+    coef_target = (1.0 - label_smoothing) * grad_target
+    total_weight = float(vocab_size) if class_weight is None else class_weight.sum()  # W
+    coef_probs = coef_target + grad * (label_smoothing * total_weight / vocab_size)
+    return coef_probs, coef_target, grad * (label_smoothing / vocab_size)
 
 
 def chunk_backward(
@@ -84,13 +119,16 @@ def chunk_backward(
     class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
     grad_loss: Tensor,  # [n] fp32
     ignore_index: int,
-    label_smoothing: float,
+    label_smoothing: float | None,  # None: no smoothing terms in the graph
     logits_dtype: torch.dtype,
     vocab_start: int,
     vocab_size: int,  # V, the whole vocabulary
 ) -> Tensor:
-    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits.
+    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits::
 
+        grad_ic = coef_probs_i * p_ic - coef_target_i * [c == y_i] - coef_uniform_i * w_c
+
+    (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`).
     The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``; the
     full-row log-sum-exp ``lse`` makes it independent of the other columns.
     Returns ``[n, Vb]`` in the projection dtype, rounded through ``logits_dtype``
@@ -98,31 +136,18 @@ def chunk_backward(
     """
     block = logits.shape[-1]
     z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
-    probs = torch.exp(z - lse.unsqueeze(1))  # [n, Vb]
-    valid = target != ignore_index
-    safe_target = torch.where(valid, target, 0)
+    probs = torch.exp(z - lse.unsqueeze(1))  # [n, Vb] p_ic
+    valid, safe_target = _safe_target(target, ignore_index)
     grad = torch.where(valid, grad_loss.to(z.dtype), 0.0)  # [n]
-    w_block = None
-    if class_weight is not None:
-        w = class_weight.to(z.dtype)  # [V]
-        grad_target = grad * w[safe_target]
-        w_block = w.narrow(0, vocab_start, block)  # [Vb]
-    else:
-        grad_target = grad
+    w = None if class_weight is None else class_weight.to(z.dtype)  # [V]
+    coef_probs, coef_target, coef_uniform = _gradient_coefficients(
+        grad, safe_target, w, label_smoothing, vocab_size)  # [n] each
     columns = torch.arange(block, device=logits.device) + vocab_start  # [Vb]
-    one_hot = columns.unsqueeze(0) == safe_target.unsqueeze(1)  # [n, Vb]
-    coef_probs = (1.0 - label_smoothing) * grad_target  # [n]
-    coef_target = coef_probs
-    uniform = None
-    if label_smoothing > 0.0:
-        total_weight = w.sum() if class_weight is not None else float(vocab_size)
-        coef_probs = coef_probs + grad * (label_smoothing * total_weight / vocab_size)
-        uniform = grad.unsqueeze(1) * (label_smoothing / vocab_size)  # [n, 1]
-        if w_block is not None:
-            uniform = uniform * w_block
-    out = coef_probs.unsqueeze(1) * probs - torch.where(one_hot, coef_target.unsqueeze(1), 0.0)
-    if uniform is not None:
-        out = out - uniform
+    is_target = columns.unsqueeze(0) == safe_target.unsqueeze(1)  # [n, Vb]
+    out = coef_probs.unsqueeze(1) * probs - torch.where(is_target, coef_target.unsqueeze(1), 0.0)
+    if coef_uniform is not None:
+        uniform = coef_uniform.unsqueeze(1)  # [n, 1]
+        out = out - (uniform if w is None else uniform * w.narrow(0, vocab_start, block))  # [n, Vb]
     return out.to(logits_dtype).to(logits.dtype)
 
 

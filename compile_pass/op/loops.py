@@ -1,0 +1,191 @@
+"""The chunk loops of the two custom ops, and what one call of them needs.
+
+:func:`chunked_forward` projects one token chunk at a time (``[n, V]`` logits,
+freed before the next) and runs the per-chunk kernel of
+:mod:`compile_pass.op.kernels` on it. :func:`chunked_backward` walks the plan of
+:func:`compile_pass.op.chunking.plan_backward`: it recomputes each chunk's logits,
+turns them into their gradient and multiplies that into the gradient buffers.
+Both run inside the ops' bodies (no autograd graph is built here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from compile_pass.op import kernels
+from compile_pass.op.chunking import plan_backward, resolve_chunk_size, spans
+from compile_pass.op.settings import settings
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """What one call of either op needs besides its tensors."""
+
+    ignore_index: int
+    label_smoothing: float
+    logits_dtype: torch.dtype
+    chunk_size: int  # tokens per chunk, resolved
+    eager_kernels: bool
+    release_cache: bool
+
+    @staticmethod
+    def resolve(hidden_states: Tensor, weight: Tensor, ignore_index: int, label_smoothing: float,
+                logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None) -> ChunkPlan:
+        """The plan of a call: ``chunk_size`` 0 and ``release_cache`` None are resolved
+        (:func:`~compile_pass.op.chunking.resolve_chunk_size`, ``CHUNKCE_*``).
+
+        Raises:
+            ValueError: a ``CHUNKCE_*`` variable holds a bad value.
+        """
+        env = settings()
+        num_tokens, hidden_size = hidden_states.shape
+        return ChunkPlan(
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            logits_dtype=logits_dtype,
+            chunk_size=resolve_chunk_size(chunk_size, num_tokens, hidden_size, weight.shape[0],
+                                          hidden_states.element_size(), hidden_states.device.type),
+            eager_kernels=env.eager_kernels,
+            release_cache=env.release_cache if release_cache is None else release_cache,
+        )
+
+    @property
+    def kernel_label_smoothing(self) -> float | None:
+        """What the kernels take: the value, or None when there is no smoothing (a variant
+        whose graph has no smoothing terms)."""
+        return self.label_smoothing if self.label_smoothing > 0.0 else None
+
+    def variant(self, hidden_states: Tensor, class_weight: Tensor | None) -> tuple:
+        """The kernels' compile key: device type, projection dtype, logits dtype,
+        class weights present, label smoothing present."""
+        return (hidden_states.device.type, hidden_states.dtype, self.logits_dtype,
+                class_weight is not None, self.label_smoothing > 0.0)
+
+
+def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
+    """Logits of one chunk ``[n, V]`` in the projection dtype, as ``F.linear`` computes them."""
+    if bias is None:
+        return hidden_chunk @ weight_t
+    return torch.addmm(bias, hidden_chunk, weight_t)
+
+
+def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                    bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Per-token ``loss [N]`` and ``lse [N]``, in ``kernels.accumulate_dtype(plan.logits_dtype)``.
+
+    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]``
+    and ``class_weight [V]`` (or None), as the op takes them.
+    """
+    num_tokens = hidden_states.shape[0]
+    accumulate = kernels.accumulate_dtype(plan.logits_dtype)
+    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    variant = plan.variant(hidden_states, class_weight)
+    weight_t = weight.t()  # [H, V]
+    for start, end in spans(num_tokens, plan.chunk_size):
+        logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
+        loss[start:end], lse[start:end] = kernels.run(
+            "chunk_forward", variant, plan.eager_kernels,
+            logits_chunk, target[start:end], class_weight,
+            plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype,
+        )
+        del logits_chunk
+    return loss, lse
+
+
+_NO_MIXED_ADDMM: set[str] = set()  # device types without aten::addmm.dtype_out
+
+
+def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
+    """``accumulator += a @ b``, accumulated in the accumulator's dtype.
+
+    For half-precision operands and an fp32 accumulator, ``aten::addmm.dtype_out``
+    (CUDA) accumulates in place with no temporary; where the device has no such
+    kernel (CPU, whose half-precision matmul is emulated anyway), the operands are
+    upcast and multiplied in the accumulator's dtype, so no product is rounded to
+    half precision before it is summed.
+    """
+    if accumulator.dtype == a.dtype:
+        accumulator.addmm_(a, b)
+        return
+    device_type = accumulator.device.type
+    if device_type not in _NO_MIXED_ADDMM:
+        try:
+            torch.ops.aten.addmm.dtype_out(accumulator, a, b, accumulator.dtype, out=accumulator)
+            return
+        except (NotImplementedError, RuntimeError):
+            _NO_MIXED_ADDMM.add(device_type)
+    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+
+
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, sums: bool) -> None:
+    """``out += a @ b`` where ``out`` sums over the walk, else ``out = a @ b`` by ``out=``."""
+    if sums:
+        _add_matmul(out, a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def _gradient_buffer(wanted: bool, like: Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                     zeroed: bool) -> Tensor:
+    """A gradient's buffer: empty ``[0]`` when not wanted, zeros when it sums, else uninitialised."""
+    if not wanted:
+        return like.new_empty(0)
+    return (like.new_zeros if zeroed else like.new_empty)(shape, dtype=dtype)
+
+
+def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
+                     target: Tensor, bias: Tensor | None, class_weight: Tensor | None, lse: Tensor,
+                     output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]``, each in
+    its parameter's dtype; one that ``output_mask`` (``[hidden, weight, bias]``) does
+    not ask for is an empty tensor and costs no work.
+
+    ``grad_loss [N]`` and ``lse [N]`` are fp32 (fp64 for fp64); the other tensors
+    are as :func:`chunked_forward` takes them.
+    """
+    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
+    walk = plan_backward(num_tokens, vocab_size, plan.chunk_size, hidden_states.dtype,
+                         weight.dtype, output_mask, bias is not None)
+    grad_hidden = _gradient_buffer(walk.want_hidden, hidden_states, (num_tokens, hidden_size),
+                                   walk.grad_hidden_dtype, walk.zero_grad_hidden)  # [N, H]
+    grad_weight = _gradient_buffer(walk.want_weight, weight, (vocab_size, hidden_size),
+                                   weight.dtype, walk.zero_grad_weight)  # [V, H]
+    grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
+                                 walk.accumulate_dtype, zeroed=True)  # [V]
+    variant = plan.variant(hidden_states, class_weight)
+    for vocab_start, vocab_end in walk.vocab_blocks:
+        weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
+        bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
+        grad_weight_block = None  # [Vb, H]: the block's sum over token chunks
+        if walk.weight_block_accumulator:
+            grad_weight_block = weight_block.new_zeros(weight_block.shape, dtype=walk.accumulate_dtype)
+        elif walk.want_weight:
+            grad_weight_block = grad_weight[vocab_start:vocab_end]
+        for start, end in walk.token_chunks:
+            hidden_chunk = hidden_states[start:end]  # [n, H]
+            logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
+            grad_logits = kernels.run(
+                "chunk_backward", variant, plan.eager_kernels,
+                logits_chunk, lse[start:end], target[start:end], class_weight, grad_loss[start:end],
+                plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, vocab_start, vocab_size,
+            )  # [n, Vb] projection dtype
+            del logits_chunk
+            if walk.want_hidden:
+                _matmul_into(grad_hidden[start:end], grad_logits, weight_block, walk.hidden_sums)
+            if walk.want_weight:  # as F.linear's backward
+                _matmul_into(grad_weight_block, grad_logits.t(), hidden_chunk, walk.weight_sums)
+            if walk.want_bias:
+                grad_bias[vocab_start:vocab_end] += grad_logits.sum(0, dtype=walk.accumulate_dtype)
+            del grad_logits
+        if walk.weight_block_accumulator:
+            grad_weight[vocab_start:vocab_end] = grad_weight_block
+        del grad_weight_block
+    if walk.want_hidden:
+        grad_hidden = grad_hidden.to(hidden_states.dtype)
+    if walk.want_bias:
+        grad_bias = grad_bias.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
