@@ -1,11 +1,39 @@
 """Shared fixtures. Not autouse: a test file opts in with
 ``pytestmark = pytest.mark.usefixtures("fresh_compile")``."""
 
+import operator
+
 import pytest
 import torch
 import torch._dynamo
+
+import compile_pass  # noqa: F401 - registers the chunkce ops
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
+
+
+OP = torch.ops.chunkce.linear_cross_entropy.default  # what a rewritten site calls
+
+
+def op_node(gm):
+    """The one ``chunkce::linear_cross_entropy`` node of a rewritten graph (fails unless exactly one)."""
+    (node,) = [n for n in gm.graph.nodes if n.target is OP]
+    return node
+
+
+def op_arguments(node):
+    """The op node's arguments by schema name (``hidden_states``, ``logits_dtype``, ``chunk_size``, ...)."""
+    return {argument.name: value for argument, value in zip(OP._schema.arguments, node.args)} | dict(node.kwargs)
+
+
+def reduction_of(node):
+    """The reduction the graph applies to the op's per-token loss, read from its nodes:
+    ``"none"`` (viewed as the target), ``"mean"`` (its sum divided) or ``"sum"``."""
+    (loss,) = [user for user in node.users if user.target is operator.getitem and user.args[1] == 0]
+    if any(user.target == "view_as" for user in loss.users):
+        return "none"
+    (total,) = [user for user in loss.users if user.target == "sum"]
+    return "mean" if any(user.target is operator.truediv for user in total.users) else "sum"
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass import linear_cross_entropy
+from conftest import op_arguments, op_node
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
@@ -118,8 +119,9 @@ def test_under_autocast_the_op_upcasts_as_the_graph_did_and_matches_eager():
 
     h, labels = packed_batch()
     loss = torch.compile(Autocast(Head()), backend="chunkce", options={"inner_backend": capture})(h, labels)
-    (call,) = [n for n in graphs[0].graph.nodes if n.target is linear_cross_entropy]
-    assert call.kwargs["logits_dtype"] is torch.float32  # the cast HF's .float() makes under autocast
+    arguments = op_arguments(op_node(graphs[0]))
+    assert arguments["logits_dtype"] is torch.float32  # the cast HF's .float() makes under autocast
+    assert arguments["hidden_states"].meta["example_value"].dtype == torch.bfloat16  # the autocast dtype
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = Head()(h, labels)
     torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1.6e-2)

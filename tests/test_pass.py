@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass import linear_cross_entropy
+from conftest import OP, op_arguments, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
@@ -123,8 +124,7 @@ def test_bf16_logits_cast_to_float(compare_with_inductor):
     assert counters["chunkce"]["sites_rewritten"] == 1
     torch._dynamo.reset()
     torch.compile(HalfHead(), backend="chunkce", options={"inner_backend": capture})(*make_inputs(torch.bfloat16))
-    (call,) = [n for n in graphs[0].graph.nodes if n.target is linear_cross_entropy]
-    assert call.kwargs["logits_dtype"] is torch.float32
+    assert op_arguments(op_node(graphs[0]))["logits_dtype"] is torch.float32
 
 
 def _rewritten_graph(model, *inputs, **options):
@@ -148,7 +148,8 @@ def test_projection_gone_and_division_after_the_loss_untouched():
     weight = torch.randn(V, H, requires_grad=True)
     gm, out = _rewritten_graph(hf_style, h, weight, labels, 12)
     targets = [n.target for n in gm.graph.nodes]
-    assert linear_cross_entropy in targets and operator.truediv in targets
+    assert OP in targets and operator.truediv in targets
+    assert reduction_of(op_node(gm)) == "sum"  # the division is the caller's, after the loss
     assert torch._C._nn.linear not in targets and F.cross_entropy not in targets
     torch.testing.assert_close(out, hf_style(h, weight, labels, 12))
 
@@ -161,20 +162,19 @@ def test_legacy_size_average_is_mapped_onto_reduction():
     weight = torch.randn(V, H, requires_grad=True)
     with pytest.warns(UserWarning, match="size_average"):
         gm, out = _rewritten_graph(legacy, h, weight, labels)
-    (call,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
-    assert call.kwargs["reduction"] == "sum"
+    assert reduction_of(op_node(gm)) == "sum"
     torch.testing.assert_close(out, F.cross_entropy(F.linear(h, weight).view(-1, V), labels.view(-1),
                                                     reduction="sum"))
 
 
 def test_shift_is_replayed_on_the_hidden_states():
     gm, _ = _rewritten_graph(Head("shift"), *make_inputs(), chunk_size=4)
-    (call,) = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
-    hidden = call.args[0]
+    call = op_node(gm)
+    hidden = op_arguments(call)["hidden_states"]
     assert tuple(hidden.meta["example_value"].shape) == (B * (T - 1), H)
     sliced = hidden.args[0]
     assert sliced.target is operator.getitem and sliced.args[1][1] == slice(None, -1, None)
-    assert call.kwargs["chunk_size"] == 4
+    assert op_arguments(call)["chunk_size"] == 4
     assert compile_pass.last_report().records[0].chunk_size == 4
 
 

@@ -15,15 +15,13 @@ import logging
 from torch.fx import Graph, GraphModule
 
 from compile_pass.graph import guard, logits_drop, report
-from compile_pass.op.settings import settings
-from compile_pass.graph.forms import example_value, size_hint
-from compile_pass.op.chunking import choose_chunk_size, min_chunk_bytes_for
-from compile_pass.graph.sites import Site, find_sites
-from compile_pass.options import Options
+from compile_pass.graph.nodes import example_value, module_attr, size_hint
 from compile_pass.graph.rewrite import rewrite_site
+from compile_pass.graph.sites import Site, find_sites
+from compile_pass.op.chunking import resolve_chunk_size
+from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
-
 
 
 def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> report.PassReport:
@@ -56,9 +54,7 @@ def _subgraph_modules(graph: Graph, seen: set[int] | None = None) -> list[GraphM
     seen = set() if seen is None else seen
     found = []
     for node in graph.find_nodes(op="get_attr"):
-        module = graph.owning_module
-        for part in str(node.target).split("."):
-            module = getattr(module, part, None)
+        module = module_attr(graph, node.target)
         if isinstance(module, GraphModule) and id(module) not in seen:
             seen.add(id(module))
             found += [*_subgraph_modules(module.graph, seen), module]
@@ -111,16 +107,11 @@ def _check(site: Site, order: dict) -> guard.Reason | None:
         return guard.internal_error(f"{type(exc).__name__}: {exc}")
 
 
-def _chunk_size(site: Site, options: Options) -> int | str:
-    """The chunk size the op will use at this site (as the op chooses it), for the report."""
-    if options.chunk_size is not None:
-        return options.chunk_size
-    env = settings().chunk_size
-    if env is not None:
-        return env
+def _chunk_size(site: Site, options: Options) -> int:
+    """The chunk size the op will use at this site for the traced example's size (the
+    op's own rule, :func:`compile_pass.op.chunking.resolve_chunk_size`), for the report."""
     hidden = example_value(site.projection.hidden)  # [..., H]
     logits = example_value(site.projection.node)  # [..., V], projection dtype
-    num_tokens = size_hint(example_value(site.call.target).numel())
-    return choose_chunk_size(num_tokens, size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
-                             logits.element_size(), logits.element_size(),
-                             min_chunk_bytes_for(logits.device.type))
+    return resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
+                              size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
+                              logits.element_size(), logits.device.type)

@@ -1,5 +1,5 @@
-"""Reading Dynamo graph nodes: op names and metadata, and the two ends of a site,
-the cross-entropy call and the projection, in every spelling Dynamo 2.13 emits:
+"""The two ends of a site, the cross-entropy call and the projection, in every
+spelling Dynamo 2.13 emits:
 
     nn.Linear / F.linear        call_function torch._C._nn.linear(h, W, b|None)
     h @ W.t() / matmul(h, W.T)  call_function operator.matmul / torch.matmul,
@@ -12,7 +12,6 @@ the cross-entropy call and the projection, in every spelling Dynamo 2.13 emits:
 
 from __future__ import annotations
 
-import builtins
 import inspect
 import operator
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from compile_pass.graph.nodes import dims_arg, example_value, is_tensor_node, same_size, tensor_op_name
 
 CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
 _LINEAR = (torch._C._nn.linear, F.linear)
@@ -29,65 +29,6 @@ _MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.T
 _ADD = (operator.add, torch.add, torch.Tensor.add)
 _REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.cross_entropy_loss
 _TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT"}
-
-_TORCH_FUNCTIONS = {
-    getattr(torch, name): name
-    for name in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "clone", "narrow",
-                 "select", "transpose", "swapaxes", "swapdims", "permute", "t", "movedim")
-}
-
-
-def op_name(node: Node) -> str:
-    """Short name of what a node does: ``view``, ``mul``, ``tanh``, ``.T``, ``placeholder``."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        if node.target is builtins.getattr:
-            return f".{node.args[1]}"
-        return _TORCH_FUNCTIONS.get(node.target) or getattr(node.target, "__name__", str(node.target))
-    if node.op == "call_module":
-        return f"module {node.target}"
-    return node.op
-
-
-def tensor_op_name(node: Node) -> str | None:
-    """The method name of a tensor op that the matcher may look through, else None."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        return "getitem"
-    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):
-        return f".{node.args[1]}"
-    if node.target in _TORCH_FUNCTIONS:
-        return _TORCH_FUNCTIONS[node.target]
-    name = getattr(node.target, "__name__", None)
-    if name and getattr(torch.Tensor, name, None) is node.target:
-        return name
-    return None
-
-
-def example_value(arg: Any) -> Any:
-    return arg.meta.get("example_value") if isinstance(arg, Node) else arg
-
-
-def is_tensor_node(arg: Any) -> bool:
-    return isinstance(example_value(arg), torch.Tensor)
-
-
-def same_size(a: Any, b: Any) -> bool:
-    return statically_known_true(a == b)
-
-
-def size_hint(size: Any) -> int:
-    """An int for a possibly symbolic size: its hint (adds no guard)."""
-    if isinstance(size, torch.SymInt):
-        node = size.node
-        if node.hint is not None:
-            return int(node.hint)
-        return int(node.shape_env.size_hint(node.expr, allow_none=True) or 0)
-    return int(size)
 
 
 @dataclass(frozen=True)
@@ -144,10 +85,9 @@ def _transposed_2d_input(node: Any) -> Node | None:
     source = node.args[0]
     if not is_tensor_node(source) or example_value(source).dim() != 2:
         return None
-    name, rest = tensor_op_name(node), [a for a in node.args[1:]]
+    name, rest = tensor_op_name(node), list(node.args[1:])
     if name == "permute":
-        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else rest
-        return source if [d % 2 for d in dims] == [1, 0] else None
+        return source if [d % 2 for d in dims_arg(rest)] == [1, 0] else None
     if name in ("transpose", "swapaxes", "swapdims"):
         return source if len(rest) == 2 and {d % 2 for d in rest} == {0, 1} else None
     return source  # t, .T, .mT
@@ -183,5 +123,3 @@ def as_projection(node: Any) -> Projection | None:
     return None
 
 
-def dims_arg(args: list[Any]) -> list[Any]:
-    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)

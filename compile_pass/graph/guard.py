@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from compile_pass.graph.forms import as_projection, example_value, is_tensor_node, op_name
+from compile_pass.graph.forms import as_projection
+from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
 from compile_pass.graph.sites import Site, logits_dtypes
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -21,7 +21,6 @@ values fails with an error naming the option; it never sees wrong numbers.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +29,8 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
-from compile_pass.graph.forms import Projection, example_value, size_hint
+from compile_pass.graph.forms import Projection
+from compile_pass.graph.nodes import create_node, example_value, size_hint
 
 DROPPED = "chunkce_dropped_logits"  # meta key on the stand-in node of the graph output
 
@@ -111,11 +111,12 @@ def drop_if_only_returned(projection: Projection) -> int:
     logits = example_value(node)
     graph: Graph = node.graph
     with graph.inserting_before(node):
-        nan = _node(graph, "call_method", "new_full", (projection.hidden, (), float("nan")), {"dtype": logits.dtype})
-        sizes = [size if isinstance(size, int) else _node(graph, "call_function", _aten.sym_size.int,
-                                                          (projection.hidden, dim))
+        nan = create_node(graph, "call_method", "new_full", (projection.hidden, (), float("nan")),
+                          {"dtype": logits.dtype})
+        sizes = [size if isinstance(size, int) else create_node(graph, "call_function", _aten.sym_size.int,
+                                                                (projection.hidden, dim))
                  for dim, size in enumerate(logits.shape[:-1])]
-        stand_in = _node(graph, "call_method", "expand", (nan, *sizes, logits.shape[-1]))
+        stand_in = create_node(graph, "call_method", "expand", (nan, *sizes, logits.shape[-1]))
     stand_in.meta[DROPPED] = True
     node.replace_all_uses_with(stand_in)
     for dead in (node, *projection.inner[::-1]):
@@ -145,17 +146,4 @@ def wrap(compiled: Callable[..., Any], positions: list[int]) -> Callable[..., An
         return type(outputs)(swapped) if isinstance(outputs, tuple) else swapped
 
     return run
-
-
-def _node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: dict | None = None) -> Node:
-    """A node with its ``example_value`` (computed on the fake inputs)."""
-    node = graph.create_node(kind, target, args, kwargs or {})
-    values, values_kwargs = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta.get("example_value"))
-    fake = next((v for v in values if hasattr(v, "fake_mode")), None)
-    with fake.fake_mode if fake is not None else contextlib.nullcontext():
-        if kind == "call_method":
-            node.meta["example_value"] = getattr(values[0], target)(*values[1:], **values_kwargs)
-        else:
-            node.meta["example_value"] = target(*values, **values_kwargs)
-    return node
 

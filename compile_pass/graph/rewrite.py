@@ -4,28 +4,24 @@
     x = logits.float()[..., :-1, :].contiguous().view(-1, V)
     loss = cross_entropy(x, labels, ...)
 becomes
-    h2 = h[..., :-1, :].flatten(0, -2)  # token-dim indexing replayed on the hidden states
-    loss = linear_cross_entropy(h2, W, labels, linear_bias=b, logits_dtype=torch.float32, ...)
+    h2 = h[..., :-1, :]                 # token-dim indexing replayed on the hidden states
+    loss, lse = torch.ops.chunkce.linear_cross_entropy(h2.flatten(0, -2), W, labels.reshape(-1), b, ...,
+                                                       torch.float32, chunk_size, None)
+    loss = (loss.sum() / (labels.reshape(-1) != ignore_index).sum()).to(torch.float32)   # "mean"
 
 Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.node import map_arg
 
-from compile_pass.op import function as op
-from compile_pass.graph.forms import example_value, size_hint
+from compile_pass.graph.nodes import create_node, example_value, is_tensor_node, size_hint, trace_into
 from compile_pass.graph.sites import Site, logits_dtypes
-
-log = logging.getLogger(__name__)
+from compile_pass.op.function import chunked_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -41,38 +37,30 @@ class Rewritten:
 
 
 def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
-    """Rewrite an accepted ``site`` in place (the guard must have returned None)."""
+    """Rewrite an accepted ``site`` in place (the guard must have returned None).
+
+    The new nodes are those :func:`compile_pass.op.function.chunked_cross_entropy`
+    runs, traced into the graph: token-dim indexing replayed on the hidden states,
+    ``torch.ops.chunkce.linear_cross_entropy``, and the reduction in tensor ops.
+    """
     graph: Graph = site.node.graph
     projection, call = site.projection, site.call
-    hidden_size = example_value(projection.hidden).shape[-1]
+    meta = site.node.meta
     with graph.inserting_before(site.node):
-        hidden = projection.hidden
-        for kind, what in site.hidden_plan:
-            if kind == "reshape":
-                hidden = _node(graph, "call_method", "reshape", (hidden, *what, hidden_size))
-            else:  # replay the token-dim indexing of the logits on the hidden states
-                hidden = _node(graph, what.op, what.target, (hidden, *what.args[1:]), dict(what.kwargs))
-        if site.class_dim_moved is None:  # the loss saw [N, V] logits: give the op [N, H]
-            ndim = example_value(hidden).dim()
-            if ndim == 1:  # a single token selected, then reshaped back to [1, V]
-                hidden = _node(graph, "call_method", "unsqueeze", (hidden, 0))
-            elif ndim > 2:
-                hidden = _node(graph, "call_method", "flatten", (hidden, 0, -2))
+        hidden = _hidden_states(site, meta)  # [..., H]
         weight = projection.weight
         if projection.weight_is_hv:
-            weight = _node(graph, "call_method", "t", (weight,))  # [H, V] -> [V, H]
-        dtypes = logits_dtypes(site)
-        kwargs = _non_default_kwargs(
-            linear_bias=projection.bias,
-            weight=call.weight,
-            reduction=call.reduction,
-            ignore_index=call.ignore_index,
-            label_smoothing=float(call.label_smoothing),
-            logits_dtype=dtypes[-1] if len(dtypes) > 1 else None,
-            chunk_size=chunk_size,
+            weight = create_node(graph, "call_method", "t", (weight,), meta=meta)  # [H, V] -> [V, H]
+        projection_dtype = example_value(projection.node).dtype
+        casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
+                           for arg in (hidden, weight) if is_tensor_node(arg))
+        new = trace_into(
+            graph, chunked_cross_entropy, hidden, weight, call.target, projection.bias, call.weight,
+            reduction=call.reduction, ignore_index=call.ignore_index,
+            label_smoothing=float(call.label_smoothing), logits_dtype=logits_dtypes(site)[-1],
+            projection_dtype=projection_dtype if casts_inputs else None,
+            chunk_size=chunk_size or 0, meta=meta,
         )
-        new = graph.call_function(op.linear_cross_entropy, (hidden, weight, call.target), kwargs)
-    new.meta.update({k: v for k, v in site.node.meta.items() if k != "source_fn_stack"})
     loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     site.node.replace_all_uses_with(new)
@@ -81,31 +69,20 @@ def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
     return Rewritten(new, projection.node in graph.nodes, bytes_avoided)
 
 
-def _node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: dict | None = None) -> Node:
-    """Create a node and fill its ``example_value`` by running it on the fake inputs."""
-    node = graph.create_node(kind, target, args, kwargs or {})
-    values_args, values_kwargs = map_arg((args, kwargs or {}), lambda n: n.meta.get("example_value"))
-    fake = next((v for v in values_args if hasattr(v, "fake_mode")), None)
-    try:
-        with fake.fake_mode if fake is not None else contextlib.nullcontext():
-            if kind == "call_method":
-                value = getattr(values_args[0], target)(*values_args[1:], **values_kwargs)
-            else:
-                value = target(*values_args, **values_kwargs)
-        node.meta["example_value"] = value
-    except Exception:  # noqa: BLE001 - metadata only; the graph is right without it
-        log.debug("chunkce: no example_value for %s", node.format_node())
-    return node
-
-
-_OP_DEFAULTS = {"linear_bias": None, "weight": None, "reduction": "mean", "ignore_index": -100,
-                "label_smoothing": 0.0, "logits_dtype": None, "chunk_size": None}
-
-
-def _non_default_kwargs(**kwargs: Any) -> dict[str, Any]:
-    """The op's keyword arguments that differ from its defaults (a readable graph)."""
-    return {k: v for k, v in kwargs.items() if not (v is _OP_DEFAULTS[k] or
-                                                     (not isinstance(v, Node) and v == _OP_DEFAULTS[k]))}
+def _hidden_states(site: Site, meta: dict) -> Node:
+    """The hidden states, indexed as the logits were on the way to the loss: ``[N, H]``,
+    or ``[B, T, H]`` when the loss took ``[B, V, T]`` logits."""
+    graph: Graph = site.node.graph
+    hidden = site.projection.hidden
+    hidden_size = example_value(hidden).shape[-1]
+    for kind, what in site.hidden_plan:
+        if kind == "reshape":
+            hidden = create_node(graph, "call_method", "reshape", (hidden, *what, hidden_size), meta=meta)
+        else:  # replay the token-dim indexing of the logits on the hidden states
+            hidden = create_node(graph, what.op, what.target, (hidden, *what.args[1:]), what.kwargs, meta=meta)
+    if site.class_dim_moved is None and example_value(hidden).dim() == 1:
+        hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
+    return hidden
 
 
 def _erase_dead(site: Site) -> int:
@@ -119,8 +96,9 @@ def _erase_dead(site: Site) -> int:
     materialized = {projection.node}
     if projection.bias is not None and projection.inner:
         materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
-    materialized.update(n for n in site.steps if example_value(n).dtype != example_value(n.args[0]).dtype)
-    candidates = [*site.steps[::-1], projection.node, *projection.inner[::-1]]
+    materialized.update(step.node for step in site.steps if step.kind == "cast"
+                        and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
+    candidates = [*(step.node for step in site.steps[::-1]), projection.node, *projection.inner[::-1]]
     if site.class_dim_moved is not None:
         candidates.insert(0, site.class_dim_moved)
     bytes_avoided = 0

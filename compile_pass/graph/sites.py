@@ -16,7 +16,7 @@ states facts (what each node on the path is); the guard decides.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.fx import Graph, Node
@@ -26,13 +26,9 @@ from compile_pass.graph.forms import (
     CrossEntropyCall,
     Projection,
     as_projection,
-    dims_arg,
-    example_value,
-    is_tensor_node,
     read_cross_entropy,
-    same_size,
-    tensor_op_name,
 )
+from compile_pass.graph.nodes import dims_arg, example_value, is_tensor_node, module_attr, same_size, tensor_op_name
 
 # Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
 # or cast: the hidden states need nothing for them but a final flatten.
@@ -41,6 +37,13 @@ _COPY = {"contiguous", "clone"}
 _CAST = {"float", "half", "bfloat16", "double", "to", "type", "type_as"}
 # Ops that select or reorder token dims: replayed on the hidden states.
 _TOKEN_INDEX = {"getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute"}
+
+
+class Step(NamedTuple):
+    """One node between projection and loss, and how it treats the logits."""
+
+    node: Node
+    kind: str  # reshape | copy | cast | index
 
 
 @dataclass
@@ -55,7 +58,7 @@ class Site:
     node: Node
     call: CrossEntropyCall | None
     projection: Projection | None = None
-    steps: list[Node] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
     class_dim_moved: Node | None = None  # transpose taking [B, T, V] to [B, V, T] right before the loss
     stop: Node | None = None
     # opaque | graph_input | subgraph_input | vocab_dim | advanced_index | symbolic_reshape
@@ -142,8 +145,7 @@ def _plan_hidden(site: Site) -> None:
     the leading shape of the logits at that point.
     """
     pending = False
-    for node in site.steps:
-        kind = _classify(node)
+    for node, kind in site.steps:
         if kind == "reshape":
             pending = pending or example_value(node).shape != example_value(node.args[0]).shape
         elif kind == "index":
@@ -184,7 +186,7 @@ def match_site(node: Node, call: CrossEntropyCall) -> Site:
             site.stop, site.stop_kind = current, "class_dim_1"
             return site
         site.class_dim_moved, current = current, current.args[0]
-    steps: list[Node] = []
+    steps: list[Step] = []
     while True:
         site.projection = as_projection(current)
         if site.projection is not None:
@@ -196,7 +198,7 @@ def match_site(node: Node, call: CrossEntropyCall) -> Site:
         if kind not in ("reshape", "copy", "cast", "index"):
             site.stop, site.stop_kind = current, kind
             break
-        steps.append(current)
+        steps.append(Step(current, kind))
         current = current.args[0]
     site.steps = steps[::-1]
     if site.projection is not None:
@@ -216,8 +218,7 @@ def find_sites(graph: Graph, in_subgraph: bool = False) -> list[Site]:
     sites = []
     for node in graph.nodes:
         if node.op == "call_module":
-            module = _owning_module_attr(graph, node.target)
-            if isinstance(module, torch.nn.CrossEntropyLoss):
+            if isinstance(module_attr(graph, node.target), torch.nn.CrossEntropyLoss):
                 sites.append(Site(node, None, stop=node, stop_kind="call_module"))
             continue
         if node.op != "call_function" or node.target not in CROSS_ENTROPY_FUNCTIONS:
@@ -232,18 +233,11 @@ def find_sites(graph: Graph, in_subgraph: bool = False) -> list[Site]:
     return sites
 
 
-def _owning_module_attr(graph: Graph, target: str) -> Any:
-    module = graph.owning_module
-    for part in str(target).split("."):
-        module = getattr(module, part, None)
-    return module
-
-
 def logits_dtypes(site: Site) -> list[torch.dtype]:
     """The dtypes the logits pass through: the projection's, each cast's, and the
     dtype the loss is computed in (the cross-entropy output's: fp32 under autocast).
     Consecutive repeats are dropped."""
     chain = [example_value(site.projection.node).dtype]
-    chain += [example_value(node).dtype for node in site.steps if _classify(node) == "cast"]
+    chain += [example_value(step.node).dtype for step in site.steps if step.kind == "cast"]
     chain.append(example_value(site.node).dtype)
     return [dtype for i, dtype in enumerate(chain) if i == 0 or dtype != chain[i - 1]]

@@ -1,0 +1,154 @@
+"""Warm-start compile time: what the compile caches save a restarted training job.
+
+    python -m benchmarks.warm_start                       # toy and Llama, inductor and chunkce
+    python -m benchmarks.warm_start --models llama --repeats 3
+
+Per (model, backend): a fresh cache directory (``TORCHINDUCTOR_CACHE_DIR``), one
+process that compiles and runs the first training step from scratch (cold), then
+``--repeats`` processes that run the same first step with that directory
+(warm), each a fresh Python process. Reported: the first step's wall time
+(compile + one forward and backward; imports and model construction excluded),
+warm / cold, the AOTAutograd and FX graph cache hits / misses / bypasses of the
+warm run, and the ratio of chunkce's warm / cold to Inductor's (1.0 = chunkce
+gains from the caches exactly what stock Inductor gains).
+
+The rewritten graph holds only ``torch.ops.chunkce.*`` and torch ops, so
+AOTAutograd's cache accepts it; :func:`run_in_fresh_process` is also what
+``tests/test_compile_cache.py`` uses to assert the cache hits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = ("toy", "llama")
+BACKENDS = ("inductor", "chunkce")
+_CACHE_COUNTERS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")
+_FX_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+
+
+def _build(model_name: str):
+    """(loss function of one batch, the model, the batch): a toy head with label smoothing
+    (a float the per-chunk kernels take) or a config-built transformers Llama."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    vocab, batch, seq = 1000, 2, 64
+    ids = torch.randint(0, vocab, (batch, seq))
+    if model_name == "toy":
+        class Toy(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embed = nn.Embedding(vocab, 64)
+                self.body = nn.Linear(64, 64)
+                self.lm_head = nn.Linear(64, vocab, bias=False)
+
+            def forward(self, input_ids, labels):
+                hidden_states = torch.relu(self.body(self.embed(input_ids)))  # [B, T, H]
+                logits = self.lm_head(hidden_states).float()  # [B, T, V]
+                return F.cross_entropy(logits.view(-1, vocab), labels.view(-1), label_smoothing=0.1)
+
+        model = Toy()
+        return (lambda input_ids: model(input_ids, input_ids)), model, ids
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    model = LlamaForCausalLM(config)
+    return (lambda input_ids: model(input_ids=input_ids, labels=input_ids).loss), model, ids
+
+
+def _worker(model_name: str, backend: str, options: dict | None = None) -> dict:
+    """One process's first training step; what the caches did."""
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._inductor.codecache import PyCodeCache
+
+    import compile_pass  # noqa: F401 - registers the backend and the ops
+
+    loss_fn, model, ids = _build(model_name)
+    compiled = torch.compile(loss_fn, backend=backend, options=options or None)
+    start = time.perf_counter()
+    loss = compiled(ids)
+    loss.backward()
+    seconds = time.perf_counter() - start
+    sources = []
+    for module in list(PyCodeCache.modules):
+        try:
+            with open(module.__file__) as f:
+                sources.append(f.read())
+        except (OSError, AttributeError, TypeError):
+            continue
+    return {
+        "seconds": seconds,
+        "loss": loss.item(),
+        "grad_sum": sum(p.grad.double().sum().item() for p in model.parameters() if p.grad is not None),
+        "aot_autograd": {k: counters["aot_autograd"][k] for k in _CACHE_COUNTERS},
+        "inductor": {k: counters["inductor"][k] for k in _FX_COUNTERS},
+        "chunkce": dict(counters["chunkce"]),
+        "op_in_code": any("chunkce.linear_cross_entropy" in source for source in sources),
+    }
+
+
+def run_in_fresh_process(model_name: str, backend: str, cache_dir: str, options: dict | None = None,
+                         timeout: float = 600) -> dict:
+    """Run :func:`_worker` in a new Python process whose compile caches live in ``cache_dir``.
+
+    ``options`` are the backend's (``torch.compile(..., options=...)``), JSON-serialisable.
+
+    Returns the worker's dict: ``seconds`` (first step's wall time), ``loss``,
+    ``grad_sum``, the ``aot_autograd`` / ``inductor`` cache counters, chunkce's
+    counters and ``op_in_code`` (the op's name in the Inductor code it loaded).
+
+    Raises:
+        RuntimeError: the worker failed (its stderr is in the message).
+    """
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.warm_start", "--worker", model_name, backend,
+         "--options", json.dumps(options or {})],
+        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"warm_start worker {model_name}/{backend} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--repeats", type=int, default=2, help="warm processes per (model, backend)")
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
+    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(*args.worker, json.loads(args.options))))
+        return
+    print(f"{'model':<6} {'backend':<9} {'cold s':>7} {'warm s':>7} {'warm/cold':>9}  warm-run caches")
+    for model_name in args.models:
+        ratios = {}
+        for backend in BACKENDS:
+            with tempfile.TemporaryDirectory(prefix="chunkce-warm-") as cache_dir:
+                cold = run_in_fresh_process(model_name, backend, cache_dir)
+                warms = [run_in_fresh_process(model_name, backend, cache_dir) for _ in range(args.repeats)]
+            warm_s = statistics.median(w["seconds"] for w in warms)
+            ratios[backend] = warm_s / cold["seconds"]
+            caches = {**warms[-1]["aot_autograd"], **warms[-1]["inductor"]}
+            print(f"{model_name:<6} {backend:<9} {cold['seconds']:7.2f} {warm_s:7.2f} {ratios[backend]:9.3f}  "
+                  + " ".join(f"{k.replace('_cache', '')}={v}" for k, v in caches.items() if v))
+        print(f"{model_name:<6} chunkce warm/cold relative to inductor's: "
+              f"{ratios['chunkce'] / ratios['inductor']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

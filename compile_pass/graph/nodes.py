@@ -1,0 +1,167 @@
+"""Reading and writing nodes of a torch-level FX graph (what Dynamo captures).
+
+Reading: what a node does (:func:`op_name`, :func:`tensor_op_name`), its tensor
+metadata (``node.meta["example_value"]``, a fake tensor) and sizes that may be
+symbolic. Writing: :func:`create_node` and :func:`trace_into` add nodes whose
+``example_value`` is computed on the fake inputs, as Dynamo's own nodes carry it
+(AOTAutograd's cache reads it to accept ``call_method`` nodes, and later steps of
+the pass read it).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import operator
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.node import map_arg
+from torch.fx.proxy import GraphAppendingTracer, Proxy
+from torch.utils._pytree import tree_leaves
+
+log = logging.getLogger(__name__)
+
+_TORCH_FUNCTIONS = {
+    getattr(torch, name): name
+    for name in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "clone", "narrow",
+                 "select", "transpose", "swapaxes", "swapdims", "permute", "t", "movedim")
+}
+# Metadata an inserted node inherits from the node it replaces (source line, module path).
+_INHERITED_META = ("stack_trace", "nn_module_stack")
+
+
+def op_name(node: Node) -> str:
+    """Short name of what a node does: ``view``, ``mul``, ``tanh``, ``.T``, ``placeholder``."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        if node.target is builtins.getattr:
+            return f".{node.args[1]}"
+        return _TORCH_FUNCTIONS.get(node.target) or getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_module":
+        return f"module {node.target}"
+    return node.op
+
+
+def tensor_op_name(node: Node) -> str | None:
+    """The method name of a tensor op that the matcher may look through, else None."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        return "getitem"
+    if node.target is builtins.getattr and node.args[1] in ("T", "mT"):
+        return f".{node.args[1]}"
+    if node.target in _TORCH_FUNCTIONS:
+        return _TORCH_FUNCTIONS[node.target]
+    name = getattr(node.target, "__name__", None)
+    if name and getattr(torch.Tensor, name, None) is node.target:
+        return name
+    return None
+
+
+def example_value(arg: Any) -> Any:
+    """The fake value Dynamo recorded for a node; a non-node argument as it is."""
+    return arg.meta.get("example_value") if isinstance(arg, Node) else arg
+
+
+def is_tensor_node(arg: Any) -> bool:
+    return isinstance(example_value(arg), torch.Tensor)
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Whether two possibly symbolic sizes are known equal (adds no guard)."""
+    return statically_known_true(a == b)
+
+
+def size_hint(size: Any) -> int:
+    """An int for a possibly symbolic size: its hint (adds no guard)."""
+    if isinstance(size, torch.SymInt):
+        node = size.node
+        if node.hint is not None:
+            return int(node.hint)
+        return int(node.shape_env.size_hint(node.expr, allow_none=True) or 0)
+    return int(size)
+
+
+def dims_arg(args: list[Any]) -> list[Any]:
+    """The dims of ``permute(*dims)`` / ``permute(dims)``, as a list."""
+    return list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else list(args)
+
+
+def module_attr(graph: Graph, target: str) -> Any:
+    """The attribute a ``get_attr`` / ``call_module`` target names on the graph's module, or None."""
+    value = graph.owning_module
+    for part in str(target).split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def create_node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: Mapping[str, Any] | None = None,
+                meta: Mapping[str, Any] | None = None) -> Node:
+    """Insert a node at the graph's insertion point, with its ``example_value``.
+
+    Args:
+        kind: ``"call_function"`` or ``"call_method"``.
+        meta: metadata to copy onto the node (e.g. the replaced node's ``stack_trace``).
+    """
+    node = graph.create_node(kind, target, args, dict(kwargs or {}))
+    _fill_meta(node, meta or {})
+    return node
+
+
+def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[str, Any] | None = None,
+               **kwargs: Any) -> Node:
+    """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs``.
+
+    The tensor ops ``fn`` runs become nodes of ``graph`` at its insertion point
+    (``torch.ops`` calls as ``call_function``, tensor methods as ``call_method``),
+    each with its ``example_value``; Python values among the arguments steer
+    ``fn`` as they would at run time. ``fn`` must read no tensor value or metadata
+    (a proxy has none). Returns the node of ``fn``'s result.
+    """
+    tracer = _MetaTracer(graph, meta or {})
+
+    def wrap(value: Any) -> Any:
+        return Proxy(value, tracer) if isinstance(value, Node) else value
+
+    result = fn(*map(wrap, args), **{name: wrap(value) for name, value in kwargs.items()})
+    return result.node
+
+
+class _MetaTracer(GraphAppendingTracer):
+    """Appends to an existing graph; every node it creates gets its metadata."""
+
+    def __init__(self, graph: Graph, meta: Mapping[str, Any]) -> None:
+        super().__init__(graph)
+        self._meta = meta
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None) -> Node:  # noqa: ANN001
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        _fill_meta(node, self._meta)
+        return node
+
+
+def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
+    node.meta.update({key: meta[key] for key in _INHERITED_META if key in meta})
+    args, kwargs = map_arg((node.args, node.kwargs), example_value)
+    # The inputs' own fake mode (the tracing context may hold another one).
+    fake_mode = next((leaf.fake_mode for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, FakeTensor)), None)
+    try:
+        with fake_mode or contextlib.nullcontext():
+            if node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                value = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - metadata only: the graph is right without it
+        log.debug("chunkce: no example_value for %s", node.format_node(), exc_info=True)
+        return
+    node.meta["example_value"] = value
+

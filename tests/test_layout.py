@@ -1,0 +1,55 @@
+"""The package's layering: the op never imports the graph pass, the pass never the entry points.
+
+    compile_pass/op/      the op (public function, custom ops, loops, kernels, chunking, settings)
+    compile_pass/graph/   the pass (nodes, forms, sites, guard, rewrite, driver, logits_drop, report)
+    compile_pass/*.py     the entry points (backend, pre_grad, explain) and what they share
+
+Read from the source (every ``import`` statement, at any depth), so a lazy import
+inside a function counts too.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "compile_pass"
+# What each sub-package may import of the project (besides itself).
+ALLOWED = {
+    "op": (),
+    "graph": ("compile_pass.op", "compile_pass.options"),
+}
+
+
+def _project_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names if node.module == "compile_pass")
+        elif isinstance(node, ast.ImportFrom):
+            pytest.fail(f"{path}: relative import; the layering test reads absolute ones")
+    return {name for name in names if name == "compile_pass" or name.startswith("compile_pass.")}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_sub_package_imports_only_what_lies_below_it(package):
+    own = f"compile_pass.{package}"
+    allowed = (own, *ALLOWED[package])
+    files = sorted((PACKAGE / package).glob("*.py"))
+    assert files, f"no modules in {own}"
+    for path in files:
+        for name in _project_imports(path):
+            # "compile_pass" alone is importing the package root, which imports the entry points.
+            assert any(name == a or name.startswith(a + ".") for a in allowed), (
+                f"{path.relative_to(PACKAGE.parent)} imports {name}; {own} may import only {allowed}")
+
+
+def test_every_module_is_in_a_layer():
+    """A new top-level module must be an entry point or shared by them, never a sub-package's helper."""
+    top = {path.stem for path in PACKAGE.glob("*.py")}
+    assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory"}
+    assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("__")} == {
+        "op", "graph"}
