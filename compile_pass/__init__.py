@@ -1,13 +1,29 @@
-"""chunkce: memory-efficient cross-entropy for any PyTorch language model through torch.compile."""
-from compile_pass.op import linear_cross_entropy
-from compile_pass.backend import chunkce_backend, register as _register_backend
-from compile_pass.explain import explain
-from compile_pass.graph import fuse_linear_cross_entropy
-from compile_pass.pre_grad import ChunkcePreGradPass
-from compile_pass.options import Options
-from compile_pass.graph.report import PassReport, SiteRecord, last_report
+"""chunkce: memory-efficient cross-entropy for any PyTorch language model through torch.compile.
 
-_register_backend()
+    loss = compile_pass.linear_cross_entropy(hidden_states, weight, target)  # the op, eager
+    model = torch.compile(model, backend="chunkce")                           # the pass, compiled
+
+Importing the package changes no torch setting. It tells Dynamo where the
+``chunkce`` backend is (an entry point, as the installed distribution's metadata
+does) without importing it. The backend module is imported at its first use, the
+first ``torch.compile(..., backend="chunkce")`` or access to
+``compile_pass.chunkce_backend``, and only then does :mod:`compile_pass.dynamo_scope`
+change Dynamo's logging-ignore set (``explain`` does so when called).
+"""
+import importlib
+from importlib.metadata import EntryPoint
+from typing import Any
+
+from compile_pass.op import linear_cross_entropy
+from compile_pass.explain import explain  # imported, not lazy: the submodule of that name would shadow it
+from compile_pass.graph import fuse_linear_cross_entropy
+from compile_pass.graph.report import PassReport, SiteRecord, last_report
+from compile_pass.options import Options
+from compile_pass.pre_grad import ChunkcePreGradPass
+
+BACKEND_NAME = "chunkce"
+BACKEND_ENTRY_POINT = EntryPoint(name=BACKEND_NAME, value="compile_pass.backend:chunkce_backend",
+                                 group="torch_dynamo_backends")  # as in pyproject.toml
 
 __all__ = [
     "linear_cross_entropy",
@@ -20,3 +36,32 @@ __all__ = [
     "SiteRecord",
     "last_report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``chunkce_backend``, imported on first access (PEP 562): that import is the backend's first use."""
+    if name == "chunkce_backend":
+        return importlib.import_module("compile_pass.backend").chunkce_backend
+    raise AttributeError(f"module 'compile_pass' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+def _register_backend() -> None:
+    """Tell Dynamo about ``chunkce`` without importing the backend.
+
+    Dynamo's ``lookup_backend`` loads a name's entry point when it is not yet
+    registered, then registers what it loaded. Entry points are discovered from the
+    installed metadata only at Dynamo's first lookup of an unknown name, so a source
+    checkout without that metadata would not find ``chunkce``: add the same entry
+    point unless Dynamo already has one or the backend itself.
+    """
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME not in registry._BACKENDS and BACKEND_NAME not in registry._COMPILER_FNS:
+        registry._BACKENDS[BACKEND_NAME] = BACKEND_ENTRY_POINT
+
+
+_register_backend()

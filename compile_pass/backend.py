@@ -3,29 +3,32 @@
     model = torch.compile(model, backend="chunkce")
     model = torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "inner_backend": "aot_eager"})
 
-Registered under the name ``chunkce`` twice over: by the ``torch_dynamo_backends``
-entry point of the installed distribution, and on ``import compile_pass`` (so a
-source checkout without install metadata works too).
+Dynamo finds it under the name ``chunkce`` through an entry point: the
+``torch_dynamo_backends`` one of the installed distribution, or the same one that
+``import compile_pass`` adds for a source checkout. Either way Dynamo imports this
+module at the first ``torch.compile(..., backend="chunkce")``; that import is
+chunkce's first use, and it installs :mod:`compile_pass.dynamo_scope`.
+
+The compiled graph's cache entries are tied to chunkce's source and options: while
+the inner backend compiles, ``torch.compiler.config.cache_key_tag`` carries
+:func:`compile_pass.cache_key.tag` after the user's own tag.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from importlib.metadata import EntryPoint
 from typing import Any
 
 import torch
 from torch._dynamo.backends import registry
 
-from compile_pass import dynamo_scope
+from compile_pass import BACKEND_NAME, cache_key, dynamo_scope
 from compile_pass.graph import logits_drop
 from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
-
-BACKEND_NAME = "chunkce"
 
 
 def chunkce_backend(
@@ -58,36 +61,29 @@ def chunkce_backend(
         raise ValueError(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
-    dynamo_scope.install()  # for the next frame, should someone have replaced Dynamo's ignore set since
+    dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
     fuse_linear_cross_entropy(gm.graph, opts)
     gm.recompile()
     dropped = logits_drop.dropped_positions(gm.graph)  # only with drop_unused_logits
-    if inner == "inductor":
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
+    with torch.compiler.config.patch(cache_key_tag=_cache_key_tag(opts)):
+        if inner == "inductor":
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
 
-        patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
-        patches.update(opts.inductor_config)
-        compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
-    else:
-        backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
-        compiled = backend(gm, example_inputs)
+            patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+            patches.update(opts.inductor_config)
+            compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+        else:
+            backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
+            compiled = backend(gm, example_inputs)
     return logits_drop.wrap(compiled, dropped) if dropped else compiled
 
 
+def _cache_key_tag(opts: Options) -> str:
+    """The user's own ``cache_key_tag`` (if any), then chunkce's source hash and options."""
+    user_tag = torch.compiler.config.cache_key_tag
+    return f"{user_tag}|{cache_key.tag(opts)}" if user_tag else cache_key.tag(opts)
+
+
 dynamo_scope.mark(chunkce_backend)  # transformers' one-shot logging does not break its graphs
-
-
-def register() -> None:
-    """Register ``chunkce`` with Dynamo unless the entry point already does; make
-    Dynamo's logging-ignore set chunkce-scoped (:mod:`compile_pass.dynamo_scope`).
-
-    Dynamo's ``lookup_backend`` registers an entry-point backend itself after
-    loading it (and refuses a second registration of the name), so when Dynamo
-    already knows ``chunkce`` from the entry point, registering here would break
-    that lookup: leave it to the entry point.
-    """
-    dynamo_scope.install()
-    if BACKEND_NAME in registry._COMPILER_FNS or isinstance(registry._BACKENDS.get(BACKEND_NAME), EntryPoint):
-        return
-    registry.register_backend(chunkce_backend, name=BACKEND_NAME)
+dynamo_scope.install()  # importing this module is chunkce's first use (see the module docstring)

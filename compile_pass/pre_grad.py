@@ -5,28 +5,22 @@
         torch.compile(model, backend="inductor")(...)
 
 Inductor's pre-grad graph is the torch-level graph Dynamo captured, so this is
-the same pass the ``chunkce`` backend runs. ``uuid()`` hashes the source of every
-module whose code ends up in the compiled graph, plus the options, so the FX graph
-and AOTAutograd caches never serve a graph compiled without it, or with other options.
+the same pass the ``chunkce`` backend runs. ``uuid()`` is :func:`compile_pass.cache_key.tag`
+(the package's source hash plus the options), so the FX graph and AOTAutograd caches
+never serve a graph compiled without the pass, by another version of it, or with other options.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import compile_pass
+from compile_pass import cache_key
 from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.options import Options
-
-
-def _sources() -> tuple[str, ...]:
-    root = os.path.dirname(compile_pass.__file__)
-    return tuple(sorted(os.path.join(d, f) for d, _, names in os.walk(root) for f in names if f.endswith(".py")))
 
 
 class ChunkcePreGradPass(CustomGraphPass):
@@ -51,5 +45,5 @@ class ChunkcePreGradPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_linear_cross_entropy(graph, self.options)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files(_sources(), extra=self.options.cache_key())
+    def uuid(self) -> str:
+        return cache_key.tag(self.options)

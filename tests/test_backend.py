@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
-from compile_pass import ChunkcePreGradPass, Options, chunkce_backend
+from compile_pass import ChunkcePreGradPass, Options, cache_key, chunkce_backend
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
@@ -39,8 +39,11 @@ class Toy(nn.Module):
 
 
 def test_backend_is_registered_by_entry_point_and_on_import():
+    """The installed entry point, and the same one ``import compile_pass`` adds for a source
+    checkout (both resolved in fresh processes by tests/test_entry_points.py)."""
     (entry,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "chunkce"]
     assert entry.value == "compile_pass.backend:chunkce_backend"
+    assert compile_pass.BACKEND_ENTRY_POINT == entry
     assert "chunkce" in list_backends()
     assert lookup_backend("chunkce") is chunkce_backend
 
@@ -118,11 +121,50 @@ def test_pre_grad_pass_rewrites_under_stock_inductor_and_the_cache_cannot_serve_
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-def test_pre_grad_pass_uuid_follows_options():
+def test_pre_grad_pass_uuid_follows_options_and_source(monkeypatch):
     assert ChunkcePreGradPass().uuid() == ChunkcePreGradPass().uuid()
     assert ChunkcePreGradPass({"chunk_size": 256}).uuid() != ChunkcePreGradPass().uuid()
     assert ChunkcePreGradPass({"strict": True}).uuid() != ChunkcePreGradPass().uuid()
     assert isinstance(ChunkcePreGradPass(), torch._inductor.custom_graph_pass.CustomGraphPass)
+    before = ChunkcePreGradPass().uuid()
+    monkeypatch.setattr(cache_key, "source_hash", lambda: "another source")
+    assert ChunkcePreGradPass().uuid() != before
+
+
+def test_source_hash_covers_every_py_file_of_the_package_walked(monkeypatch, tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("not source\n")
+    monkeypatch.setattr(cache_key, "PACKAGE_DIR", tmp_path)
+    hashes = [cache_key.source_hash.__wrapped__()]
+    (tmp_path / "notes.txt").write_text("still not source\n")
+    assert cache_key.source_hash.__wrapped__() == hashes[0]
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    hashes.append(cache_key.source_hash.__wrapped__())
+    (tmp_path / "a.py").write_text("x = 3\n")
+    hashes.append(cache_key.source_hash.__wrapped__())
+    assert len(set(hashes)) == 3
+    monkeypatch.undo()
+    assert cache_key.source_hash() == cache_key.source_hash.__wrapped__()  # the package's own, cached
+
+
+def test_backend_tags_the_inner_compile_with_source_and_options(eager_kernels):
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.append(torch.compiler.config.cache_key_tag)
+        return gm.forward
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    options = {"inner_backend": inner, "chunk_size": 7}
+    ours = f"chunkce:{cache_key.source_hash()}:{Options.from_mapping(options).cache_key()}"
+    chunkce_backend(gm, [torch.randn(2)], options=options)
+    assert seen == [ours] and torch.compiler.config.cache_key_tag == ""
+    with torch.compiler.config.patch(cache_key_tag="users-own-tag"):
+        chunkce_backend(gm, [torch.randn(2)], options=options)
+        assert torch.compiler.config.cache_key_tag == "users-own-tag"
+    assert seen[1] == f"users-own-tag|{ours}"
+    assert torch.compiler.config.cache_key_tag == ""
 
 
 class TwoHeads(nn.Module):
@@ -169,6 +211,44 @@ def test_explain_names_a_graph_break_between_projection_and_loss(eager_kernels):
     assert record.decision == "refused" and "graph broke between the projection and the loss" in record.reason
     assert record.fix.startswith("fix: remove the graph break")
     assert report.graph_breaks and "graph broke" in str(report) and "graph break:" in str(report)
+
+
+def test_explain_leaves_the_op_kernels_compiled(monkeypatch):
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
+    h, labels = make_inputs()
+    weight = torch.randn(V, H)
+    stats = counters["stats"]
+    expected = compile_pass.linear_cross_entropy(h.detach().view(-1, H), weight, labels.view(-1))
+    compiled_graphs = stats["unique_graphs"]
+    assert compiled_graphs >= 1  # the per-chunk kernel was compiled by Dynamo
+    report = compile_pass.explain(TwoHeads(), *make_inputs())
+    assert [r.decision for r in report.records] == ["rewritten", "refused"]
+    after_explain = stats["unique_graphs"]
+    loss = compile_pass.linear_cross_entropy(h.detach().view(-1, H), weight, labels.view(-1))
+    assert stats["unique_graphs"] == after_explain, "the kernel was compiled again after explain"
+    torch.testing.assert_close(loss, expected)
+
+
+def test_explain_many_times_reports_each_time_and_keeps_the_users_compile(eager_kernels):
+    model = TwoHeads()
+    compiled = torch.compile(model, backend="aot_eager")
+    expected = compiled(*make_inputs())
+    graphs = counters["stats"]["unique_graphs"]
+
+    class Broken(TwoHeads):
+        def forward(self, h, labels):
+            logits = self.lm_head(h)
+            torch._dynamo.graph_break()
+            return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+    broken = Broken()
+    for _ in range(12):  # more than Dynamo's recompile_limit (8)
+        assert [r.decision for r in compile_pass.explain(model, *make_inputs()).records] == ["rewritten", "refused"]
+        (record,) = compile_pass.explain(broken, *make_inputs()).records
+        assert record.decision == "refused" and "graph broke" in record.reason
+    graphs_by_explain = counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(compiled(*make_inputs()), expected)
+    assert counters["stats"]["unique_graphs"] == graphs_by_explain > graphs  # no recompile of the user's model
 
 
 @pytest.mark.slow
