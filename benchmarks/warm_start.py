@@ -1,7 +1,7 @@
 """Warm-start compile time: what the compile caches save a restarted training job.
 
     python -m benchmarks.warm_start                       # toy and Llama, inductor and chunkce
-    python -m benchmarks.warm_start --models llama --repeats 3
+    python -m benchmarks.warm_start --models llama --llama-layers 8 --repeats 3
 
 Per (model, backend): a fresh cache directory (``TORCHINDUCTOR_CACHE_DIR``), one
 process that compiles and runs the first training step from scratch (cold), then
@@ -20,6 +20,7 @@ AOTAutograd's cache accepts it; :func:`run_in_fresh_process` is also what
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -34,7 +35,7 @@ _CACHE_COUNTERS = ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_
 _FX_COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
 
 
-def _build(model_name: str):
+def _build(model_name: str, llama_layers: int = 2):
     """(loss function of one batch, the model, the batch): a toy head with label smoothing
     (a float the per-chunk kernels take) or a config-built transformers Llama."""
     import torch
@@ -61,13 +62,13 @@ def _build(model_name: str):
         return (lambda input_ids: model(input_ids, input_ids)), model, ids
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=llama_layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
     model = LlamaForCausalLM(config)
     return (lambda input_ids: model(input_ids=input_ids, labels=input_ids).loss), model, ids
 
 
-def _worker(model_name: str, backend: str, options: dict | None = None) -> dict:
+def _worker(model_name: str, backend: str, options: dict | None = None, llama_layers: int = 2) -> dict:
     """One process's first training step; what the caches did."""
     import torch
     from torch._dynamo.utils import counters
@@ -75,7 +76,7 @@ def _worker(model_name: str, backend: str, options: dict | None = None) -> dict:
 
     import compile_pass  # noqa: F401 - registers the backend and the ops
 
-    loss_fn, model, ids = _build(model_name)
+    loss_fn, model, ids = _build(model_name, llama_layers)
     compiled = torch.compile(loss_fn, backend=backend, options=options or None)
     start = time.perf_counter()
     loss = compiled(ids)
@@ -100,7 +101,7 @@ def _worker(model_name: str, backend: str, options: dict | None = None) -> dict:
 
 
 def run_in_fresh_process(model_name: str, backend: str, cache_dir: str, options: dict | None = None,
-                         timeout: float = 600) -> dict:
+                         llama_layers: int = 2, timeout: float = 900) -> dict:
     """Run :func:`_worker` in a new Python process whose compile caches live in ``cache_dir``.
 
     ``options`` are the backend's (``torch.compile(..., options=...)``), JSON-serialisable.
@@ -116,7 +117,7 @@ def run_in_fresh_process(model_name: str, backend: str, cache_dir: str, options:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.warm_start", "--worker", model_name, backend,
-         "--options", json.dumps(options or {})],
+         "--options", json.dumps(options or {}), "--llama-layers", str(llama_layers)],
         cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
     )
     if done.returncode != 0:
@@ -128,19 +129,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--repeats", type=int, default=2, help="warm processes per (model, backend)")
+    parser.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the llama model")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker(*args.worker, json.loads(args.options))))
+        print(json.dumps(_worker(*args.worker, json.loads(args.options), args.llama_layers)))
         return
     print(f"{'model':<6} {'backend':<9} {'cold s':>7} {'warm s':>7} {'warm/cold':>9}  warm-run caches")
     for model_name in args.models:
         ratios = {}
         for backend in BACKENDS:
             with tempfile.TemporaryDirectory(prefix="chunkce-warm-") as cache_dir:
-                cold = run_in_fresh_process(model_name, backend, cache_dir)
-                warms = [run_in_fresh_process(model_name, backend, cache_dir) for _ in range(args.repeats)]
+                run = functools.partial(run_in_fresh_process, model_name, backend, cache_dir,
+                                        llama_layers=args.llama_layers)
+                cold = run()
+                warms = [run() for _ in range(args.repeats)]
             warm_s = statistics.median(w["seconds"] for w in warms)
             ratios[backend] = warm_s / cold["seconds"]
             caches = {**warms[-1]["aot_autograd"], **warms[-1]["inductor"]}
