@@ -28,7 +28,6 @@ from compile_pass.op.function import chunked_cross_entropy
 class Rewritten:
     """What the rewrite of one site did."""
 
-    node: Node  # the new op call
     logits_kept: bool  # the projection stays for other users
     # bytes no longer materialized: cross_entropy's own [N, V] buffers (the log-softmax it
     # saves for backward and the logits' gradient), plus the forward logits and their
@@ -66,7 +65,7 @@ def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
     site.node.replace_all_uses_with(new)
     graph.erase_node(site.node)
     bytes_avoided = loss_buffers + _erase_dead(site)
-    return Rewritten(new, projection.node in graph.nodes, bytes_avoided)
+    return Rewritten(projection.node in graph.nodes, bytes_avoided)
 
 
 def _hidden_states(site: Site, meta: dict) -> Node:

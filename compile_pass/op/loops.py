@@ -62,7 +62,7 @@ class ChunkPlan:
         """The kernels' compile key: device type, projection dtype, logits dtype,
         class weights present, label smoothing present."""
         return (hidden_states.device.type, hidden_states.dtype, self.logits_dtype,
-                class_weight is not None, self.label_smoothing > 0.0)
+                class_weight is not None, self.kernel_label_smoothing is not None)
 
 
 def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
