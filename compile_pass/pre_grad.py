@@ -43,7 +43,7 @@ class ChunkcePreGradPass(CustomGraphPass):
                              "backend='chunkce', options=...)); the pre-grad pass cannot drop logits")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        fuse_linear_cross_entropy(graph, self.options)
+        fuse_linear_cross_entropy(graph, self.options, subgraphs=False)  # Inductor visits each subgraph itself
 
     def uuid(self) -> str:
         return cache_key.tag(self.options)

@@ -15,7 +15,7 @@ import logging
 from torch.fx import Graph, GraphModule
 
 from compile_pass.graph import guard, logits_drop, report
-from compile_pass.graph.nodes import example_value, module_attr, size_hint
+from compile_pass.graph.nodes import Edit, example_value, module_attr, size_hint
 from compile_pass.graph.rewrite import rewrite_site
 from compile_pass.graph.sites import Site, find_sites
 from compile_pass.op.chunking import resolve_chunk_size
@@ -24,11 +24,20 @@ from compile_pass.options import Options
 log = logging.getLogger(__name__)
 
 
-def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> report.PassReport:
+def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
+                              subgraphs: bool = True) -> report.PassReport:
     """Rewrite every accepted ``linear -> cross_entropy`` site of ``graph`` in place.
 
-    Subgraphs of higher-order ops (e.g. the body of a ``torch.utils.checkpoint``
-    region) are rewritten too, innermost first.
+    Each site is all-or-nothing: an exception at any step of its rewrite leaves the
+    graph exactly as it was (:class:`compile_pass.graph.nodes.Edit`), logs a warning
+    with the reason, and records the site as refused with key ``internal_error``;
+    an exception while finding the sites or reporting them is logged the same way.
+    The compile then goes on as it would without chunkce.
+
+    Args:
+        subgraphs: also rewrite the subgraphs of higher-order ops (e.g. the body of a
+            ``torch.utils.checkpoint`` region), innermost first. Inductor's pre-grad
+            pass passes False: Inductor calls it on every subgraph itself.
 
     Returns:
         The report (also logged, counted in ``counters["chunkce"]`` and kept as
@@ -37,16 +46,32 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None) -> r
     Raises:
         NotImplementedError: ``options.strict`` and a site was refused (the
             message carries the guard's reason).
+        Exception: ``options.strict`` and the pass itself failed (the original error).
     """
     options = options or Options()
     records = []
-    for subgraph in _subgraph_modules(graph):
-        records += _fuse_graph(subgraph.graph, options, in_subgraph=True)
-        subgraph.recompile()
-    records += _fuse_graph(graph, options, in_subgraph=False)
+    if subgraphs:
+        for subgraph in _subgraph_modules(graph):
+            records += _fuse_graph(subgraph.graph, options, in_subgraph=True)
+            subgraph.recompile()
+        records += _fuse_graph(graph, options, in_subgraph=False)
+    else:
+        records += _fuse_graph(graph, options, in_subgraph=is_subgraph(graph))
     result = report.PassReport(records)
-    report.publish(result)
+    try:
+        report.publish(result)
+    except Exception:
+        if options.strict:
+            raise
+        log.warning("chunkce: could not report the pass's decisions; the graph is rewritten", exc_info=True)
     return result
+
+
+def is_subgraph(graph: Graph) -> bool:
+    """Whether ``graph`` is a higher-order op's body rather than a graph Dynamo captured
+    (whose inputs carry Dynamo's ``grapharg`` metadata)."""
+    inputs = graph.find_nodes(op="placeholder")
+    return bool(inputs) and not any("grapharg" in node.meta for node in inputs)
 
 
 def _subgraph_modules(graph: Graph, seen: set[int] | None = None) -> list[GraphModule]:
@@ -62,7 +87,14 @@ def _subgraph_modules(graph: Graph, seen: set[int] | None = None) -> list[GraphM
 
 
 def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[report.SiteRecord]:
-    sites = find_sites(graph, in_subgraph)
+    try:
+        sites = find_sites(graph, in_subgraph)
+    except Exception as exc:
+        if options.strict:
+            raise
+        log.warning("chunkce: could not read the graph's cross-entropy sites; left it unchanged", exc_info=True)
+        reason = guard.internal_error(f"{type(exc).__name__}: {exc}")
+        return [report.SiteRecord("(whole graph)", "", report.REFUSED, str(reason), reason.key)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     decisions = [(site, _check(site, order)) for site in sites]
     refused = [(site, reason) for site, reason in decisions if reason is not None]
@@ -74,14 +106,29 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
         )
     records = []
     for site, reason in decisions:
-        source = report.source_of(site.node)
-        module = report.module_of(site.projection.node if site.projection else site.stop)
-        if reason is not None:
-            fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
-            records.append(report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix))
-            continue
-        chunk = _chunk_size(site, options)
-        done = rewrite_site(site, options.chunk_size)
+        try:
+            records.append(_decide(site, reason, options, in_subgraph))
+        except Exception as exc:
+            if options.strict:
+                raise
+            log.warning("chunkce: rewriting %s failed; left it unfused", site.node.format_node(), exc_info=True)
+            failure = guard.internal_error(f"{type(exc).__name__}: {exc}")
+            records.append(report.SiteRecord(site.node.name, "", report.REFUSED, str(failure), failure.key))
+    return records
+
+
+def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
+    """The record of a refused site, or rewrite an accepted one (and drop its returned
+    logits, if asked), all or nothing."""
+    source = report.source_of(site.node)
+    module = report.module_of(site.projection.node if site.projection else site.stop)
+    if reason is not None:
+        fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
+        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix)
+    graph = site.node.graph
+    chunk = _chunk_size(site, options)
+    with Edit(graph) as edit:
+        done = rewrite_site(site, options.chunk_size, edit)
         note, fix, dropped = "", "", 0
         if done.logits_kept and not in_subgraph and options.drop_unused_logits:
             dropped = logits_drop.drop_if_only_returned(site.projection)
@@ -90,13 +137,9 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
         elif done.logits_kept:
             note = report.LOGITS_KEPT
             fix = report.DROP_LOGITS_FIX if logits_drop.droppable(site.projection.node) else ""
-        records.append(report.SiteRecord(
-            source, module, report.REWRITTEN, note, chunk_size=chunk,
-            logits_bytes_avoided=done.logits_bytes_avoided + dropped, fix=fix,
-        ))
-    if any(r.decision == report.REWRITTEN for r in records):
         graph.lint()
-    return records
+    return report.SiteRecord(source, module, report.REWRITTEN, note, chunk_size=chunk,
+                             logits_bytes_avoided=done.logits_bytes_avoided + dropped, fix=fix)
 
 
 def _check(site: Site, order: dict) -> guard.Reason | None:

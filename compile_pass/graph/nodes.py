@@ -5,7 +5,7 @@ metadata (``node.meta["example_value"]``, a fake tensor) and sizes that may be
 symbolic. Writing: :func:`create_node` and :func:`trace_into` add nodes whose
 ``example_value`` is computed on the fake inputs, as Dynamo's own nodes carry it
 (AOTAutograd's cache reads it to accept ``call_method`` nodes, and later steps of
-the pass read it).
+the pass read it). An :class:`Edit` makes a site's changes all-or-nothing.
 """
 
 from __future__ import annotations
@@ -165,3 +165,60 @@ def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
         return
     node.meta["example_value"] = value
 
+
+
+class Edit:
+    """The changes to one graph for one site, all kept or all undone.
+
+        with Edit(graph) as edit:     # an exception inside undoes every change, then propagates
+            new = create_node(...)
+            edit.replace_all_uses_with(old, new)
+            edit.erase(old)
+
+    New nodes are found by difference with the nodes present on entry; uses are
+    replaced through :meth:`replace_all_uses_with` and nodes removed through
+    :meth:`erase`, which disconnects a node at once (so nothing counts as its user)
+    but takes it out of the graph only when the block ends without an exception.
+    Undoing reconnects the erased nodes, points every replaced use back, and erases
+    the new nodes: the graph is then node for node, argument for argument, what it was.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._before: set[Node] = set()
+        self._replaced: list[tuple[Node, Node, list[Node]]] = []
+        self._erased: list[tuple[Node, tuple, dict]] = []
+
+    def __enter__(self) -> Edit:
+        self._before = set(self.graph.nodes)
+        return self
+
+    def __exit__(self, kind: type | None, value: BaseException | None, tb: Any) -> None:
+        if kind is None:
+            for node, _, _ in self._erased:
+                self.graph.erase_node(node)
+        else:
+            self._undo()
+
+    def replace_all_uses_with(self, old: Node, new: Node) -> None:
+        """``old.replace_all_uses_with(new)``, remembered."""
+        users = list(old.users)
+        old.replace_all_uses_with(new)
+        self._replaced.append((old, new, users))
+
+    def erase(self, node: Node) -> None:
+        """Disconnect ``node`` (it must have no users) and erase it when the edit is kept."""
+        if node.users:
+            raise RuntimeError(f"chunkce: cannot erase {node.format_node()}: it still has users")
+        self._erased.append((node, node.args, node.kwargs))
+        node.args, node.kwargs = (), {}
+
+    def _undo(self) -> None:
+        for node, args, kwargs in reversed(self._erased):
+            node.args, node.kwargs = args, kwargs
+        for old, new, users in reversed(self._replaced):
+            for user in users:
+                user.replace_input_with(new, old)
+        added = [node for node in self.graph.nodes if node not in self._before]
+        for node in reversed(added):  # users before what they use: only added nodes use added nodes now
+            self.graph.erase_node(node)

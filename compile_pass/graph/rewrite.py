@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from compile_pass.graph.nodes import create_node, example_value, is_tensor_node, size_hint, trace_into
+from compile_pass.graph.nodes import Edit, create_node, example_value, is_tensor_node, size_hint, trace_into
 from compile_pass.graph.sites import Site, logits_dtypes
 from compile_pass.op.function import chunked_cross_entropy
 
@@ -35,8 +35,9 @@ class Rewritten:
     logits_bytes_avoided: int
 
 
-def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
-    """Rewrite an accepted ``site`` in place (the guard must have returned None).
+def rewrite_site(site: Site, chunk_size: int | None, edit: Edit) -> Rewritten:
+    """Rewrite an accepted ``site`` in place (the guard must have returned None), as
+    part of ``edit`` (which keeps or undoes the change as a whole).
 
     The new nodes are those :func:`compile_pass.op.function.chunked_cross_entropy`
     runs, traced into the graph: token-dim indexing replayed on the hidden states,
@@ -62,10 +63,10 @@ def rewrite_site(site: Site, chunk_size: int | None) -> Rewritten:
         )
     loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
-    site.node.replace_all_uses_with(new)
-    graph.erase_node(site.node)
-    bytes_avoided = loss_buffers + _erase_dead(site)
-    return Rewritten(projection.node in graph.nodes, bytes_avoided)
+    edit.replace_all_uses_with(site.node, new)
+    edit.erase(site.node)
+    bytes_avoided = loss_buffers + _erase_dead(site, edit)
+    return Rewritten(bool(projection.node.users), bytes_avoided)
 
 
 def _hidden_states(site: Site, meta: dict) -> Node:
@@ -84,13 +85,12 @@ def _hidden_states(site: Site, meta: dict) -> Node:
     return hidden
 
 
-def _erase_dead(site: Site) -> int:
+def _erase_dead(site: Site, edit: Edit) -> int:
     """Erase the site's nodes nothing uses any more; bytes of logits no longer materialized.
 
     Counted: the projection's output (and the matmul under a bias add) and every
     dtype-changing cast of the logits that is gone.
     """
-    graph = site.node.graph
     projection = site.projection
     materialized = {projection.node}
     if projection.bias is not None and projection.inner:
@@ -107,5 +107,5 @@ def _erase_dead(site: Site) -> int:
         value = example_value(node)
         if node in materialized and isinstance(value, torch.Tensor):
             bytes_avoided += size_hint(value.numel()) * value.element_size()
-        graph.erase_node(node)
+        edit.erase(node)
     return bytes_avoided

@@ -1,0 +1,178 @@
+"""The pass never breaks a compile: a fault at any step leaves the site's graph as it was.
+
+Each test injects an exception into one step of the pass (finding the sites, the
+guard, the rewrite part-way through, the logits drop, reporting) and checks, on a
+graph Dynamo captured: the graph is node for node what it was, a warning names the
+failure, the site is counted as refused with key ``internal_error`` — and end to end,
+the model compiled with ``backend="chunkce"`` trains exactly as stock compile does.
+With ``strict=True`` the original exception reaches the caller instead.
+"""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+
+from compile_pass.graph import driver, guard, logits_drop, report, rewrite
+from compile_pass.graph.driver import fuse_linear_cross_entropy
+from compile_pass.options import Options
+from compile_pass.pre_grad import ChunkcePreGradPass
+from conftest import OP
+
+pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
+
+V, H = 48, 16
+
+
+class Injected(RuntimeError):
+    """The fault the tests inject."""
+
+
+class Head(torch.nn.Module):
+    def __init__(self, returns_logits=False):
+        super().__init__()
+        self.body = torch.nn.Linear(H, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.returns_logits = returns_logits
+
+    def forward(self, x, labels):
+        logits = self.lm_head(torch.tanh(self.body(x)))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return (loss, logits) if self.returns_logits else loss
+
+
+def _inputs():
+    torch.manual_seed(0)
+    labels = torch.randint(0, V, (2, 8))
+    labels[0, :3] = -100
+    return torch.randn(2, 8, H), labels
+
+
+def _captured(model):
+    """The graph Dynamo captures from one training call of ``model``."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=capture)(*_inputs())
+    torch._dynamo.reset()
+    (gm,) = graphs
+    return gm
+
+
+def _raise(*args, **kwargs):
+    raise Injected("injected fault")
+
+
+def _after(real):
+    """``real`` runs (and changes the graph), then the fault."""
+    def run(*args, **kwargs):
+        real(*args, **kwargs)
+        raise Injected("injected fault")
+    return run
+
+
+FAULTS = {
+    "matcher": lambda mp: mp.setattr(driver, "find_sites", _raise),
+    "guard": lambda mp: mp.setattr(guard, "check", _raise),
+    "report_source": lambda mp: mp.setattr(report, "module_of", _raise),
+    "rewrite_start": lambda mp: mp.setattr(driver, "rewrite_site", _raise),
+    "rewrite_traced": lambda mp: mp.setattr(rewrite, "trace_into", _after(rewrite.trace_into)),
+    "rewrite_erased": lambda mp: mp.setattr(rewrite, "_erase_dead", _after(rewrite._erase_dead)),
+    "logits_drop": lambda mp: mp.setattr(logits_drop, "drop_if_only_returned", _raise),
+    "lint": lambda mp: mp.setattr(torch.fx.Graph, "lint", _raise),
+}
+
+
+@pytest.mark.parametrize("stage", FAULTS)
+def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, monkeypatch, caplog):
+    gm = _captured(Head(returns_logits=stage == "logits_drop"))
+    before = str(gm.graph)
+    FAULTS[stage](monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+        result = fuse_linear_cross_entropy(gm.graph, Options(drop_unused_logits=True))
+    monkeypatch.undo()
+    assert str(gm.graph) == before
+    gm.graph.lint()
+    assert not any(node.target is OP for node in gm.graph.nodes)
+    assert [r.reason_key for r in result.records] == ["internal_error"]
+    assert "injected fault" in result.records[0].reason
+    assert counters["chunkce"]["refused_internal_error"] == 1
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and any(r.exc_info and r.exc_info[0] is Injected for r in warnings)
+
+
+def test_a_fault_in_reporting_keeps_the_rewritten_graph(monkeypatch, caplog):
+    """Reporting runs after every site is rewritten and proven (lint): the graph stays rewritten."""
+    gm = _captured(Head())
+    monkeypatch.setattr(report, "publish", _raise)
+    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+        result = fuse_linear_cross_entropy(gm.graph)
+    assert [r.decision for r in result.records] == [report.REWRITTEN]
+    assert sum(node.target is OP for node in gm.graph.nodes) == 1
+    assert any("could not report" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("stage", ["matcher", "guard", "rewrite_traced", "rewrite_erased"])
+def test_a_fault_compiles_and_trains_as_stock_compile(stage, monkeypatch):
+    torch.manual_seed(0)
+    model = Head()
+    reference = Head()
+    reference.load_state_dict(model.state_dict())
+    x, labels = _inputs()
+    FAULTS[stage](monkeypatch)
+    loss = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})(x, labels)
+    loss.backward()
+    monkeypatch.undo()
+    expected = torch.compile(reference, backend="aot_eager")(x, labels)
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+    assert counters["chunkce"]["refused_internal_error"] == 1
+    assert counters["chunkce"]["sites_rewritten"] == 0
+
+
+@pytest.mark.parametrize("stage", ["matcher", "rewrite_traced", "rewrite_erased"])
+def test_strict_raises_the_original_fault_and_leaves_the_graph(stage, monkeypatch):
+    gm = _captured(Head())
+    before = str(gm.graph)
+    FAULTS[stage](monkeypatch)
+    with pytest.raises(Injected, match="injected fault"):
+        fuse_linear_cross_entropy(gm.graph, Options(strict=True))
+    monkeypatch.undo()
+    assert str(gm.graph) == before
+
+
+class CheckpointedLoss(torch.nn.Module):
+    """One site inside a checkpoint body, one whose logits enter the body as an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, x, labels):
+        def body(x, logits, labels):
+            inner = F.cross_entropy(self.lm_head(x).flatten(0, 1), labels.flatten())
+            outer = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            return inner + outer
+
+        return checkpoint(body, x, self.lm_head(x) * 2, labels, use_reentrant=False)
+
+
+def test_pre_grad_pass_visits_each_subgraph_once():
+    """Inductor runs the pre-grad pass on every higher-order op's body itself: the pass
+    must not walk into them again (counts would double, keys would be wrong)."""
+    x, labels = _inputs()
+    with torch._inductor.config.patch(pre_grad_custom_pass=ChunkcePreGradPass(), fx_graph_cache=False):
+        torch.compile(CheckpointedLoss(), backend="inductor")(x, labels)
+    stats = counters["chunkce"]
+    assert stats["sites_found"] == 2
+    assert stats["sites_rewritten"] == 1
+    assert stats["refused_subgraph_input"] == 1
+    assert stats["refused_graph_break"] == 0
