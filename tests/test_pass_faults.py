@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import OP
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
@@ -20,7 +21,6 @@ from compile_pass.graph import driver, guard, logits_drop, report, rewrite
 from compile_pass.graph.driver import fuse_linear_cross_entropy
 from compile_pass.options import Options
 from compile_pass.pre_grad import ChunkcePreGradPass
-from conftest import OP
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import operator
 from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -193,7 +194,8 @@ class Edit:
         self._before = set(self.graph.nodes)
         return self
 
-    def __exit__(self, kind: type | None, value: BaseException | None, tb: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if kind is None:
             for node, _, _ in self._erased:
                 self.graph.erase_node(node)

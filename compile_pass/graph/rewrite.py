@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from compile_pass.graph.nodes import Edit, create_node, example_value, is_tensor_node, size_hint, trace_into
+from compile_pass.graph.nodes import (
+    Edit,
+    create_node,
+    example_value,
+    is_tensor_node,
+    size_hint,
+    trace_into,
+)
 from compile_pass.graph.sites import Site, logits_dtypes
 from compile_pass.op.function import chunked_cross_entropy
 
