@@ -9,6 +9,7 @@ targets have to be class indices the op can take.
 from __future__ import annotations
 
 import operator
+import re
 from collections import deque
 
 import torch
@@ -36,6 +37,9 @@ _HINTS = {
     "mul": "logit scaling", "truediv": "logit scaling", "div": "logit scaling",
     "add": "an added tensor, e.g. LoRA on the head", "sub": "an added tensor",
     "detach": "it cuts the gradient", "clamp": "logit clipping",
+    **dict.fromkeys(("to_local", "redistribute", "full_tensor"),
+                    "DTensor logits of a tensor parallel (vocabulary-sharded) head, gathered on the way; "
+                    "chunkce takes plain tensors only"),
 }
 _PROJECTION_LIKE = ("mm", "linear", "matmul", "einsum", "conv", "tensordot", "module ")
 _UPSTREAM_DEPTH = 8
@@ -107,7 +111,7 @@ def _check_stop(site: Site) -> Reason | None:
     name = op_name(stop) if stop is not None else "?"
     if kind == "graph_input":
         return Reason("graph_break", f"logits enter this graph as an input (`{stop.target}`): the graph broke "
-                                     "between the projection and the loss")
+                                     f"between the projection and the loss{_graph_break_cause(stop)}")
     if kind == "subgraph_input":
         return Reason("subgraph_input", f"logits enter this higher-order op's body (e.g. a checkpoint region) as "
                                         f"its input `{stop.target}`: the projection is outside it")
@@ -127,6 +131,53 @@ def _check_stop(site: Site) -> Reason | None:
     if kind == "unreadable":
         return Reason("unreadable", "cross_entropy input is not a tensor computed in this graph")
     return _opaque_reason(stop)
+
+
+_DYNAMO_INPUT = re.compile(r"[LG]_")  # Dynamo names its inputs by source: L_logits_, L_stack0_, G_...
+_CALL_RESULT = re.compile(r"L_stack\d+_")  # a resume function's stack value: the result of the breaking call
+
+
+def _graph_break_cause(stop: Node) -> str:
+    """What broke the graph, where the distributed wrappers make it knowable: "" or "; <cause and fix>"."""
+    name = str(stop.target)
+    if not _DYNAMO_INPUT.match(name) and _in_ddp_optimizer():
+        return ("; DDP's graph split (torch._dynamo.config.optimize_ddp) put a bucket boundary there, at a "
+                "parameter used between the projection and the loss. Fix: compute that before the lm_head or "
+                "after the loss, raise DDP's bucket_cap_mb, or set torch._dynamo.config.optimize_ddp = False")
+    if not _CALL_RESULT.fullmatch(name):
+        return ""
+    if _fsdp2_in_use():
+        return ("; the lm_head call itself broke it, and FSDP2 is in use: an lm_head that is its own "
+                "fully_shard unit always does (FSDP2's hooks run under torch._dynamo.disable, so each unit's "
+                "call is a graph break). Fix: keep lm_head in the root group (the final fully_shard(model) "
+                "covers it; tied embeddings stay in one group with it), or make the head's unit also compute "
+                "the loss (one module whose forward runs lm_head and the loss, passed to fully_shard)")
+    return ("; the call that returned the logits broke it (e.g. an lm_head that is its own FSDP2 fully_shard "
+            "unit, or a module whose hooks Dynamo does not trace)")
+
+
+def _in_ddp_optimizer() -> bool:
+    """This compile runs inside a DDP forward whose graphs DDPOptimizer splits at bucket boundaries."""
+    try:
+        from torch._dynamo.utils import get_optimize_ddp_mode
+        from torch.nn.parallel import DistributedDataParallel
+
+        return (get_optimize_ddp_mode() == "ddp_optimizer"
+                and DistributedDataParallel._get_active_ddp_module() is not None)
+    except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
+        return False
+
+
+def _fsdp2_in_use() -> bool:
+    """Some module of this process has FSDP2 (``fully_shard``) applied (read from the composable-API
+    registry of every module with such state, ``_module_state_mapping``)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(module, FSDPModule) for module in list(_module_state_mapping.keys()))
+    except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
+        return False
 
 
 def _opaque_reason(stop: Node) -> Reason:
@@ -160,7 +211,9 @@ def _opaque_reason(stop: Node) -> Reason:
 
 def _not_plain_floating(t: torch.Tensor) -> str | None:
     if is_traceable_wrapper_subclass(t) or not (type(t) in (torch.Tensor, torch.nn.Parameter) or is_fake(t)):
-        return f"a tensor subclass ({type(t).__name__})"
+        name = type(t).__name__
+        what = ": a sharded (FSDP2 outside its unit's forward) or tensor parallel weight" if name == "DTensor" else ""
+        return f"a tensor subclass ({name}{what})"
     if t.dtype not in _PLAIN_FLOATS:
         return f"of dtype {t.dtype}, not a plain floating dtype"
     return None

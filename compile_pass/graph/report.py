@@ -32,7 +32,8 @@ DROP_LOGITS_FIX = (
 GRAPH_BREAK_FIX = (
     "fix: remove the graph break between the lm_head and the loss (a print, .item(), "
     "data-dependent Python control flow, or an unsupported call; `torch._dynamo.explain(model)(...)` "
-    "names it), or compute the loss inside the compiled region"
+    "names it), or compute the loss inside the compiled region; under DDP's graph split or FSDP2 the reason "
+    "names the cause and its fix (docs/distributed.md)"
 )
 
 

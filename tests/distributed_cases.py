@@ -1,0 +1,464 @@
+"""Per-rank cases for ``tests/test_distributed.py``: chunkce under DDP, FSDP2 and tensor parallelism.
+
+Run by :func:`run_rank` in each of ``WORLD_SIZE`` spawned processes (gloo, CPU).
+Every case builds its model from one seed, so each rank also holds the unsharded
+single-process reference. Each rank trains on its own batch with its own number
+of ignored labels (``-100``): a gradient that holds only the local contribution
+cannot match the reference.
+
+Loss normalisation (HF's ``num_items_in_batch`` / ``average_tokens_across_devices``):
+each rank's loss is ``sum of its token losses / global number of valid tokens *
+world_size``, the global count all-reduced before the step. DDP and FSDP2 average
+gradients over ranks, so the average is the gradient of the mean over every
+valid token of the concatenated batch, which is what the reference computes.
+
+A case returns plain data (floats, strings, CPU tensors): ``pairs`` maps a name
+(``"loss"``, ``"<param>.grad"``) to ``(got, expected)`` on this rank, compared by
+the test in the parent process; ``graphs`` describes every graph the chunkce
+backend compiled on this rank (after the pass); the rest is case-specific.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WORLD_SIZE = 2
+IGNORE_INDEX = -100
+VOCAB_SIZE, HIDDEN_SIZE = 509, 32  # odd vocabulary: FSDP2 shards it 255 / 254
+BATCH, SEQ_LEN = 2, 8
+IGNORED_PER_RANK = (1, 5)  # ignored labels in rank 0's batch, rank 1's batch
+SEQ_LENS = (8, 11, 6, 13, 9, 16)  # the dynamic-shapes case: six lengths
+GLOO_TIMEOUT_S = 60
+
+
+# --- models ------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    """A residual MLP block (one FSDP2 unit in the sharded layouts)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.up = nn.Linear(hidden_size, 4 * hidden_size)
+        self.down = nn.Linear(4 * hidden_size, hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.down(F.gelu(self.up(hidden_states)))
+
+
+class Body(nn.Module):
+    """Embedding -> blocks -> norm, like HF's ``model.model`` (the loop lives here, as in HF)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, num_blocks: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(Block(hidden_size) for _ in range(num_blocks))
+        self.norm = nn.LayerNorm(hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return self.norm(hidden_states)
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's loss before normalisation: fp32 cross-entropy summed over valid tokens."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class HeadWithLoss(nn.Module):
+    """The lm_head and the loss in one module: as one FSDP2 unit its compiled forward holds the site."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor,
+                num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(self.lm_head(hidden_states), labels) / num_items_in_batch
+
+
+class ToyLM(nn.Module):
+    """A causal-LM-shaped toy: ``loss = sum CE(lm_head(model(input_ids)), labels) / num_items_in_batch``.
+
+    Args:
+        tied: the head's weight is the embedding's.
+        head_with_loss: the head and the loss live in a :class:`HeadWithLoss` child ``head``.
+        aux_size: if set, an auxiliary linear head of that width runs between the lm_head and the
+            loss, and its outputs' sum, normalised as the loss is, is added to the loss (a parameter
+            user between projection and loss).
+    """
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE, hidden_size: int = HIDDEN_SIZE, num_blocks: int = 2,
+                 tied: bool = False, head_with_loss: bool = False, aux_size: int = 0):
+        super().__init__()
+        self.model = Body(vocab_size, hidden_size, num_blocks)
+        if head_with_loss:
+            self.head = HeadWithLoss(vocab_size, hidden_size)
+        else:
+            self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if tied:
+            self.head_linear().weight = self.model.embed_tokens.weight
+        self.aux_head = nn.Linear(hidden_size, aux_size) if aux_size else None
+
+    def head_linear(self) -> nn.Linear:
+        """The projection to the vocabulary."""
+        return self.head.lm_head if hasattr(self, "head") else self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                num_items_in_batch: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.model(input_ids)  # [B, T, H]
+        if hasattr(self, "head"):
+            return self.head(hidden_states, labels, num_items_in_batch)
+        logits = self.lm_head(hidden_states)  # [B, T, V]
+        aux = self.aux_head(hidden_states).sum() if self.aux_head is not None else None
+        loss = token_loss_sum(logits, labels) / num_items_in_batch
+        return loss if aux is None else loss + aux / num_items_in_batch
+
+
+# --- data and reference ------------------------------------------------------------------------
+
+def make_batch(rank: int, seq_len: int = SEQ_LEN, vocab_size: int = VOCAB_SIZE,
+               step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch: its own tokens and ``IGNORED_PER_RANK[rank]`` ignored labels."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    input_ids = torch.randint(3, vocab_size, (BATCH, seq_len), generator=gen)  # [B, T]
+    labels = input_ids.clone()
+    labels.view(-1)[torch.randperm(BATCH * seq_len, generator=gen)[:IGNORED_PER_RANK[rank]]] = IGNORE_INDEX
+    return input_ids, labels
+
+
+def global_batch(seq_len: int = SEQ_LEN, vocab_size: int = VOCAB_SIZE,
+                 step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's batch, concatenated: what the single-process reference trains on."""
+    batches = [make_batch(r, seq_len, vocab_size, step) for r in range(WORLD_SIZE)]
+    return torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+def global_num_items(labels: torch.Tensor) -> torch.Tensor:
+    """Valid labels summed over ranks (all-reduced): the ``num_items_in_batch`` of every rank."""
+    count = (labels != IGNORE_INDEX).sum()
+    dist.all_reduce(count)
+    return count
+
+
+def reference_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                   **kwargs: Any) -> torch.Tensor:
+    """One eager single-process step on the global batch; returns the loss (grads left in ``model``)."""
+    num_items_in_batch = (labels != IGNORE_INDEX).sum()
+    loss = model(input_ids, labels, num_items_in_batch, **kwargs)
+    loss.backward()
+    return loss.detach()
+
+
+def distributed_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The global loss from the per-rank ``loss * world_size`` terms: their mean over ranks."""
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / WORLD_SIZE
+
+
+# --- compiling and reading graphs --------------------------------------------------------------
+
+class GraphRecorder:
+    """A chunkce ``inner_backend`` that describes each graph it is given, then compiles it with aot_eager."""
+
+    def __init__(self, vocab_size: int = VOCAB_SIZE):
+        self.vocab_size = vocab_size
+        self.graphs: list[dict[str, Any]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs.append(describe_graph(gm, self.vocab_size))
+        return aot_eager(gm, example_inputs)
+
+
+def describe_graph(gm: torch.fx.GraphModule, vocab_size: int) -> dict[str, Any]:
+    """Op nodes, cross_entropy calls and ``[..., V]`` activations (not inputs, not the expanded scalar
+    that stands in for dropped logits) of a graph the pass has run on."""
+    op = torch.ops.chunkce.linear_cross_entropy.default
+    logits_shaped = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if node.op != "placeholder" and isinstance(value, torch.Tensor) and value.dim() >= 2 \
+                and value.shape[-1] == vocab_size and any(value.stride()):  # all strides 0: a dropped stand-in
+            logits_shaped.append(f"{node.name}: {tuple(value.shape)}")
+    return {
+        "op_nodes": sum(node.target is op for node in gm.graph.nodes),
+        "cross_entropy_nodes": sum(node.target is F.cross_entropy for node in gm.graph.nodes),
+        "logits_shaped": logits_shaped,
+        "placeholders": [node.name for node in gm.graph.find_nodes(op="placeholder")],
+    }
+
+
+def compile_chunkce(model: nn.Module, recorder: GraphRecorder, dynamic: bool | None = None, **options: Any):
+    """``torch.compile(model, backend="chunkce", dynamic=dynamic)`` with ``recorder`` as inner backend,
+    and ``options``."""
+    return torch.compile(model, backend="chunkce", dynamic=dynamic, options={"inner_backend": recorder, **options})
+
+
+def pass_outcome(recorder: GraphRecorder) -> dict[str, Any]:
+    """This rank's chunkce counters, the reasons it logged, and its recorded graphs."""
+    from torch._dynamo.utils import counters
+
+    from compile_pass.graph.report import last_report
+
+    report = last_report()
+    return {
+        "counters": dict(counters["chunkce"]),
+        "records": [(r.decision, r.reason_key, r.reason, r.fix) for r in report.records] if report else [],
+        "graphs": recorder.graphs,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+def grad_pairs(model: nn.Module, reference: nn.Module, rank: int) -> dict[str, tuple]:
+    """``(this rank's gradient, the reference's)`` for every parameter; for DTensor gradients the
+    local shard against the reference's rows of that shard (FSDP2 and colwise TP shard dim 0)."""
+    pairs = {}
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        got = param.grad
+        expected = ref_params[name].grad
+        if hasattr(got, "to_local"):  # a DTensor
+            placement = got.placements[0]
+            if placement.is_shard():
+                expected = expected.chunk(WORLD_SIZE, dim=placement.dim)[rank]
+            got = got.to_local()
+        pairs[f"{name}.grad"] = (got.detach().float().clone(), expected.detach().float().clone())
+    return pairs
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (a DTensor's local shard), as an fp32 copy."""
+    return (grad.to_local() if hasattr(grad, "to_local") else grad).detach().float().clone()
+
+
+# --- cases -------------------------------------------------------------------------------------
+
+def case_ddp(rank: int, bucket_cap_mb: float = 25, aux_size: int = 0, vocab_size: int = VOCAB_SIZE,
+             hidden_size: int = HIDDEN_SIZE) -> dict[str, Any]:
+    """DDP, then torch.compile(backend="chunkce"): one step against the single-process reference."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = ToyLM(vocab_size, hidden_size, aux_size=aux_size)
+    reference = copy.deepcopy(model)
+    recorder = GraphRecorder(vocab_size)
+    compiled = compile_chunkce(DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb), recorder)
+    input_ids, labels = make_batch(rank, vocab_size=vocab_size)
+    loss = compiled(input_ids, labels, global_num_items(labels)) * WORLD_SIZE
+    loss.backward()
+    expected_loss = reference_step(reference, *global_batch(vocab_size=vocab_size))
+    return {"pairs": {"loss": (distributed_loss(loss), expected_loss)} | grad_pairs(model, reference, rank),
+            **pass_outcome(recorder)}
+
+
+def case_ddp_aux_between(rank: int) -> dict[str, Any]:
+    """DDP with 1 MiB buckets and a 1 MiB parameter user between the lm_head and the loss."""
+    return case_ddp(rank, bucket_cap_mb=1, aux_size=2048, vocab_size=1024, hidden_size=128)
+
+
+def case_ddp_llama(rank: int) -> dict[str, Any]:
+    """A tiny transformers LlamaForCausalLM under DDP, as HF's Trainer calls it (labels, num_items_in_batch);
+    the returned logits nothing reads are not computed (``drop_unused_logits``)."""
+    import transformers
+    from torch.nn.parallel import DistributedDataParallel
+
+    vocab_size = 512
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    reference = copy.deepcopy(model)
+    recorder = GraphRecorder(vocab_size)
+    compiled = compile_chunkce(DistributedDataParallel(model), recorder, drop_unused_logits=True)
+    input_ids, labels = make_batch(rank, vocab_size=vocab_size)
+    num_items_in_batch = global_num_items(labels[:, 1:])  # HF shifts labels inside the loss
+    loss = compiled(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch).loss * WORLD_SIZE
+    loss.backward()
+    ref_input_ids, ref_labels = global_batch(vocab_size=vocab_size)
+    expected = reference(input_ids=ref_input_ids, labels=ref_labels).loss  # HF's mean over valid tokens
+    expected.backward()
+    return {"pairs": {"loss": (distributed_loss(loss), expected.detach())}
+            | grad_pairs(model, reference, rank),
+            **pass_outcome(recorder)}
+
+
+def case_ddp_dynamic(rank: int, mark_dynamic: bool = False, dynamic: bool | None = None) -> dict[str, Any]:
+    """Six sequence lengths under DDP + chunkce: how many graphs are compiled; each step exact.
+
+    Args:
+        mark_dynamic: ``torch._dynamo.mark_dynamic`` on the sequence dim of input_ids and labels.
+        dynamic: torch.compile's ``dynamic=``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = ToyLM()
+    reference = copy.deepcopy(model)
+    recorder = GraphRecorder()
+    compiled = compile_chunkce(DistributedDataParallel(model), recorder, dynamic=dynamic)
+    pairs, graphs_after = {}, []
+    for step, seq_len in enumerate(SEQ_LENS):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        input_ids, labels = make_batch(rank, seq_len, step=step)
+        if mark_dynamic:
+            torch._dynamo.mark_dynamic(input_ids, 1)
+            torch._dynamo.mark_dynamic(labels, 1)
+        loss = compiled(input_ids, labels, global_num_items(labels)) * WORLD_SIZE
+        loss.backward()
+        expected = reference_step(reference, *global_batch(seq_len, step=step))
+        pairs[f"T={seq_len} loss"] = (distributed_loss(loss), expected)
+        for name, pair in grad_pairs(model, reference, rank).items():
+            pairs[f"T={seq_len} {name}"] = pair
+        graphs_after.append(len(recorder.graphs))
+    return {"pairs": pairs, "graphs_after_each_length": graphs_after, **pass_outcome(recorder)}
+
+
+def case_fsdp(rank: int, layout: str, tied: bool = False, bf16: bool = False,
+              reshard_after_forward: bool | None = None) -> dict[str, Any]:
+    """FSDP2 per-block sharding; the lm_head in the root group (``"root"``), its own group (``"own"``),
+    or its own group together with the loss (``"head_with_loss"``). One step.
+
+    fp32: compared with the unsharded single-process reference. ``bf16``
+    (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``): compared with the same
+    FSDP2 + policy model run eagerly (``pairs``), and with the fp32 reference (``fp32_pairs``).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    torch.manual_seed(0)
+    model = ToyLM(tied=tied, head_with_loss=layout == "head_with_loss")
+    reference = copy.deepcopy(model)
+    eager = copy.deepcopy(model) if bf16 else None
+
+    def shard(module: ToyLM) -> None:
+        for layer in module.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        if layout == "own":
+            fully_shard(module.lm_head, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        elif layout == "head_with_loss":
+            fully_shard(module.head, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mesh=mesh, mp_policy=policy)  # the root group: embedding, norm (and lm_head)
+
+    shard(model)
+    recorder = GraphRecorder()
+    compiled = compile_chunkce(model, recorder)
+    input_ids, labels = make_batch(rank)
+    num_items_in_batch = global_num_items(labels)
+    loss = compiled(input_ids, labels, num_items_in_batch) * WORLD_SIZE
+    loss.backward()
+    expected_loss = reference_step(reference, *global_batch())
+    fp32_pairs = {"loss": (distributed_loss(loss), expected_loss)} | grad_pairs(model, reference, rank)
+    result = {"pairs": fp32_pairs, **pass_outcome(recorder)}
+    if eager is not None:
+        shard(eager)
+        eager_loss = eager(input_ids, labels, num_items_in_batch) * WORLD_SIZE
+        eager_loss.backward()
+        pairs = {"loss": (loss.detach(), eager_loss.detach())}
+        eager_params = dict(eager.named_parameters())
+        for name, param in model.named_parameters():
+            pairs[f"{name}.grad"] = (_local(param.grad), _local(eager_params[name].grad))
+        result |= {"pairs": pairs, "fp32_pairs": fp32_pairs}
+    return result
+
+
+def case_tensor_parallel(rank: int) -> dict[str, Any]:
+    """A vocabulary-parallel head (``ColwiseParallel``, logits gathered): refused; exact against eager TP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    torch.manual_seed(0)
+    model = ToyLM()
+    reference = copy.deepcopy(model)
+    eager = copy.deepcopy(model)
+    for module in (model, eager):
+        parallelize_module(module, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    recorder = GraphRecorder()
+    compiled = compile_chunkce(model, recorder)
+    input_ids, labels = global_batch()  # tensor parallel: every rank sees the same batch
+    num_items_in_batch = (labels != IGNORE_INDEX).sum()
+    loss = compiled(input_ids, labels, num_items_in_batch)
+    loss.backward()
+    eager_loss = eager(input_ids, labels, num_items_in_batch)
+    eager_loss.backward()
+    expected_loss = reference_step(reference, input_ids, labels)
+    eager_params = dict(eager.named_parameters())
+    pairs = {"loss": (loss.detach(), eager_loss.detach())}
+    for name, param in model.named_parameters():
+        pairs[f"{name}.grad"] = (_local(param.grad), _local(eager_params[name].grad))
+    return {"pairs": pairs, "fp32_pairs": {"loss": (loss.detach(), expected_loss)}
+            | grad_pairs(model, reference, rank), **pass_outcome(recorder)}
+
+
+CASES: dict[str, Callable[[int], dict[str, Any]]] = {
+    "ddp": case_ddp,
+    "ddp_small_buckets": lambda rank: case_ddp(rank, bucket_cap_mb=1, vocab_size=1024, hidden_size=128),
+    "ddp_aux_between": case_ddp_aux_between,
+    "ddp_llama": case_ddp_llama,
+    "ddp_dynamic_default": case_ddp_dynamic,
+    "ddp_dynamic_marked": lambda rank: case_ddp_dynamic(rank, mark_dynamic=True),
+    "ddp_dynamic_true": lambda rank: case_ddp_dynamic(rank, dynamic=True),
+    "fsdp_root": lambda rank: case_fsdp(rank, "root"),
+    "fsdp_root_tied": lambda rank: case_fsdp(rank, "root", tied=True),
+    "fsdp_root_bf16": lambda rank: case_fsdp(rank, "root", bf16=True),
+    "fsdp_root_tied_bf16": lambda rank: case_fsdp(rank, "root", tied=True, bf16=True),
+    "fsdp_own": lambda rank: case_fsdp(rank, "own"),
+    "fsdp_own_keep_unsharded": lambda rank: case_fsdp(rank, "own", reshard_after_forward=False),
+    "fsdp_head_with_loss": lambda rank: case_fsdp(rank, "head_with_loss"),
+    "tensor_parallel": case_tensor_parallel,
+}
+
+
+# --- the per-rank entry ------------------------------------------------------------------------
+
+def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) -> None:
+    """Entry of each spawned process: join the gloo group, run ``case_names`` in order, and after each
+    write every result so far to ``out_dir/rank<rank>.pt``. An exception is written there with its
+    traceback (under its case's name), then raised, so that the parent sees this rank fail."""
+    os.environ["CHUNKCE_EAGER_KERNELS"] = "1"  # the per-chunk math eagerly: no Inductor compile per rank
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import compile_pass  # noqa: F401 - registers the chunkce ops and backend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    results: dict[str, Any] = {}
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        for name in case_names:
+            torch._dynamo.reset()
+            counters.clear()
+            try:
+                results[name] = CASES[name](rank)
+            except BaseException:
+                results[name] = {"error": traceback.format_exc()}
+                raise
+            finally:
+                torch.save(results, f"{path}.part")
+                os.replace(f"{path}.part", path)  # a rank killed while writing leaves the last whole file
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
