@@ -24,11 +24,25 @@ Every number is *measured* and in bytes. How:
   not subtracted (the allocator never learnt its size; torch warns once), so free
   such tensors before entering (e.g. ``optimizer.zero_grad(set_to_none=True)``
   outside the region): the result is then exact, otherwise an upper bound.
+
+  Kineto (the profiler's backend) writes ``USDT: ... profiler_start`` and
+  ``... profiler_stop`` to the process's stderr on every start and stop, at its
+  highest log severity, above ERROR: the only ``KINETO_LOG_LEVEL`` that hides
+  them also hides Kineto's errors, for the whole process, and only when set
+  before Kineto's first use. So those two lines alone are dropped from what the
+  profiler's start and stop write to file descriptor 2; every other line is
+  passed on. With ``KINETO_LOG_LEVEL`` set, nothing is filtered (the user chose
+  what Kineto prints).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -82,7 +96,8 @@ class PeakMemory:
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cpu":
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
+            with _without_kineto_usdt_lines():
+                self._prof.__enter__()
         else:
             self._module = _device_module(self.device)
             self._idx = _index(self.device, self._module)
@@ -93,13 +108,51 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         if self.device.type == "cpu":
-            self._prof.__exit__(*exc)
+            with _without_kineto_usdt_lines():
+                self._prof.__exit__(*exc)
             self.peak_bytes, self.end_bytes = _cpu_peak(self._prof)
             del self._prof
         else:
             self._module.synchronize(self._idx)
             self.peak_bytes = max(0, self._module.max_memory_allocated(self._idx) - self._start)
             self.end_bytes = self._module.memory_allocated(self._idx) - self._start
+
+
+# What Kineto's USDT_EMIT_START_TRACE / USDT_EMIT_STOP_TRACE print, e.g.
+# "USDT:2026-12-01 13:51:50 29720:29720 SyncActivityProfilerHandler.cpp:52] profiler_start"
+_KINETO_USDT_LINE = re.compile(rb"^USDT:[^\n]*\] profiler_(?:start|stop)\r?(?:\n|\Z)", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def _without_kineto_usdt_lines() -> Iterator[None]:
+    """Drop Kineto's ``profiler_start`` / ``profiler_stop`` lines from fd 2 inside the block.
+
+    Kineto writes them with ``std::cerr`` on the calling thread, so fd 2 is pointed
+    at a temporary file for the block (the profiler's start or stop, milliseconds)
+    and what landed there, less those lines, is written to the real fd 2 after it.
+    """
+    if os.environ.get("KINETO_LOG_LEVEL"):
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):   # no fd 2, or sys.stderr closed / None
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = memoryview(_KINETO_USDT_LINE.sub(b"", captured.read()))
+            while kept:
+                kept = kept[os.write(2, kept):]
 
 
 def _cpu_peak(prof: profile) -> tuple[int, int]:

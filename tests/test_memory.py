@@ -1,5 +1,9 @@
 """compile_pass.memory measures what was really allocated, to the byte where torch knows."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,3 +103,26 @@ def test_unsupported_device_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="chunkce.memory"):
         with PeakMemory("meta"):
             pass
+
+
+def test_cpu_measurement_prints_no_profiler_lines():
+    """Kineto's profiler_start / profiler_stop lines are dropped; other stderr output is kept.
+
+    A fresh process: Kineto reads its log level once, when the profiler first starts.
+    """
+    code = (
+        "import os, sys, torch\n"
+        "from compile_pass.memory import PeakMemory, measure_peak_bytes\n"
+        "measure_peak_bytes(lambda: torch.empty(1000))\n"
+        "with PeakMemory('cpu'):\n"
+        "    print('python line', file=sys.stderr, flush=True)\n"
+        "    os.write(2, b'fd line\\n')\n"
+        "print('done', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "done\n"
+    assert "profiler_start" not in proc.stderr and "profiler_stop" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == ["python line", "fd line"], proc.stderr
