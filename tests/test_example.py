@@ -10,27 +10,12 @@ import this
 from pathlib import Path
 
 import pytest
-import torch._dynamo
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_compiled.py"
 TINY = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "600",
         "--hidden-size", "32", "--intermediate-size", "64", "--layers", "1", "--heads", "2"]
 
 pytestmark = pytest.mark.slow
-
-
-def _chunkce_problem():
-    try:
-        torch._dynamo.lookup_backend("chunkce")
-    except Exception as e:  # the entry point is declared before compile_pass.backend exists
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
-def _backends():
-    both = pytest.param("both", marks=pytest.mark.skipif(
-        _chunkce_problem() is not None, reason=f"chunkce backend not usable yet: {_chunkce_problem()}"))
-    return ["inductor", both]
 
 
 def run_example(tmp_path, *args, timeout=600, launcher=(), env=None):
@@ -65,7 +50,7 @@ def check_summary(out, backend):
         assert re.search(r"^max \|loss diff\| over 4 steps: \S+ \(tolerance \S+\): OK$", out, re.MULTILINE)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", ["inductor", "both"])
 def test_text_file(tmp_path, backend):
     text = tmp_path / "zen.txt"
     text.write_text(codecs.decode(this.s, "rot13") * 8)     # the Zen of Python, ~6.6 kB
@@ -74,7 +59,7 @@ def test_text_file(tmp_path, backend):
     check_summary(out, backend)
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", ["inductor", "both"])
 def test_stdlib_corpus_and_tokenizer_cache(tmp_path, backend):
     args = [*TINY, "--backend", backend, "--max-bytes", "200000"]
     check_summary(run_example(tmp_path, *args), backend)
@@ -84,7 +69,6 @@ def test_stdlib_corpus_and_tokenizer_cache(tmp_path, backend):
     assert len(list((tmp_path / "cache" / "chunkce").glob("bpe-*.json"))) == 1
 
 
-@pytest.mark.skipif(_chunkce_problem() is not None, reason="chunkce backend not usable yet")
 def test_chunkce_lowers_measured_peak(tmp_path):
     """With 2048 tokens x 32k vocabulary the logits dominate, and chunkce's measured step peak is lower."""
     args = ["--steps", "4", "--warmup", "1", "--batch-size", "8", "--seq-len", "256", "--layers", "1",
@@ -97,7 +81,6 @@ def test_chunkce_lowers_measured_peak(tmp_path):
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.mark.skipif(_chunkce_problem() is not None, reason="chunkce backend not usable yet")
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_torchrun(tmp_path, parallel):
     """2 ranks on gloo: both backends train, every rank rewrites, rank 0 reports every rank's peak."""
