@@ -21,6 +21,7 @@ which blocks and chunks a call walks and which gradient buffers sum into.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,7 @@ def spans(total: int, size: int) -> list[Span]:
     bounds = list(range(0, total, size)) + [total]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,10 @@ def plan_backward(num_tokens: int, vocab_size: int, chunk_size: int, hidden_dtyp
     """
     want_hidden, want_weight, want_bias = output_mask
     accumulate = accumulate_dtype(weight_dtype)
-    blocks = VOCAB_BLOCKS if accumulate != weight_dtype and num_tokens > chunk_size else 1
+    blocks = 1
+    if accumulate != weight_dtype and num_tokens > chunk_size:
+        # at least 2 columns a block: a one-column block would specialise the kernels
+        blocks = max(1, min(VOCAB_BLOCKS, vocab_size // 2))
     token_chunks = tuple(spans(num_tokens, chunk_size * blocks))  # same logits bytes a chunk
     weight_sums = len(token_chunks) > 1
     return BackwardPlan(

@@ -17,6 +17,8 @@ the per-chunk math in :mod:`compile_pass.op.kernels`.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -25,13 +27,14 @@ from compile_pass.op.custom_ops import FunctorchForward, autocast_enabled
 from compile_pass.op.kernels import accumulate_dtype
 
 _REDUCTIONS = ("mean", "sum", "none")
+_TARGET_DTYPES = (torch.int64, torch.uint8)  # what F.cross_entropy accepts for class indices
 
 
 def _fail(kind: type[Exception], message: str) -> None:
     raise kind(f"{_NAME}: {message}")
 
 
-def _check_tensors(input, linear_weight, target, linear_bias, weight) -> None:
+def _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype) -> None:
     """Types, dtypes, shapes and devices of the tensor arguments."""
     for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(value, Tensor):
@@ -49,8 +52,9 @@ def _check_tensors(input, linear_weight, target, linear_bias, weight) -> None:
     if target.is_floating_point():
         _fail(NotImplementedError, "probability (soft) targets are not supported; "
                                   "pass class indices of dtype torch.int64")
-    if target.dtype != torch.int64:
-        _fail(TypeError, f"expected target of dtype torch.int64, got {target.dtype}")
+    if target.dtype not in _TARGET_DTYPES:
+        _fail(TypeError, f"expected target of dtype torch.int64 (or torch.uint8, as "
+                         f"F.cross_entropy accepts), got {target.dtype}")
     if tuple(target.shape) != tuple(input.shape[:-1]):
         _fail(ValueError, f"expected target of shape {tuple(input.shape[:-1])} (input's without "
                          f"the hidden dim), got {tuple(target.shape)}")
@@ -61,6 +65,11 @@ def _check_tensors(input, linear_weight, target, linear_bias, weight) -> None:
                              f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
     if weight is not None and not weight.is_floating_point():
         _fail(TypeError, f"expected a floating-point weight (class weights), got {weight.dtype}")
+    if weight is not None and not autocast_enabled(input.device.type):
+        expected = logits_dtype if isinstance(logits_dtype, torch.dtype) else input.dtype
+        if weight.dtype != expected:  # F.cross_entropy refuses it too
+            _fail(TypeError, f"expected weight (class weights) of dtype {expected} (the logits'), "
+                             f"got {weight.dtype}; pass weight.to({expected})")
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
         _fail(NotImplementedError, "class weights (weight=) that require grad are not supported: "
                                   "torch's cross_entropy does not differentiate them either; "
@@ -77,8 +86,10 @@ def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk
         _fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         _fail(TypeError, f"expected ignore_index to be an int, got {type(ignore_index).__name__}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        _fail(ValueError, f"expected label_smoothing in [0.0, 1.0], got {label_smoothing}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        _fail(TypeError, f"expected label_smoothing to be a float, got {type(label_smoothing).__name__}")
+    if label_smoothing > 1.0:  # F.cross_entropy's own rule: <= 0 (and nan) mean no smoothing
+        _fail(ValueError, f"expected label_smoothing of at most 1.0, got {label_smoothing}")
     if logits_dtype is not None and (not isinstance(logits_dtype, torch.dtype)
                                      or not logits_dtype.is_floating_point):
         _fail(TypeError, f"expected logits_dtype to be a floating torch.dtype, got {logits_dtype!r}")
@@ -121,15 +132,21 @@ def linear_cross_entropy(
         input: hidden states ``[N, H]`` or ``[B, T, H]`` (any leading dims),
             floating dtype.
         linear_weight: the lm_head weight ``[V, H]``, same dtype as ``input``.
-        target: class indices, int64, ``input.shape[:-1]``.
+        target: class indices, int64 (or uint8, as ``F.cross_entropy``),
+            ``input.shape[:-1]``, each in ``[0, V)`` or ``ignore_index``; another
+            value raises a ``RuntimeError`` on CPU (``F.cross_entropy`` raises
+            ``IndexError``) and a device-side assert on CUDA, and is not checked on
+            ``meta``.
         linear_bias: ``[V]`` or None.
-        weight: class weights ``[V]`` (floating) or None; not differentiated,
-            as in ``F.cross_entropy``.
+        weight: class weights ``[V]`` in the logits' dtype (any floating dtype
+            under autocast, which casts them) or None; not differentiated, as in
+            ``F.cross_entropy``.
         reduction: ``"mean"`` (sum over tokens divided by the number of
             non-ignored tokens, or by the sum of their class weights; nan when
             every token is ignored), ``"sum"`` or ``"none"``.
         ignore_index: target value that contributes neither loss nor gradient.
-        label_smoothing: in ``[0, 1]``, as in ``F.cross_entropy``.
+        label_smoothing: at most 1, as in ``F.cross_entropy``, which also takes a
+            value <= 0 (or nan) as no smoothing.
         logits_dtype: dtype the logits are cast to before the loss (e.g.
             ``torch.float32`` for HF's ``logits.float()``); None = the
             projection's dtype. Under ``torch.autocast`` the projection runs in
@@ -148,8 +165,10 @@ def linear_cross_entropy(
             (the message names it).
         NotImplementedError: probability (floating) targets; double backward.
     """
-    _check_tensors(input, linear_weight, target, linear_bias, weight)
     _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size)
+    _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)
+    if target.dtype != torch.int64:
+        target = target.long()  # uint8 class indices: a new tensor, the caller's is untouched
     projection_dtype = None
     if autocast_enabled(input.device.type):  # the projection in the autocast dtype, the loss in fp32
         projection_dtype = torch.get_autocast_dtype(input.device.type)

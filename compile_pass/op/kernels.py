@@ -12,10 +12,13 @@ is compiled is the memory-bound part, which Inductor fuses into a couple of
 reductions over the chunk.
 
 Each variant (device type, projection dtype, logits dtype, class weights present,
-label smoothing present) is compiled once, with dynamic shapes, so a ragged last
-chunk or a new sequence length does not recompile. Where compilation is not
-possible (no Inductor backend for the device, no compiler, ``CHUNKCE_EAGER_KERNELS=1``)
-the same functions run eagerly; a failure to compile is logged once per variant.
+label smoothing present) is compiled once, with dynamic shapes (token dim
+unbacked, no duck sizing: :func:`run`), so no chunk length, sequence length or
+order of calls recompiles it, and with ``emulate_precision_casts`` so a cast to
+half precision rounds as it does eagerly. Where Inductor cannot
+compile for the device (no code generator for it, e.g. ``meta``; no C++ compiler;
+no Triton), by the explicit rule of :func:`inductor_compiles_for`, or with
+``CHUNKCE_EAGER_KERNELS=1``, the same functions run eagerly.
 
 Loss per token ``i`` with target ``y``, logits ``z`` (cast to ``logits_dtype``),
 class weights ``w`` (all ones without them), ``W = sum_c w_c``, smoothing
@@ -34,15 +37,14 @@ and 0 for ignored tokens. Its gradient, with ``p_ic = exp(z_ic - lse_i)``:
 from __future__ import annotations
 
 import functools
-import logging
 import re
 import types
 
 import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-log = logging.getLogger(__name__)
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,6 +57,17 @@ def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     so it can index; every use masks those tokens with ``valid``."""
     valid = target != ignore_index
     return valid, torch.where(valid, target, 0)
+
+
+def _logsumexp(z: Tensor) -> Tensor:
+    """Log-sum-exp of each row of a non-empty ``[n, V]``, ``[n]``, as ``F.log_softmax``
+    (which ``F.cross_entropy`` calls) computes it: shifted by the row's maximum, an
+    infinite one included, so a row holding ``+inf`` or only ``-inf`` gives nan and
+    nan propagates exactly as torch's loss does. (``torch.logsumexp`` would return
+    ``inf`` for such a row, and its ``numel() == 0`` branch cannot be traced with
+    an unbacked chunk length.)"""
+    maxes = torch.amax(z, dim=-1, keepdim=True)  # [n, 1]
+    return torch.sum(torch.exp(z - maxes), dim=-1).log().add(maxes.squeeze(-1))  # [n]
 
 
 def chunk_forward(
@@ -72,7 +85,7 @@ def chunk_forward(
     graph and its cache key do not depend on what the process compiled before).
     """
     z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
-    lse = torch.logsumexp(z, dim=-1)  # [n]
+    lse = _logsumexp(z)  # [n]
     valid, safe_target = _safe_target(target, ignore_index)
     z_target = z.gather(1, safe_target.unsqueeze(1)).squeeze(1)  # [n]
     nll = lse - z_target
@@ -151,9 +164,6 @@ def chunk_backward(
     return out.to(logits_dtype).to(logits.dtype)
 
 
-_failed: set[tuple] = set()
-
-
 @functools.cache
 def _compiled(fn_name: str, variant: tuple):
     # A distinct code object per variant gives each its own Dynamo cache, so the
@@ -162,35 +172,86 @@ def _compiled(fn_name: str, variant: tuple):
     suffix = re.sub(r"\W+", "_", "_".join(map(str, variant)))
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{suffix}")
     clone = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__)
-    return torch.compile(clone, dynamic=True, fullgraph=True)
+    # emulate_precision_casts: Inductor otherwise keeps a fused intermediate in fp32
+    # across a cast to half precision, so the logits (and their gradient) would not be
+    # rounded to logits_dtype where the graph casts them.
+    return torch.compile(clone, dynamic=True, fullgraph=True,
+                         options={"emulate_precision_casts": True})
+
+
+@functools.cache
+def inductor_compiles_for(device_type: str) -> bool:
+    """Whether Inductor can compile the kernels for ``device_type``: an explicit rule,
+    decided once per device type, never learnt from a failed compile.
+
+    True when Inductor has a code generator registered for the device type (CPU,
+    CUDA, XPU, MPS built in; an out-of-tree device such as Ascend's ``npu`` when
+    its extension registers one) and that generator's compiler is present: a C++
+    compiler for CPU, Triton for CUDA and XPU. ``meta`` and unknown device types
+    have none: their kernels run eagerly.
+    """
+    from torch._inductor.codegen.common import (
+        get_scheduling_for_device,
+        init_backend_registration,
+    )
+
+    init_backend_registration()
+    if get_scheduling_for_device(device_type) is None:
+        return False
+    from torch._inductor import config as inductor_config
+
+    if device_type == "cpu" and inductor_config.cpu_backend == "cpp":
+        from torch._inductor import cpp_builder
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            cpp_builder.get_cpp_compiler()
+        except InvalidCxxCompiler:
+            return False
+    if device_type in ("cuda", "xpu"):
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return True
 
 
 def _plain_context() -> bool:
     """False under a dispatch mode or a functorch transform (e.g. opcheck, AOTAutograd's
-    checks, torch.func): the kernel runs eagerly there, and a compile failure in such a
-    context never marks the variant as failed for the plain calls that follow."""
+    checks, torch.func): the kernel runs eagerly there."""
     return (_get_current_dispatch_mode() is None
             and not torch._C._are_functorch_transforms_active())
+
+
+# Positions of each kernel's arguments whose first dim is the chunk's tokens.
+_TOKEN_ARGUMENTS = {"chunk_forward": (0, 1), "chunk_backward": (0, 1, 2, 4)}
+
+
+def _symbolic(fn_name: str, args: tuple) -> list:
+    """The kernel's arguments as its compiled graph takes them, so that no call can
+    invalidate it: every tensor detached (a view's ``_base`` would be guarded on,
+    and its size duck-sized against the chunk's), and the token dim unbacked (it
+    takes every value from 1 to ``chunk_size``; a backed size would be specialised
+    at 1 and duck-sized against the others)."""
+    args = [arg.detach() if isinstance(arg, Tensor) else arg for arg in args]
+    for position in _TOKEN_ARGUMENTS[fn_name]:
+        torch._dynamo.decorators.mark_unbacked(args[position], 0)
+    return args
 
 
 def run(fn_name: str, variant: tuple, eager: bool, *args):
     """Run ``fn_name`` (``"chunk_forward"`` or ``"chunk_backward"``) on ``args``.
 
-    ``variant`` is the compile key (device type, dtypes, optional-argument
-    presence); ``eager=True`` skips compilation. A variant whose compilation
-    fails is logged once and runs eagerly from then on; an error that eager
-    execution raises too (e.g. a target out of range) propagates unchanged.
+    ``variant`` is the compile key (device type first, then dtypes and
+    optional-argument presence). The kernel runs eagerly when ``eager`` is set
+    (``CHUNKCE_EAGER_KERNELS``), when Inductor cannot compile for the device
+    (:func:`inductor_compiles_for`), or under a dispatch mode or functorch
+    transform; otherwise through its variant's compiled graph: one graph per
+    variant, whatever the chunk length, number of tokens or vocabulary block
+    (the vocabulary dims are symbolic and not duck-sized, the token dim is
+    unbacked). Every error, a failed compile or an out-of-memory error included,
+    propagates unchanged and changes no state: the next call tries again.
     """
-    key = (fn_name, variant)
-    if eager or key in _failed or not _plain_context():
+    if eager or not inductor_compiles_for(variant[0]) or not _plain_context():
         return globals()[fn_name](*args)
-    try:
-        return _compiled(fn_name, variant)(*args)
-    except Exception as exc:  # noqa: BLE001 - fall back, then re-raise real errors
-        result = globals()[fn_name](*args)
-        _failed.add(key)
-        log.warning(
-            "chunkce: compiling %s for %s failed (%s: %s); running it eagerly from now on",
-            fn_name, variant, type(exc).__name__, exc,
-        )
-        return result
+    with fx_config.patch(use_duck_shape=False):
+        return _compiled(fn_name, variant)(*_symbolic(fn_name, args))

@@ -10,6 +10,7 @@ Both run inside the ops' bodies (no autograd graph is built here).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,16 @@ class ChunkPlan:
                 class_weight is not None, self.kernel_label_smoothing is not None)
 
 
+def _dense(tensor: Tensor | None) -> Tensor | None:
+    """A copy of stride 1 of a strided or expanded ``[N]`` / ``[V]`` tensor (``target``,
+    ``class_weight``, the ``grad_loss`` of a ``sum``, which is expanded from a scalar);
+    the tensor itself when its stride is already 1. The kernels then always see one stride
+    pattern, and a new reduction or layout does not recompile them."""
+    if tensor is None or tensor.stride(0) == 1:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)  # [1] of stride 0 too
+
+
 def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
     """Logits of one chunk ``[n, V]`` in the projection dtype, as ``F.linear`` computes them."""
     if bias is None:
@@ -80,6 +91,7 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
     and ``class_weight [V]`` (or None), as the op takes them.
     """
     num_tokens = hidden_states.shape[0]
+    target, class_weight = _dense(target), _dense(class_weight)
     accumulate = kernels.accumulate_dtype(plan.logits_dtype)
     loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
     lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
@@ -96,29 +108,47 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
     return loss, lse
 
 
-_NO_MIXED_ADDMM: set[str] = set()  # device types without aten::addmm.dtype_out
+_MIXED_ADDMM_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def has_mixed_addmm(device_type: str, operand_dtype: torch.dtype, accumulator_dtype: torch.dtype) -> bool:
+    """Whether ``aten::addmm.dtype_out`` multiplies ``operand_dtype`` operands into an
+    ``accumulator_dtype`` buffer on ``device_type``: an explicit rule, decided once.
+
+    The op must have a kernel for the device's dispatch key (CUDA has one; CPU,
+    MPS and ``meta`` do not in torch 2.13; ROCm is treated as without it), and the
+    dtypes must be the one pair it accepts: half-precision operands into fp32.
+    """
+    if operand_dtype not in _MIXED_ADDMM_DTYPES or accumulator_dtype != torch.float32:
+        return False
+    if device_type in ("cpu", "meta"):
+        return False
+    if device_type == "cuda" and torch.version.hip is not None:
+        return False  # ROCm: not verified to have the kernel; the upcast path is always right
+    try:
+        dispatch_key = torch._C._dispatch_key_for_device(device_type)
+    except RuntimeError:  # a device type this torch does not know: no kernel
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", dispatch_key)
 
 
 def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
     """``accumulator += a @ b``, accumulated in the accumulator's dtype.
 
     For half-precision operands and an fp32 accumulator, ``aten::addmm.dtype_out``
-    (CUDA) accumulates in place with no temporary; where the device has no such
-    kernel (CPU, whose half-precision matmul is emulated anyway), the operands are
-    upcast and multiplied in the accumulator's dtype, so no product is rounded to
-    half precision before it is summed.
+    accumulates in place with no temporary where the device has it
+    (:func:`has_mixed_addmm`); elsewhere (CPU, whose half-precision matmul is
+    emulated anyway) the operands are upcast and multiplied in the accumulator's
+    dtype, so no product is rounded to half precision before it is summed. Errors
+    (an out-of-memory error included) propagate and change no state.
     """
     if accumulator.dtype == a.dtype:
         accumulator.addmm_(a, b)
-        return
-    device_type = accumulator.device.type
-    if device_type not in _NO_MIXED_ADDMM:
-        try:
-            torch.ops.aten.addmm.dtype_out(accumulator, a, b, accumulator.dtype, out=accumulator)
-            return
-        except (NotImplementedError, RuntimeError):
-            _NO_MIXED_ADDMM.add(device_type)
-    accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
+    elif has_mixed_addmm(accumulator.device.type, a.dtype, accumulator.dtype):
+        torch.ops.aten.addmm.dtype_out(accumulator, a, b, accumulator.dtype, out=accumulator)
+    else:
+        accumulator.addmm_(a.to(accumulator.dtype), b.to(accumulator.dtype))
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, sums: bool) -> None:
@@ -148,6 +178,7 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
     are as :func:`chunked_forward` takes them.
     """
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
+    target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
     walk = plan_backward(num_tokens, vocab_size, plan.chunk_size, hidden_states.dtype,
                          weight.dtype, output_mask, bias is not None)
     grad_hidden = _gradient_buffer(walk.want_hidden, hidden_states, (num_tokens, hidden_size),

@@ -8,8 +8,9 @@ Variables:
     CHUNKCE_CHUNK_SIZE      tokens per chunk for every op call that does not pass
                             ``chunk_size`` (positive int; unset = automatic).
     CHUNKCE_EAGER_KERNELS   ``1`` runs the per-chunk math eagerly instead of
-                            compiling it with Inductor (debugging, or devices
-                            without an Inductor backend).
+                            compiling it with Inductor (debugging; a device
+                            Inductor cannot compile for runs it eagerly anyway,
+                            by ``kernels.inductor_compiles_for``).
     CHUNKCE_RELEASE_CACHE   ``1`` returns the allocator's cached blocks to the
                             device after the op's forward and backward.
 """
