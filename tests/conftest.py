@@ -36,6 +36,21 @@ def reduction_of(node):
     return "mean" if any(user.target is operator.truediv for user in total.users) else "sum"
 
 
+class RoundTo(torch.autograd.Function):
+    """``x.to(dtype)`` computed in fp64: the value rounded to ``dtype``, and its
+    gradient rounded to ``dtype`` too (what autograd of a cast produces). The ground
+    truth of a graph that casts logits to half precision before the loss."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.to(dtype).double()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype).double(), None
+
+
 @pytest.fixture
 def fresh_compile():
     """Isolation for compile tests: Dynamo reset, counters cleared, a fresh Inductor cache dir."""

@@ -17,8 +17,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("model", ["toy", "llama"])
 def test_second_process_loads_the_rewritten_graph_from_the_caches(model, tmp_path):
-    if model == "llama":
-        pytest.importorskip("transformers")
     cold = run_in_fresh_process(model, "chunkce", str(tmp_path))
     warm = run_in_fresh_process(model, "chunkce", str(tmp_path))
     for run in (cold, warm):

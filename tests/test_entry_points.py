@@ -1,8 +1,10 @@
 """How chunkce meets torch, each in a fresh process: importing the package changes no
 Dynamo setting, ``backend="chunkce"`` resolves through Dynamo's own lookup with or
 without install metadata, and the first use installs the logging scope for every
-thread (:mod:`compile_pass.dynamo_scope`)."""
+thread (:mod:`compile_pass.dynamo_scope`); and the entry point pyproject.toml declares is
+the one installed and the one the package adds."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -31,7 +33,7 @@ def run_fresh(script: str) -> None:
     """Run ``script`` in a new interpreter (the op's kernels eager); it must print ``ok`` last."""
     env = {**os.environ, "CHUNKCE_EAGER_KERNELS": "1"}
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.split()[-1:] == ["ok"], result.stdout[-2000:]
 
@@ -87,7 +89,6 @@ def test_dynamo_lookup_finds_chunkce(metadata, first):
 def test_scope_reaches_every_thread_that_compiles():
     """A thread started after the first use reads the scoped set; a thread that read the set
     before it has it wrapped by its own first chunkce compile (its first frame traced as stock)."""
-    pytest.importorskip("transformers")
     run_fresh("""
         import threading
         import torch
@@ -146,3 +147,21 @@ def test_scope_reaches_every_thread_that_compiles():
         assert breaks and rewritten == 0, results["stock"]
         print("ok")
     """)
+
+
+def test_declared_installed_and_source_entry_points_agree():
+    """pyproject.toml's entry point, the installed distribution's and the one ``import
+    compile_pass`` adds are one: an edited pyproject with a stale install (or the reverse)
+    fails here, not in a user's first compile."""
+    from importlib.metadata import entry_points
+
+    import tomllib
+
+    import compile_pass
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    assert declared["torch_dynamo_backends"] == {"chunkce": compile_pass.BACKEND_ENTRY_POINT.value}
+    (installed,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "chunkce"]
+    assert installed == compile_pass.BACKEND_ENTRY_POINT
+    module, _, attribute = installed.value.partition(":")
+    assert callable(getattr(importlib.import_module(module), attribute))

@@ -155,7 +155,6 @@ def _train_step(model, backend, ids, options=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_llama_chunkce_matches_inductor(dtype):
-    pytest.importorskip("transformers")
     model = _tiny_llama(dtype)
     ids = torch.randint(0, 32000, (2, 256), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
     counters.clear()

@@ -162,8 +162,10 @@ def test_loss_in_a_checkpoint_region_with_the_head_outside_is_refused(compare_wi
 
 def test_strict_raises_with_the_reason():
     model = torch.compile(Head(soft_cap), backend="chunkce", options={"strict": True, "inner_backend": "eager"})
-    with pytest.raises(Exception, match="soft-capped logits: `tanh` between projection and loss") as info:
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
+                       match="soft-capped logits: `tanh` between projection and loss") as info:
         model(*make_inputs())
+    assert isinstance(info.value.inner_exception, NotImplementedError)
     assert "strict=True" in str(info.value)
 
 

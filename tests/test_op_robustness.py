@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from conftest import RoundTo
 from test_op import CLASS_WEIGHT, TOL, chunked, loss_and_grads, make_inputs, unfused
 from torch._dynamo.utils import counters
 
@@ -71,20 +72,6 @@ def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
 # ---- a downcast between head and loss is reproduced -----------------------------------
 
 
-class _RoundTo(torch.autograd.Function):
-    """``x.to(dtype)`` computed in fp64: the value rounded to ``dtype``, and its
-    gradient rounded to ``dtype`` too (what autograd of a cast produces)."""
-
-    @staticmethod
-    def forward(ctx, x, dtype):
-        ctx.dtype = dtype
-        return x.to(dtype).double()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.dtype).double(), None
-
-
 @pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction,label_smoothing", [("mean", 0.0), ("sum", 0.1), ("none", 0.0)])
 def test_downcast_to_half_precision_logits_is_reproduced(logits_dtype, reduction, label_smoothing,
@@ -104,7 +91,7 @@ def test_downcast_to_half_precision_logits_is_reproduced(logits_dtype, reduction
     exact = [t.detach().double().requires_grad_() for t in (hidden, weight)]
 
     def rounded(h, w, t, b, **kw):
-        logits = _RoundTo.apply(F.linear(h, w), logits_dtype)
+        logits = RoundTo.apply(F.linear(h, w), logits_dtype)
         loss = F.cross_entropy(logits, t, **kw)
         return loss.to(logits_dtype).double()  # the loss is returned in logits_dtype
 

@@ -5,18 +5,19 @@ loss, outputs and every gradient must match. The pass fired: counters, and the
 op's name in the code Inductor generated.
 """
 
+import functools
 import operator
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from conftest import OP, op_arguments, op_node, reduction_of
+from rewrite_proof import Recorder, compare_with_stock
+from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass import linear_cross_entropy
-from conftest import OP, op_arguments, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
@@ -71,11 +72,12 @@ INDUCTOR_FORMS = {"shift", "f_linear_bias", "class_dim_1"}  # "view": test_backe
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_form_is_rewritten_and_matches_stock_compile(form, compare_with_inductor):
+def test_form_is_rewritten_and_matches_stock_compile(form):
     model = Head(form, bias=form in BIASED)
     backend = "inductor" if form in INDUCTOR_FORMS else "aot_eager"
-    code = compare_with_inductor(model, *make_inputs(), backend=backend)
+    recorder, code = compare_with_stock(model, *make_inputs(), inner=backend)
     assert backend != "inductor" or OP_NAME in code
+    recorder.assert_rewritten(B * T, V)  # the op's node in the graph, no [N, V] logits node
     stats = counters["chunkce"]
     assert (stats["sites_found"], stats["sites_rewritten"], stats["sites_refused"]) == (1, 1, 0)
     assert stats["logits_kept"] == 0 and stats["logits_bytes_avoided"] > 0
@@ -180,13 +182,17 @@ def test_shift_is_replayed_on_the_hidden_states():
 
 def test_no_recompile_for_a_new_sequence_length():
     model = Head("shift")
-    counter = CompileCounterWithBackend("chunkce")
+    recorder = Recorder()
+    chunkce = torch._dynamo.lookup_backend("chunkce")
+    counter = CompileCounterWithBackend(functools.partial(chunkce, options={"inner_backend": recorder}))
     compiled = torch.compile(model, backend=counter, dynamic=None)
     for seq in (5, 6, 9):
         h, labels = make_inputs(seq=seq)
         loss = compiled(h, labels)
     assert counter.frame_count == 2  # static, then dynamic from the 2nd length on
     assert counters["chunkce"]["sites_rewritten"] == 2
+    assert recorder.op_count() == len(recorder.graphs) == 2
+    assert recorder.logits_like(B * 5, V) == [] and recorder.logits_like(B * 6, V) == []  # each graph's size
     torch.testing.assert_close(loss, model(h, labels))
 
 
@@ -196,15 +202,18 @@ def test_token_slicing_after_a_reshape_is_replayed_with_dynamic_shapes():
         return F.cross_entropy(logits[1:], labels.reshape(-1)[1:])
 
     weight = torch.randn(V, H, requires_grad=True)
-    compiled = torch.compile(flat_then_slice, backend="chunkce", options={"inner_backend": "aot_eager"})
+    recorder = Recorder()
+    compiled = torch.compile(flat_then_slice, backend="chunkce", options={"inner_backend": recorder})
     for seq in (5, 6, 9):
         h, labels = make_inputs(seq=seq)
         torch.testing.assert_close(compiled(h, weight, labels), flat_then_slice(h, weight, labels))
     assert (counters["chunkce"]["sites_rewritten"], counters["chunkce"]["sites_refused"]) == (2, 0)
+    assert recorder.op_count() == len(recorder.graphs) == 2
+    assert recorder.logits_like(B * 5, V) == [] and recorder.logits_like(B * 6, V) == []
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
-def test_head_inside_a_checkpoint_region_is_rewritten(use_reentrant, compare_with_inductor):
+def test_head_inside_a_checkpoint_region_is_rewritten(use_reentrant):
     class Checkpointed(nn.Module):
         def __init__(self):
             super().__init__()
@@ -218,7 +227,8 @@ def test_head_inside_a_checkpoint_region_is_rewritten(use_reentrant, compare_wit
         def forward(self, h, labels):
             return torch.utils.checkpoint.checkpoint(self.head, h, labels, use_reentrant=use_reentrant)
 
-    compare_with_inductor(Checkpointed(), *make_inputs(), backend="aot_eager")
+    recorder, _ = compare_with_stock(Checkpointed(), *make_inputs())
+    recorder.assert_rewritten(B * T, V)  # in the checkpoint body's graph
     assert counters["chunkce"]["sites_rewritten"] == 1
 
 
@@ -232,5 +242,9 @@ def test_every_site_of_a_graph_is_rewritten():
     weight = torch.randn(V, H, requires_grad=True)
     gm, out = _rewritten_graph(two_losses, h, weight, labels)
     assert counters["chunkce"]["sites_rewritten"] == 2
+    assert [n.target for n in gm.graph.nodes].count(OP) == 2
     assert torch._C._nn.linear not in [n.target for n in gm.graph.nodes]
+    # the logits are gone once both losses are rewritten: neither record says they are kept
+    assert counters["chunkce"]["logits_kept"] == 0
+    assert [r.reason for r in compile_pass.last_report().records] == ["", ""]
     torch.testing.assert_close(out, two_losses(h, weight, labels))

@@ -10,6 +10,7 @@ into an error.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from torch.fx import Graph, GraphModule
@@ -114,7 +115,16 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
             log.warning("chunkce: rewriting %s failed; left it unfused", site.node.format_node(), exc_info=True)
             failure = guard.internal_error(f"{type(exc).__name__}: {exc}")
             records.append(report.SiteRecord(site.node.name, "", report.REFUSED, str(failure), failure.key))
-    return records
+    try:
+        live = set(graph.nodes)
+        return [_settle_logits(record, site, live, in_subgraph) if record.decision == report.REWRITTEN else record
+                for record, (site, _) in zip(records, decisions)]
+    except Exception:
+        if options.strict:
+            raise
+        log.warning("chunkce: could not tell which rewritten sites' logits are kept; the graph is rewritten",
+                    exc_info=True)
+        return records
 
 
 def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
@@ -129,17 +139,26 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
     chunk = _chunk_size(site, options)
     with Edit(graph) as edit:
         done = rewrite_site(site, options.chunk_size, edit)
-        note, fix, dropped = "", "", 0
+        dropped = 0
         if done.logits_kept and not in_subgraph and options.drop_unused_logits:
             dropped = logits_drop.drop_if_only_returned(site.projection)
-        if dropped:
-            note = report.LOGITS_DROPPED
-        elif done.logits_kept:
-            note = report.LOGITS_KEPT
-            fix = report.DROP_LOGITS_FIX if logits_drop.droppable(site.projection.node) else ""
         graph.lint()
+    note = report.LOGITS_DROPPED if dropped else ""  # whether the logits are kept: _settle_logits
     return report.SiteRecord(source, module, report.REWRITTEN, note, chunk_size=chunk,
-                             logits_bytes_avoided=done.logits_bytes_avoided + dropped, fix=fix)
+                             logits_bytes_avoided=done.logits_bytes_avoided + dropped)
+
+
+def _settle_logits(record: report.SiteRecord, site: Site, live: set, in_subgraph: bool) -> report.SiteRecord:
+    """A rewritten site's record once every site of its graph is done: its logits are
+    kept only if the projection is still in the graph with users. (Right after one
+    site's rewrite, the next site fed by the same logits still reads them.)"""
+    if record.reason == report.LOGITS_DROPPED:
+        return record
+    node = site.projection.node
+    if node not in live or not node.users:
+        return dataclasses.replace(record, reason="", fix="")
+    fix = report.DROP_LOGITS_FIX if not in_subgraph and logits_drop.droppable(node) else ""
+    return dataclasses.replace(record, reason=report.LOGITS_KEPT, fix=fix)
 
 
 def _check(site: Site, order: dict) -> guard.Reason | None:
