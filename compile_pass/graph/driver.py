@@ -141,7 +141,7 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
         done = rewrite_site(site, options.chunk_size, edit)
         dropped = 0
         if done.logits_kept and not in_subgraph and options.drop_unused_logits:
-            dropped = logits_drop.drop_if_only_returned(site.projection)
+            dropped = logits_drop.drop_if_only_returned(site.projection, edit)
         graph.lint()
     note = report.LOGITS_DROPPED if dropped else ""  # whether the logits are kept: _settle_logits
     return report.SiteRecord(source, module, report.REWRITTEN, note, chunk_size=chunk,

@@ -14,9 +14,11 @@ With the option, such logits are replaced in the graph by a NaN scalar expanded
 to their shape (no memory), and the backend's wrapper hands the caller a
 :class:`DroppedLogits` in that slot. Only logits that (1) fed a loss the pass
 rewrote in the same top-level graph, (2) are read by nothing in the graph but
-the graph output, and (3) require grad (a training graph: eval and generation
-under ``no_grad`` keep theirs) are dropped. Code that reads a dropped tensor's
-values fails with an error naming the option; it never sees wrong numbers.
+the graph output (directly, or through dtype casts: accelerate's mixed-precision
+wrapper ``.float()``s every output inside the traced forward), and (3) require
+grad (a training graph: eval and generation under ``no_grad`` keep theirs) are
+dropped. Code that reads a dropped tensor's values fails with an error naming the
+option; it never sees wrong numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
 from compile_pass.graph.forms import Projection
-from compile_pass.graph.nodes import create_node, example_value, size_hint
+from compile_pass.graph.nodes import (
+    Edit,
+    create_node,
+    example_value,
+    size_hint,
+    tensor_op_name,
+)
 
 DROPPED = "chunkce_dropped_logits"  # meta key on the stand-in node of the graph output
 
@@ -94,35 +102,64 @@ def _not_computed(what: Any) -> RuntimeError:
     )
 
 
+# Casts between the projection and the graph output that still leave the logits unread:
+# accelerate's mixed-precision wrapper (``convert_outputs_to_fp32``) ``.float()``s every
+# output, and Dynamo traces that wrapper into the model's graph.
+_CASTS = {"float", "half", "bfloat16", "double", "to", "type"}
+
+
+def _returned_chain(node: Node) -> list[Node] | None:
+    """``[node, cast, ..., returned]``: the projection and the casts (each read by nothing
+    but the next) up to the value the graph returns; None when anything else reads them."""
+    chain = [node]
+    while True:
+        users = list(chain[-1].users)
+        if users and all(user.op == "output" for user in users):
+            return chain
+        if len(users) != 1 or not _is_cast_of(users[0], chain[-1]):
+            return None
+        chain.append(users[0])
+
+
+def _is_cast_of(node: Node, source: Node) -> bool:
+    """Whether ``node`` only changes the floating dtype of ``source`` (same shape and device)."""
+    before, after = example_value(source), example_value(node)
+    return (tensor_op_name(node) in _CASTS and bool(node.args) and node.args[0] is source
+            and isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+            and after.is_floating_point() and after.shape == before.shape and after.device == before.device)
+
+
 def droppable(node: Node) -> bool:
     """Whether ``node`` (a kept projection of a top-level graph) is training logits read
-    by nothing but the graph output."""
-    logits = example_value(node)
-    return (isinstance(logits, torch.Tensor) and logits.requires_grad and bool(node.users)
-            and all(user.op == "output" for user in node.users))
+    by nothing but the graph output, directly or through dtype casts."""
+    chain = _returned_chain(node) if node.users else None
+    logits = example_value(chain[-1]) if chain else None
+    return isinstance(logits, torch.Tensor) and logits.requires_grad
 
 
-def drop_if_only_returned(projection: Projection) -> int:
-    """Replace a kept projection by a stand-in if it is :func:`droppable`; returns the
-    bytes of logits no longer computed (0: left as is)."""
+def drop_if_only_returned(projection: Projection, edit: Edit) -> int:
+    """Replace a kept projection (and the casts up to the graph output) by a stand-in if
+    it is :func:`droppable`, as part of the site's ``edit``; returns the bytes of logits
+    no longer computed (0: left as is)."""
     node = projection.node
     if not droppable(node):
         return 0
-    logits = example_value(node)
+    chain = _returned_chain(node)
+    returned = example_value(chain[-1])
     graph: Graph = node.graph
     with graph.inserting_before(node):
         nan = create_node(graph, "call_method", "new_full", (projection.hidden, (), float("nan")),
-                          {"dtype": logits.dtype})
+                          {"dtype": returned.dtype})
         sizes = [size if isinstance(size, int) else create_node(graph, "call_function", _aten.sym_size.int,
                                                                 (projection.hidden, dim))
-                 for dim, size in enumerate(logits.shape[:-1])]
-        stand_in = create_node(graph, "call_method", "expand", (nan, *sizes, logits.shape[-1]))
+                 for dim, size in enumerate(returned.shape[:-1])]
+        stand_in = create_node(graph, "call_method", "expand", (nan, *sizes, returned.shape[-1]))
     stand_in.meta[DROPPED] = True
-    node.replace_all_uses_with(stand_in)
-    for dead in (node, *projection.inner[::-1]):
+    edit.replace_all_uses_with(chain[-1], stand_in)
+    for dead in (*chain[::-1], *projection.inner[::-1]):
         if not dead.users:
-            graph.erase_node(dead)
-    return size_hint(logits.numel()) * logits.element_size()
+            edit.erase(dead)
+    return sum(size_hint(example_value(n).numel()) * example_value(n).element_size() for n in chain)
 
 
 def dropped_positions(graph: Graph) -> list[int]:
