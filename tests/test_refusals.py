@@ -240,15 +240,8 @@ def test_call_module_loss_on_a_symbolically_traced_graph(chunkce_logs):
         def forward(self, h, y):
             return self.loss_fct(self.lm_head(h).view(-1, V), y.view(-1))
 
-    model = ModuleLoss()
-    gm = torch.fx.symbolic_trace(model)
-    before = str(gm.graph)
-    result = fuse_linear_cross_entropy(gm.graph)
-    gm.recompile()
-    assert str(gm.graph) == before
-    assert_refused("call_module", "nn.CrossEntropyLoss as a call_module node", chunkce_logs, result.records)
-    h, y = hidden(), labels()
-    torch.testing.assert_close(gm(h, y), model(h, y), atol=0, rtol=0)
+    _refused_on_symbolic_trace(ModuleLoss(), "call_module", "nn.CrossEntropyLoss as a call_module node",
+                               chunkce_logs)
 
 
 def test_target_without_a_fake_value_on_a_symbolically_traced_graph(chunkce_logs):
@@ -262,13 +255,18 @@ def test_target_without_a_fake_value_on_a_symbolically_traced_graph(chunkce_logs
         def forward(self, h, y):
             return F.cross_entropy(self.lm_head(h).view(-1, V), y.view(-1))
 
-    model = FunctionalLoss()
+    _refused_on_symbolic_trace(FunctionalLoss(), "target", "target is not a tensor computed in this graph",
+                               chunkce_logs)
+
+
+def _refused_on_symbolic_trace(model, key, text, chunkce_logs):
+    """The pass leaves ``model``'s ``symbolic_trace`` graph unchanged, refusing with ``key``."""
     gm = torch.fx.symbolic_trace(model)
     before = str(gm.graph)
     result = fuse_linear_cross_entropy(gm.graph)
     gm.recompile()
     assert str(gm.graph) == before
-    assert_refused("target", "target is not a tensor computed in this graph", chunkce_logs, result.records)
+    assert_refused(key, text, chunkce_logs, result.records)
     h, y = hidden(), labels()
     torch.testing.assert_close(gm(h, y), model(h, y), atol=0, rtol=0)
 
