@@ -428,3 +428,17 @@ def test_no_host_sync_in_forward_or_backward():
     # The only scalar read is CPU's own check of the target range (torch._assert_async,
     # a device-side assert with no host sync on accelerators).
     assert syncs and all(under_assert(e) for e in syncs), [e.name for e in syncs if not under_assert(e)]
+
+
+def test_weighted_smoothed_mean_over_zero_total_weight_is_nan_as_torch():
+    # torch divides the nll and smoothing terms by the weight sum separately: 0 / 0 + x / 0 = nan
+    # (one division of their total would give inf)
+    hidden, weight, _, _ = make_inputs(n=6, h=8, v=10, ignored=0)
+    class_weight = torch.rand(10)
+    class_weight[:5] = 0
+    target = torch.randint(0, 5, (6,), generator=torch.Generator().manual_seed(0))
+    kwargs = {"weight": class_weight, "label_smoothing": 0.5}
+    expected = F.cross_entropy(F.linear(hidden, weight), target, **kwargs)
+    assert expected.isnan()
+    torch.testing.assert_close(linear_cross_entropy(hidden, weight, target, chunk_size=4, **kwargs), expected,
+                               equal_nan=True)

@@ -178,3 +178,11 @@ def test_pre_grad_pass_visits_each_subgraph_once():
     assert stats["sites_rewritten"] == 1
     assert stats["refused_subgraph_input"] == 1
     assert stats["refused_graph_break"] == 0
+
+
+def test_a_malformed_chunk_size_variable_is_the_users_error_not_a_refused_site(monkeypatch):
+    monkeypatch.setenv("CHUNKCE_CHUNK_SIZE", "abc")
+    gm = _captured(Head())
+    with pytest.raises(ValueError, match="CHUNKCE_CHUNK_SIZE to be a positive integer, got 'abc'"):
+        fuse_linear_cross_entropy(gm.graph)
+    assert counters["chunkce"]["refused_internal_error"] == 0

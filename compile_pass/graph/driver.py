@@ -20,6 +20,7 @@ from compile_pass.graph.nodes import Edit, example_value, module_attr, size_hint
 from compile_pass.graph.rewrite import rewrite_site
 from compile_pass.graph.sites import Site, find_sites
 from compile_pass.op.chunking import resolve_chunk_size
+from compile_pass.op.settings import settings
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,12 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
     Raises:
         NotImplementedError: ``options.strict`` and a site was refused (the
             message carries the guard's reason).
+        ValueError: a ``CHUNKCE_*`` environment variable is malformed (``CHUNKCE_CHUNK_SIZE``
+            not a positive integer).
         Exception: ``options.strict`` and the pass itself failed (the original error).
     """
     options = options or Options()
+    settings()  # a malformed CHUNKCE_* variable is the user's error to see, not a refused site
     records = []
     if subgraphs:
         for subgraph in _subgraph_modules(graph):

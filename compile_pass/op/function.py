@@ -236,4 +236,9 @@ def chunked_cross_entropy(
     else:
         class_weight = class_weight.to(accumulate_dtype(logits_dtype))
         denominator = (class_weight[flat_target.masked_fill(~valid, 0)] * valid).sum()
-    return (total / denominator).to(logits_dtype)
+    mean = total / denominator
+    if class_weight is not None and label_smoothing > 0.0:
+        # torch divides the nll and the smoothing terms by the weight sum separately: with
+        # a zero sum its nll's 0 / 0 makes the loss nan, where total / 0 would be inf
+        mean = mean + torch.zeros_like(denominator) / denominator  # + 0, or nan when the sum is 0
+    return mean.to(logits_dtype)
