@@ -120,8 +120,7 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
             failure = guard.internal_error(f"{type(exc).__name__}: {exc}")
             records.append(report.SiteRecord(site.node.name, "", report.REFUSED, str(failure), failure.key))
     try:
-        live = set(graph.nodes)
-        return [_settle_logits(record, site, live, in_subgraph) if record.decision == report.REWRITTEN else record
+        return [_settle_logits(record, site, in_subgraph) if record.decision == report.REWRITTEN else record
                 for record, (site, _) in zip(records, decisions)]
     except Exception:
         if options.strict:
@@ -152,14 +151,14 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
                              logits_bytes_avoided=done.logits_bytes_avoided + dropped)
 
 
-def _settle_logits(record: report.SiteRecord, site: Site, live: set, in_subgraph: bool) -> report.SiteRecord:
+def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> report.SiteRecord:
     """A rewritten site's record once every site of its graph is done: its logits are
-    kept only if the projection is still in the graph with users. (Right after one
-    site's rewrite, the next site fed by the same logits still reads them.)"""
+    kept only if the projection still has users (an erased node has none). (Right
+    after one site's rewrite, the next site fed by the same logits still reads them.)"""
     if record.reason == report.LOGITS_DROPPED:
         return record
     node = site.projection.node
-    if node not in live or not node.users:
+    if not node.users:
         return dataclasses.replace(record, reason="", fix="")
     fix = report.DROP_LOGITS_FIX if not in_subgraph and logits_drop.droppable(node) else ""
     return dataclasses.replace(record, reason=report.LOGITS_KEPT, fix=fix)
