@@ -1,6 +1,7 @@
 """Options of the chunkce pass and backend, as one small frozen dataclass.
 
     torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "strict": True})
+    torch.compile(model, backend="chunkce", options={"chunk_bytes": 8 << 20, "grads_in_forward": True})
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ class Options:
     Attributes:
         chunk_size: tokens per chunk given to every rewritten site; None lets the
             op choose (``CHUNKCE_CHUNK_SIZE`` or the automatic size).
+        chunk_bytes: the byte budget of one chunk's logits at every rewritten site
+            (:func:`compile_pass.op.chunking.choose_chunk_size`); None = the op's
+            default (``CHUNKCE_CHUNK_BYTES``, else ``DEFAULT_CHUNK_BYTES`` with the
+            device's full-speed floor). ``chunk_size`` wins when both are given.
+        grads_in_forward: opt-in. Rewritten sites with a ``"mean"`` or ``"sum"``
+            reduction compute their gradients during forward
+            (:mod:`compile_pass.op.grads_in_forward`: three matmuls a chunk instead of
+            four) and hold ``[N, H] + [V, H]`` gradients from forward to backward;
+            ``"none"`` keeps the recompute op. Not with activation offloading or
+            pipeline parallelism (``docs/op.md``).
         strict: raise ``NotImplementedError`` with the guard's reason when a
             cross-entropy site cannot be rewritten, instead of leaving it unfused.
         inner_backend: what compiles the rewritten graph: ``"inductor"`` (default),
@@ -40,12 +51,15 @@ class Options:
     inner_backend: str | Callable[..., Any] = "inductor"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     drop_unused_logits: bool = False
+    chunk_bytes: int | None = None
+    grads_in_forward: bool = False
 
     def __post_init__(self) -> None:
-        size = self.chunk_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
-            raise ValueError(f"chunkce: expected option chunk_size to be a positive int or None, got {size!r}")
-        for name in ("strict", "drop_unused_logits"):
+        for name in ("chunk_size", "chunk_bytes"):
+            size = getattr(self, name)
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
+                raise ValueError(f"chunkce: expected option {name} to be a positive int or None, got {size!r}")
+        for name in ("strict", "drop_unused_logits", "grads_in_forward"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"chunkce: expected option {name} to be a bool, got {type(value).__name__}")
@@ -91,4 +105,5 @@ class Options:
         )
         config = ",".join(f"{k}={self.inductor_config[k]!r}" for k in sorted(self.inductor_config))
         return (f"chunk_size={self.chunk_size};strict={self.strict};inner={inner};inductor_config={config};"
-                f"drop_unused_logits={self.drop_unused_logits}")
+                f"drop_unused_logits={self.drop_unused_logits};chunk_bytes={self.chunk_bytes};"
+                f"grads_in_forward={self.grads_in_forward}")

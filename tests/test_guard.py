@@ -39,8 +39,8 @@ def soft_cap(m, h, logits):  # Gemma 2
     return torch.tanh(logits / 30.0) * 30.0
 
 
-def scaled(m, h, logits):
-    return logits * 0.5
+def scaled(m, h, logits):  # a per-class multiplier: not a scale the op takes (a constant one is)
+    return logits * torch.linspace(0.5, 1.5, logits.shape[-1])
 
 
 def lora(m, h, logits):
@@ -69,7 +69,7 @@ def autocast_head(m, h, logits):
 REFUSALS = [
     # (transform, counter key, words in the reason, inner backend)
     (soft_cap, "soft_cap", "`tanh` between projection and loss", "inductor"),
-    (scaled, "op_mul", "`mul` between projection and loss", "aot_eager"),
+    (scaled, "scale_operand", "a multiplier of shape (23,), broadcast over the logits", "aot_eager"),
     (lora, "op_add", "`add` between projection and loss is not shape/dtype-only (an added tensor, e.g. LoRA",
      "inductor"),
     (lossy_cast, "lossy_cast", "float32 -> bfloat16 -> float32", "aot_eager"),

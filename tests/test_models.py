@@ -31,7 +31,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
-from compile_pass.graph.logits_drop import DroppedLogits
+from compile_pass.graph.logits_drop import DROPPED, DroppedLogits
 from conftest import OP, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -80,10 +80,10 @@ MODELS = [
     Model("Gemma 3", "Gemma3ForCausalLM", "Gemma3TextConfig",
           {**TINY, "head_dim": 8, "final_logit_softcapping": 30.0},
           outcome="refused", reason_key="soft_cap", note="`final_logit_softcapping` (set; off by default)"),
-    Model("Cohere", "CohereForCausalLM", "CohereConfig", TINY,
-          outcome="refused", reason_key="op_mul", note="`logit_scale`: logits * scale"),
-    Model("Granite", "GraniteForCausalLM", "GraniteConfig", {**TINY, "logits_scaling": 2.0},
-          outcome="refused", reason_key="op_truediv", note="`logits_scaling`: logits / scale"),
+    Model("Cohere", "CohereForCausalLM", "CohereConfig", {**TINY, "logit_scale": 0.25},
+          note="`logit_scale`: logits * scale, absorbed into the op"),
+    Model("Granite", "GraniteForCausalLM", "GraniteConfig", {**TINY, "logits_scaling": 3.0},
+          note="`logits_scaling`: logits / scale, absorbed into the op"),
 ]
 BY_NAME = {m.name: m for m in MODELS}
 FORMS = ("plain", "num_items_in_batch", "checkpointing")
@@ -334,6 +334,61 @@ def test_dropped_logits_are_not_computed_and_the_step_matches_stock(backend):
     for graph in graphs:  # no projection left: only the op reads the lm_head weight
         readers = [n for n in graph.nodes if any("lm_head" in a.name for a in n.all_input_nodes)]
         assert [n.target for n in readers] == [OP], readers
+
+
+@pytest.mark.parametrize("name", ["Cohere", "Granite"])
+def test_dropped_logits_through_an_absorbed_scale(name):
+    """Cohere's ``logits * logit_scale`` and Granite's ``logits / logits_scaling`` return the
+    scaled logits: the drop looks through the absorbed scale, and the step equals stock."""
+    spec = next(m for m in MODELS if m.name == name)
+    model = build(spec)
+    reference = copy.deepcopy(model)
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(copy.deepcopy(gm.graph))
+        return gm.forward
+
+    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": inner})
+    input_ids, labels = make_batch()
+    out = compiled(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+    expected = torch.compile(reference, backend="aot_eager")(input_ids=input_ids, labels=labels)
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    assert isinstance(out.logits, DroppedLogits) and out.logits.shape == expected.logits.shape
+    for (param, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, param=param: f"{param}.grad: {m}")
+    assert counters["chunkce"]["logits_dropped"] == 1 and counters["chunkce"]["logits_kept"] == 0
+    (graph,) = graphs  # the op, and no [B, T, V] value but the stand-in: no projection, no scaled logits
+    assert [n.target for n in graph.nodes if n.target == OP] == [OP]
+    logits_like = [n for n in graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+                   and v.numel() == B * T * V and not n.meta.get(DROPPED)]
+    assert logits_like == [], logits_like
+
+
+class ContiguousHead(ReturnsLogits):
+    """OPT's head: ``lm_head(h).contiguous()``, returned and read by the loss."""
+
+    def forward(self, h, labels):
+        logits = self.lm_head(torch.relu(self.body(h))).contiguous()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        return loss, logits
+
+
+def test_dropped_logits_through_a_copy():
+    model, reference = ContiguousHead(), ContiguousHead()
+    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": "aot_eager"})
+    h, labels = toy_batch()
+    loss, logits = compiled(h, labels)
+    loss.backward()
+    expected_loss, _ = torch.compile(reference, backend="aot_eager")(h, labels)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss)
+    assert isinstance(logits, DroppedLogits)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert counters["chunkce"]["logits_dropped"] == 1
 
 
 def test_dropped_logits_raise_on_any_read_and_allow_metadata_ops():

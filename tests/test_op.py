@@ -1,7 +1,5 @@
 """The op against torch's unfused F.linear + F.cross_entropy: loss and every gradient."""
 
-import itertools
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +7,6 @@ import torch.nn.functional as F
 from compile_pass import linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
 from compile_pass.op import kernels
-from compile_pass.op.chunking import ALIGN, MIN_CHUNK_BYTES, choose_chunk_size
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float64: {"atol": 1e-10, "rtol": 1e-10}}
 
@@ -239,18 +236,6 @@ def test_bad_arguments_are_named(override, error, match):
     positional = [arguments.pop(k) for k in ("input", "linear_weight", "target")]
     with pytest.raises(error, match=f"chunkce.linear_cross_entropy: .*{match}"):
         linear_cross_entropy(*positional, **arguments)
-
-
-def test_choose_chunk_size():
-    # Hidden states of 8k x 4k bf16 (64 MiB) against a 128k vocabulary: 256 tokens a chunk.
-    assert choose_chunk_size(8192, 4096, 131072, 2, 2) == 256
-    # Small batches: the chunk is the floor budget, capped at the tokens there are.
-    assert choose_chunk_size(100, 64, 1000, 4, 4) == 100
-    for n, h, v in itertools.product((1, 300, 5000, 70000), (64, 4096), (97, 32000, 262144)):
-        size = choose_chunk_size(n, h, v, 2, 2)
-        assert 1 <= size <= n
-        assert size == n or size % ALIGN == 0
-        assert size * v * 2 <= max(n * h * 2, MIN_CHUNK_BYTES) or size == min(n, ALIGN)
 
 
 def test_chunk_size_from_environment(monkeypatch):

@@ -117,8 +117,15 @@ class Case:
 CASES = {
     "soft_cap": Case(lambda m, h, y: flat(torch.tanh(m.lm_head(h) / 30.0) * 30.0, y),
                      "soft-capped logits: `tanh` between projection and loss"),
-    "op_*": Case(lambda m, h, y: flat(m.lm_head(h) * 0.5, y),
-                 "`mul` between projection and loss is not shape/dtype-only (logit scaling)"),
+    "op_*": Case(lambda m, h, y: flat(m.lm_head(h).clamp(-1.0, 1.0), y),
+                 "`clamp` between projection and loss is not shape/dtype-only (logit clipping)"),
+    "scale_requires_grad": Case(lambda m, h, y, s: flat(m.lm_head(h) * s, y),
+                                "which requires grad: the op does not differentiate the scale. Fix: detach it",
+                                inputs=lambda: (hidden(), labels(), torch.tensor(0.5, requires_grad=True))),
+    "scale_operand": Case(lambda m, h, y: flat(m.lm_head(h) * torch.linspace(0.5, 1.5, V), y),
+                          "not a scaling the op takes (a multiplier of shape (23,), broadcast over the logits"),
+    "scale_twice": Case(lambda m, h, y: flat(m.lm_head(h) * 2.0 / 3.0, y),
+                        "`mul` scales the logits a second time between projection and loss"),
     "no_projection": Case(lambda m, h, y: flat(F.embedding(y, m.bigram), y),
                           "does not come from a linear/matmul (it comes from `embedding`)"),
     "producer": Case(lambda m, h, y: flat(torch.einsum("bth,vh->btv", h, m.lm_head.weight), y),
@@ -155,6 +162,9 @@ CASES = {
                        "logits cast through a lossy intermediate dtype (float32 -> bfloat16 -> float32)"),
     "mutation": Case(in_place_loss, "in-place `mul_` between projection and loss"),
     "mode_switch": Case(autocast_loss, "`_exit_autocast` (autocast / grad mode change) between projection and loss"),
+    "loss_spelling": Case(lambda m, h, y: F.nll_loss(torch.log(torch.softmax(m.lm_head(h), -1)).reshape(-1, V),
+                                                     y.reshape(-1)),
+                          "nll_loss: log(softmax(logits)) is not torch's log_softmax"),
 }
 # Keys no Dynamo graph has (shown on other FX graphs below) or that only a bug produces.
 NOT_FROM_DYNAMO = ("call_module", "target", "unreadable", "internal_error")
@@ -221,7 +231,7 @@ def test_refused_site_is_left_as_stock_compile_leaves_it(key, chunkce_logs):
                                      exact=True)
     recorder.assert_untouched()
     if key == "op_*":
-        key = "op_mul"
+        key = "op_clamp"
     assert_refused(key, case.words, chunkce_logs)
     if key == "graph_break":
         assert compile_pass.last_report().records[0].fix == compile_pass.graph.report.GRAPH_BREAK_FIX
@@ -330,7 +340,9 @@ def test_narrow_then_widen_is_refused_and_exact(narrow, chunkce_logs):
 _STOP_KINDS = {"graph_input": "graph_break", "subgraph_input": "subgraph_input", "unbatched": "unbatched",
                "class_dim_1": "class_dim_1", "vocab_dim": "vocab_dim", "advanced_index": "advanced_index",
                "symbolic_reshape": "symbolic_reshape", "unreadable": "unreadable", "call_module": "call_module",
-               "internal_error": "internal_error", "opaque": "op_*"}
+               "internal_error": "internal_error", "opaque": "op_*", "scale_operand": "scale_operand",
+               "scale_requires_grad": "scale_requires_grad", "scale_twice": "scale_twice",
+               "in_place_scale": "mutation"}
 
 
 def test_every_stop_kind_of_the_matcher_maps_to_a_covered_key():

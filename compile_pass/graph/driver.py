@@ -49,7 +49,7 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
         NotImplementedError: ``options.strict`` and a site was refused (the
             message carries the guard's reason).
         ValueError: a ``CHUNKCE_*`` environment variable is malformed (``CHUNKCE_CHUNK_SIZE``
-            not a positive integer).
+            or ``CHUNKCE_CHUNK_BYTES`` not a positive integer).
         Exception: ``options.strict`` and the pass itself failed (the original error).
     """
     options = options or Options()
@@ -135,20 +135,22 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
     logits, if asked), all or nothing."""
     source = report.source_of(site.node)
     module = report.module_of(site.projection.node if site.projection else site.stop)
+    form = site.call.form if site.call is not None else ""
     if reason is not None:
         fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
-        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix)
+        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix, form=form)
     graph = site.node.graph
     chunk = _chunk_size(site, options)
     with Edit(graph) as edit:
-        done = rewrite_site(site, options.chunk_size, edit)
+        done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
+                            grads_in_forward=options.grads_in_forward)
         dropped = 0
         if done.logits_kept and not in_subgraph and options.drop_unused_logits:
             dropped = logits_drop.drop_if_only_returned(site.projection, edit)
         graph.lint()
     note = report.LOGITS_DROPPED if dropped else ""  # whether the logits are kept: _settle_logits
     return report.SiteRecord(source, module, report.REWRITTEN, note, chunk_size=chunk,
-                             logits_bytes_avoided=done.logits_bytes_avoided + dropped)
+                             logits_bytes_avoided=done.logits_bytes_avoided + dropped, form=form)
 
 
 def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> report.SiteRecord:
@@ -179,4 +181,4 @@ def _chunk_size(site: Site, options: Options) -> int:
     logits = example_value(site.projection.node)  # [..., V], projection dtype
     return resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
                               size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
-                              logits.element_size(), logits.device.type)
+                              logits.element_size(), logits.device.type, chunk_bytes=options.chunk_bytes)

@@ -8,13 +8,17 @@ spelling Dynamo 2.13 emits:
     F.cross_entropy, nn.CrossEntropyLoss
                                 call_function torch.nn.functional.cross_entropy
                                 (the module is inlined, all its keywords spelled out)
+
+The older loss spellings (``nll_loss(log_softmax(z))``, ``-log_softmax(z).gather``) are
+read into the same :class:`CrossEntropyCall` by :mod:`compile_pass.graph.spellings`.
 """
 
 from __future__ import annotations
 
 import inspect
 import operator
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from compile_pass.graph.nodes import dims_arg, example_value, is_tensor_node, same_size, tensor_op_name
+from compile_pass.op.function import chunked_cross_entropy
 
 CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
 _LINEAR = (torch._C._nn.linear, F.linear)
@@ -33,15 +38,30 @@ _TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT
 
 @dataclass(frozen=True)
 class CrossEntropyCall:
-    """A cross-entropy call with every argument spelled out (torch defaults filled in)."""
+    """A cross-entropy call with every argument spelled out (torch defaults filled in).
 
-    input: Any
+    The defaults describe ``F.cross_entropy`` itself; an older spelling
+    (:mod:`compile_pass.graph.spellings`) says what differs: the nodes the walk back
+    to the projection passes that are not shape/dtype-only, what the loss node's
+    value is, and what in it the op cannot reproduce.
+    """
+
+    input: Any  # what the loss node reads: logits, or log-probabilities of a spelling
     target: Any
     weight: Any  # class weights Node or None
     ignore_index: Any
     reduction: Any
     label_smoothing: Any
     legacy: bool = False  # size_average / reduce were given (mapped onto reduction)
+    form: str = "cross_entropy"  # the spelling: "cross_entropy", "nll_loss" (of a log_softmax), "gather"
+    # nodes between the projection and `input` the walk passes although they are not
+    # shape/dtype-only: the log_softmax of a spelling ("log_softmax") and its negations ("neg")
+    passes: Mapping[Node, str] = field(default_factory=dict)
+    class_dim: int = 1  # of an input with 3 or more dims: 1 (torch's losses) or -1 (a gather)
+    inner: tuple[Node, ...] = ()  # nodes of the spelling besides the loss node (a gather's index)
+    unsupported: str | None = None  # what of this spelling the op cannot reproduce (refused)
+    # the function whose traced nodes replace the loss node (chunked_cross_entropy's signature)
+    emit: Callable[..., Any] = chunked_cross_entropy
 
 
 @dataclass(frozen=True)

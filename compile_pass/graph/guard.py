@@ -2,8 +2,9 @@
 
 Refusing is normal: the site is left as it is. The rewrite must reproduce the
 captured graph exactly, so everything between the projection and the loss has to
-be shape- or dtype-only, the head has to be a plain floating tensor, and the
-targets have to be class indices the op can take.
+be shape- or dtype-only or one scaling by a constant the op takes (``logits * s``,
+``logits / s``: :func:`compile_pass.graph.sites.read_scale`), the head has to be a
+plain floating tensor, and the targets have to be class indices the op can take.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from compile_pass.graph.forms import as_projection
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
-from compile_pass.graph.sites import Site, logits_dtypes
+from compile_pass.graph.sites import Site, cast_chains
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSSLESS = {  # widening casts: every value of the first dtype is exact in the second
@@ -34,8 +35,10 @@ _MODE_SWITCHES = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast",
                   "_enter_inference_mode", "_exit_inference_mode"}
 _SOFT_CAPS = {"tanh", "tanh_", "softcap"}
 _HINTS = {
-    "mul": "logit scaling", "truediv": "logit scaling", "div": "logit scaling",
-    "add": "an added tensor, e.g. LoRA on the head", "sub": "an added tensor",
+    "add": "an added tensor, e.g. LoRA on the head (the op has no low-rank branch); with PEFT, leave lm_head "
+           "out of target_modules (modules_to_save=['lm_head'] trains the head itself and is rewritten) or merge "
+           "the adapter first (merge_and_unload)",
+    "sub": "an added tensor",
     "detach": "it cuts the gradient", "clamp": "logit clipping",
     **dict.fromkeys(("to_local", "redistribute", "full_tensor"),
                     "DTensor logits of a tensor parallel (vocabulary-sharded) head, gathered on the way; "
@@ -78,6 +81,8 @@ def _check_call(site: Site) -> Reason | None:
     call = site.call
     if call is None:
         return Reason("call_module", "nn.CrossEntropyLoss as a call_module node (Dynamo normally inlines it)")
+    if call.unsupported:  # an older loss spelling (spellings.py) the op cannot reproduce
+        return Reason("loss_spelling", f"{call.form}: {call.unsupported}")
     if not is_tensor_node(call.target):
         return Reason("target", "target is not a tensor computed in this graph")
     target = example_value(call.target)
@@ -86,7 +91,8 @@ def _check_call(site: Site) -> Reason | None:
                                             "are not supported: the op takes class indices")
     if target.dtype != torch.int64:
         return Reason("target", f"target dtype {target.dtype}: the op takes int64 class indices")
-    if is_tensor_node(call.input) and target.dim() != example_value(call.input).dim() - 1:
+    # (a gather's labels: the reader checked them against its index, spellings.py)
+    if call.class_dim == 1 and is_tensor_node(call.input) and target.dim() != example_value(call.input).dim() - 1:
         return Reason("target", f"class-index target of shape {tuple(target.shape)} for logits of shape "
                                 f"{tuple(example_value(call.input).shape)}")
     if call.reduction not in ("mean", "sum", "none"):
@@ -130,7 +136,28 @@ def _check_stop(site: Site) -> Reason | None:
         return Reason("symbolic_reshape", f"`{name}` on token dims after a reshape to several symbolic sizes")
     if kind == "unreadable":
         return Reason("unreadable", "cross_entropy input is not a tensor computed in this graph")
+    if kind in ("scale_operand", "scale_requires_grad", "scale_twice", "in_place_scale"):
+        return _scale_reason(kind, name, site.stop_detail)
     return _opaque_reason(stop)
+
+
+def _scale_reason(kind: str, name: str, detail: str | None) -> Reason:
+    """A scaling of the logits the op cannot take (the stop kinds of ``sites.read_scale``)."""
+    if kind == "scale_requires_grad":
+        return Reason("scale_requires_grad", f"`{name}` scales the logits by {detail}, which requires grad: the "
+                                             "op does not differentiate the scale. Fix: detach it "
+                                             "(`logits * scale.detach()`) or freeze it "
+                                             "(`scale.requires_grad_(False)`)")
+    if kind == "scale_twice":
+        return Reason("scale_twice", f"`{name}` scales the logits a second time between projection and loss: "
+                                     "the op takes one scaling. Fix: fold them into one constant, "
+                                     "e.g. `logits * (a / b)`")
+    if kind == "in_place_scale":
+        return Reason("mutation", f"in-place `{name}` between projection and loss (logits scaled in place; "
+                                  "written out of place, `logits = logits * s`, the op takes the scale)")
+    return Reason("scale_operand", f"`{name}` between projection and loss is not a scaling the op takes "
+                                   f"({detail}): it takes `logits * s` or `logits / s` with s a Python number "
+                                   "or a 0-d tensor that does not require grad")
 
 
 _DYNAMO_INPUT = re.compile(r"[LG]_")  # Dynamo names its inputs by source: L_logits_, L_stack0_, G_...
@@ -235,11 +262,15 @@ def _check_projection(site: Site) -> Reason | None:
 
 
 def _check_casts(site: Site) -> Reason | None:
-    dtypes = logits_dtypes(site)
-    for before, after in zip(dtypes, dtypes[1:-1]):
-        if (before, after) not in _LOSSLESS:
-            chain = " -> ".join(str(d).removeprefix("torch.") for d in dtypes)
-            return Reason("lossy_cast", f"logits cast through a lossy intermediate dtype ({chain})")
+    """Each chain of casts the op collapses into one (to the scaling's dtype, then to the
+    loss's: ``sites.cast_chains``) passes only through widening intermediate dtypes."""
+    chains = cast_chains(site)
+    for position, dtypes in enumerate(chains):
+        for before, after in zip(dtypes, dtypes[1:-1]):
+            if (before, after) not in _LOSSLESS:
+                chain = " -> ".join(str(d).removeprefix("torch.") for d in dtypes)
+                where = "" if len(chains) == 1 else (" before the scaling", " after the scaling")[position]
+                return Reason("lossy_cast", f"logits cast through a lossy intermediate dtype ({chain}){where}")
     return None
 
 

@@ -15,7 +15,8 @@ to their shape (no memory), and the backend's wrapper hands the caller a
 :class:`DroppedLogits` in that slot. Only logits that (1) fed a loss the pass
 rewrote in the same top-level graph, (2) are read by nothing in the graph but
 the graph output (directly, or through dtype casts: accelerate's mixed-precision
-wrapper ``.float()``s every output inside the traced forward), and (3) require
+wrapper ``.float()``s every output inside the traced forward; copies such as
+OPT's ``.contiguous()``; the scale the pass absorbs, Cohere's and Granite's), and (3) require
 grad (a training graph: eval and generation under ``no_grad`` keep theirs) are
 dropped. Code that reads a dropped tensor's values fails with an error naming the
 option; it never sees wrong numbers.
@@ -39,6 +40,7 @@ from compile_pass.graph.nodes import (
     size_hint,
     tensor_op_name,
 )
+from compile_pass.graph.sites import read_scale
 
 DROPPED = "chunkce_dropped_logits"  # meta key on the stand-in node of the graph output
 
@@ -106,27 +108,37 @@ def _not_computed(what: Any) -> RuntimeError:
 # accelerate's mixed-precision wrapper (``convert_outputs_to_fp32``) ``.float()``s every
 # output, and Dynamo traces that wrapper into the model's graph.
 _CASTS = {"float", "half", "bfloat16", "double", "to", "type"}
+_COPIES = {"contiguous", "clone"}
 
 
 def _returned_chain(node: Node) -> list[Node] | None:
-    """``[node, cast, ..., returned]``: the projection and the casts (each read by nothing
-    but the next) up to the value the graph returns; None when anything else reads them."""
+    """``[node, step, ..., returned]``: the projection and the steps of :func:`_is_step_of`
+    (each read by nothing but the next) up to the value the graph returns; None when
+    anything else reads them."""
     chain = [node]
     while True:
         users = list(chain[-1].users)
         if users and all(user.op == "output" for user in users):
             return chain
-        if len(users) != 1 or not _is_cast_of(users[0], chain[-1]):
+        if len(users) != 1 or not _is_step_of(users[0], chain[-1]):
             return None
         chain.append(users[0])
 
 
-def _is_cast_of(node: Node, source: Node) -> bool:
-    """Whether ``node`` only changes the floating dtype of ``source`` (same shape and device)."""
+def _is_step_of(node: Node, source: Node) -> bool:
+    """Whether ``node`` gives logits of ``source``'s shape and device, floating, from
+    ``source`` by a dtype cast, a copy (``.contiguous()``, OPT's head) or a scale the pass
+    absorbs (Cohere's ``* logit_scale``, Granite's ``/ logits_scaling``:
+    :func:`compile_pass.graph.sites.read_scale`)."""
     before, after = example_value(source), example_value(node)
-    return (tensor_op_name(node) in _CASTS and bool(node.args) and node.args[0] is source
-            and isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
-            and after.is_floating_point() and after.shape == before.shape and after.device == before.device)
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and after.is_floating_point()
+            and after.shape == before.shape and after.device == before.device):
+        return False
+    name = tensor_op_name(node)
+    if name in _CASTS or name in _COPIES:
+        return bool(node.args) and node.args[0] is source
+    read = read_scale(node)
+    return read is not None and read.scale is not None and read.scale.logits is source
 
 
 def droppable(node: Node) -> bool:

@@ -49,6 +49,9 @@ class SiteRecord:
     chunk_size: int | str | None = None  # tokens per chunk: given, the automatic choice, or "auto"
     logits_bytes_avoided: int = 0
     fix: str = ""  # how to make a refused site rewritable (or a kept logits droppable), where known
+    # how the loss is spelled: "cross_entropy", "nll_loss" (of a log_softmax), "gather" (of a
+    # log_softmax: the per-token log-probabilities); "" when unknown
+    form: str = ""
 
 
 @dataclass
@@ -69,9 +72,9 @@ class PassReport:
     def __str__(self) -> str:
         header = (f"chunkce: {len(self.records)} cross-entropy site(s), {len(self.rewritten)} rewritten, "
                   f"{len(self.refused)} refused")
-        columns = ("#", "decision", "source", "module", "chunk", "logits avoided", "reason")
-        rows = [(str(i), r.decision, _shorten(r.source, _SOURCE_WIDTH), r.module or "-", str(r.chunk_size or "-"),
-                 format_bytes(r.logits_bytes_avoided), r.reason or "-")
+        columns = ("#", "decision", "loss", "source", "module", "chunk", "logits avoided", "reason")
+        rows = [(str(i), r.decision, r.form or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",
+                 str(r.chunk_size or "-"), format_bytes(r.logits_bytes_avoided), r.reason or "-")
                 for i, r in enumerate(self.records, 1)]
         widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
         lines = [header, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
@@ -123,7 +126,7 @@ def module_of(node: Node | None) -> str:
         return ""
     path, module_type = list(stack.values())[-1][:2]
     path = re.sub(r"^[LG]\[[^\]]*\](\[[^\]]*\])*\.?", "", str(path))  # L['self'], L['args'][0], G['model']
-    path = re.sub(r"_modules\['([^']*)'\]", r"\1", path)
+    path = re.sub(r"(__dict__\['_modules'\]\[|_modules\[)'([^']*)'\]", r"\2", path)  # PEFT's wrappers: __dict__
     return path or getattr(module_type, "__name__", str(module_type))  # the root module: its class
 
 
@@ -143,8 +146,8 @@ def publish(report: PassReport) -> None:
             stats["logits_bytes_avoided"] += record.logits_bytes_avoided
             stats["logits_kept"] += record.reason == LOGITS_KEPT
             stats["logits_dropped"] += record.reason == LOGITS_DROPPED
-            log.info("chunkce: rewrote %s (module %s, chunk size %s, logits bytes avoided %s)%s",
-                     record.source, record.module or "?", record.chunk_size,
+            log.info("chunkce: rewrote %s (%s, module %s, chunk size %s, logits bytes avoided %s)%s",
+                     record.source, record.form or "loss", record.module or "?", record.chunk_size,
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
         else:
             stats["sites_refused"] += 1

@@ -1,14 +1,16 @@
 """Replace one accepted cross-entropy site with a call of the chunked op.
 
     logits = linear(h, W, b)            # kept only if something else uses it
-    x = logits.float()[..., :-1, :].contiguous().view(-1, V)
+    x = (logits * s).float()[..., :-1, :].contiguous().view(-1, V)   # s: a number or a 0-d tensor
     loss = cross_entropy(x, labels, ...)
 becomes
     h2 = h[..., :-1, :]                 # token-dim indexing replayed on the hidden states
     loss, lse = torch.ops.chunkce.linear_cross_entropy(h2.flatten(0, -2), W, labels.reshape(-1), b, ...,
-                                                       torch.float32, chunk_size, None)
+                                                       torch.float32, chunk_size, None, s, ...)
     loss = (loss.sum() / (labels.reshape(-1) != ignore_index).sum()).to(torch.float32)   # "mean"
 
+The scaling is passed to the op (``logit_scale``, ``scale_divides``, ``scale_dtype``: the
+dtype the graph scaled in) and its node erased with the casts when nothing else uses it.
 Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone.
 """
 
@@ -27,8 +29,7 @@ from compile_pass.graph.nodes import (
     size_hint,
     trace_into,
 )
-from compile_pass.graph.sites import Site, logits_dtypes
-from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.graph.sites import Site, cast_chains
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,18 @@ class Rewritten:
     logits_bytes_avoided: int
 
 
-def rewrite_site(site: Site, chunk_size: int | None, edit: Edit) -> Rewritten:
+def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes: int | None = None,
+                 grads_in_forward: bool = False) -> Rewritten:
     """Rewrite an accepted ``site`` in place (the guard must have returned None), as
     part of ``edit`` (which keeps or undoes the change as a whole).
 
     The new nodes are those :func:`compile_pass.op.function.chunked_cross_entropy`
     runs, traced into the graph: token-dim indexing replayed on the hidden states,
-    ``torch.ops.chunkce.linear_cross_entropy``, and the reduction in tensor ops.
+    ``torch.ops.chunkce.linear_cross_entropy`` (with the site's scaling, if any), and
+    the reduction in tensor ops.
     """
     graph: Graph = site.node.graph
-    projection, call = site.projection, site.call
+    projection, call, scale = site.projection, site.call, site.scale
     meta = site.node.meta
     with graph.inserting_before(site.node):
         hidden = _hidden_states(site, meta)  # [..., H]
@@ -62,17 +65,26 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit) -> Rewritten:
         casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
                            for arg in (hidden, weight) if is_tensor_node(arg))
         new = trace_into(
-            graph, chunked_cross_entropy, hidden, weight, call.target, projection.bias, call.weight,
+            graph, call.emit, hidden, weight, call.target, projection.bias, call.weight,
             reduction=call.reduction, ignore_index=call.ignore_index,
-            label_smoothing=float(call.label_smoothing), logits_dtype=logits_dtypes(site)[-1],
+            label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
-            chunk_size=chunk_size or 0, meta=meta,
+            chunk_size=chunk_size or 0, chunk_bytes=chunk_bytes or 0,
+            logit_scale=None if scale is None else scale.value,
+            scale_divides=scale is not None and scale.divides,
+            scale_dtype=None if scale is None else scale.dtype,
+            grads_in_forward=_grads_wanted(site, hidden, weight) if grads_in_forward else None, meta=meta,
         )
     loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     edit.replace_all_uses_with(site.node, new)
     edit.erase(site.node)
     bytes_avoided = loss_buffers + _erase_dead(site, edit)
+    if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
+        scaled = example_value(scale.node)
+        bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
+        if scale.item is not None and not scale.item.users:  # the op takes the tensor, not its .item()
+            edit.erase(scale.item)
     return Rewritten(bool(projection.node.users), bytes_avoided)
 
 
@@ -104,7 +116,8 @@ def _erase_dead(site: Site, edit: Edit) -> int:
         materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
     materialized.update(step.node for step in site.steps if step.kind == "cast"
                         and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
-    candidates = [*(step.node for step in site.steps[::-1]), projection.node, *projection.inner[::-1]]
+    candidates = [*site.call.inner, *(step.node for step in site.steps[::-1]), projection.node,
+                  *projection.inner[::-1]]  # call.inner: a spelling's own nodes (a gather's index)
     if site.class_dim_moved is not None:
         candidates.insert(0, site.class_dim_moved)
     bytes_avoided = 0
@@ -116,3 +129,13 @@ def _erase_dead(site: Site, edit: Edit) -> int:
             bytes_avoided += size_hint(value.numel()) * value.element_size()
         edit.erase(node)
     return bytes_avoided
+
+
+def _grads_wanted(site: Site, hidden: Node, weight: Node) -> list[bool] | None:
+    """``[hidden, weight, bias]`` need a gradient (their fake values' ``requires_grad``), for
+    the grads-in-forward op; None (the recompute op) when the loss needs none (no_grad)."""
+    if not example_value(site.node).requires_grad:
+        return None
+    mask = [is_tensor_node(node) and example_value(node).requires_grad
+            for node in (hidden, weight, site.projection.bias)]
+    return mask if any(mask) else None

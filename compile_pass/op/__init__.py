@@ -2,9 +2,11 @@
 
     function.py    the public function: argument checks, flatten, the custom op, the reduction
     custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func
+    grads_in_forward.py  opt-in ``chunkce::linear_cross_entropy_grads_in_forward``: gradients computed in forward
     loops.py       the ops' chunk loops: project a chunk, run its kernel, write its share of the outputs
     kernels.py     the per-chunk math, compiled by Inductor for the device
-    chunking.py    how a call is cut: tokens per chunk (``resolve_chunk_size``), the backward's block walk
+    chunking.py    how a call is cut: tokens per chunk (``resolve_chunk_size``: a byte budget and
+                   the smallest chunk at full matmul speed), the backward's block walk
     settings.py    the ``CHUNKCE_*`` environment variables
 
 This package never imports the graph pass (:mod:`compile_pass.graph`) or the entry points.

@@ -1,15 +1,39 @@
 """How the op cuts a call into chunks: tokens per chunk, and the backward's walk.
 
-A chunk costs ``chunk_size * vocab_size * itemsize`` bytes for its logits (and as
-much again for their gradient in backward). The automatic choice makes one chunk's
-logits cost about what the hidden states ``[N, H]`` cost, never less than a floor
-(``MIN_CHUNK_BYTES`` on CPU, ``MIN_CHUNK_BYTES_ACCELERATOR`` elsewhere, where
-small matmuls leave the chip idle: on an H200 at H = 4096, V = 128256, bf16, full
-forward + backward of 8192 tokens took 97 ms with 256-token chunks, 63 ms with
-1024 and 59 ms with 2048), rounded to a multiple of ``ALIGN`` tokens and capped at
-the number of tokens. :func:`resolve_chunk_size` is the one place the op (and the
-graph pass's report) decides between an explicit size, ``CHUNKCE_CHUNK_SIZE`` and
-that choice.
+A chunk costs ``chunk_size * vocab_size * itemsize`` bytes for its logits; backward
+(and the grads-in-forward loop) overwrites them with their gradient in place
+(:func:`compile_pass.op.kernels.chunk_backward`), so the op's working set beyond
+its inputs and their gradients is one chunk.
+:func:`choose_chunk_size` picks the tokens of a chunk from two numbers:
+
+* a **byte budget** for one chunk's logits (``chunk_bytes``; default
+  :data:`DEFAULT_CHUNK_BYTES`, or ``CHUNKCE_CHUNK_BYTES``), which fixes the
+  working set whatever the number of tokens: it stays flat while unfused
+  compile's ``[N, V]`` buffers grow with N;
+* the **smallest chunk at which the matmuls still run at full speed**
+  (:func:`min_full_speed_tokens`): every per-chunk matmul reads the whole
+  ``[V, H]`` weight once, for ``2 * n`` flops per weight element, so a small chunk
+  is bound by memory bandwidth, not by the arithmetic units. The default budget
+  never goes below it; an explicit budget does (the user's trade).
+
+Tuned on (fp32 unless said, weight std 0.02):
+
+* CPU, the project's 2-core AMD EPYC (32 MiB L3), torch 2.13 + MKL, with other jobs
+  on the machine (throughputs are noisy): per-chunk matmul throughput at H 1024,
+  V 32768 of 43 / 61 / 109 / 115 GFLOP/s (projection) and 84 / 86 / 154 / 132 GFLOP/s
+  (weight gradient) at 128 / 256 / 512 / 1024 tokens; single-threaded at H 1024,
+  V 8192, 15.6 / 11.5 / 13.6 / 14.8 / 19.8 GFLOP/s (projection) at 64 / 128 / 256 /
+  512 / 1024 tokens. Hence a CPU floor of 256 tokens (a compromise: 512 runs the
+  projection nearer full speed at twice the working set) and a 16 MiB budget, which
+  decides only for small vocabularies (V < 16384 in fp32).
+* CUDA, H200, H 4096, V 128256, bf16, 8192 tokens, forward + backward: 97 ms with
+  256-token chunks, 63 ms with 1024, 59 ms with 2048. Hence an accelerator floor of
+  2048 tokens.
+
+Then rounded down to a multiple of :data:`ALIGN` tokens (at least ``ALIGN``) and
+capped at the number of tokens. :func:`resolve_chunk_size` is the one place the op
+(and the graph pass's report) decides between an explicit ``chunk_size`` or
+``chunk_bytes``, ``CHUNKCE_CHUNK_SIZE`` or ``CHUNKCE_CHUNK_BYTES``, and the default.
 
 Backward with a half-precision weight over several token chunks accumulates the
 weight gradient in fp32; it walks the vocabulary in ``VOCAB_BLOCKS`` blocks so the
@@ -29,80 +53,89 @@ import torch
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.settings import settings
 
-MIN_CHUNK_BYTES = 64 * 1024 * 1024  # bytes, CPU
-MIN_CHUNK_BYTES_ACCELERATOR = 512 * 1024 * 1024  # bytes
-ALIGN = 128  # tokens
+DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # bytes of one chunk's logits, the default budget
+MIN_FULL_SPEED_TOKENS_CPU = 256  # tokens
+MIN_FULL_SPEED_TOKENS_ACCELERATOR = 2048  # tokens
+ALIGN = 32  # tokens
 VOCAB_BLOCKS = 8
 
 Span = tuple[int, int]  # [start, end)
 
 
+def min_full_speed_tokens(device_type: str) -> int:
+    """The smallest chunk (tokens) at which the per-chunk matmuls run at full speed on a
+    device type (measured: the module docstring)."""
+    return MIN_FULL_SPEED_TOKENS_CPU if device_type == "cpu" else MIN_FULL_SPEED_TOKENS_ACCELERATOR
+
+
 def choose_chunk_size(
     num_tokens: int,
-    hidden_size: int,
     vocab_size: int,
-    hidden_itemsize: int,
     logits_itemsize: int,
-    min_chunk_bytes: int = MIN_CHUNK_BYTES,
+    *,
+    chunk_bytes: int | None = None,
+    min_tokens: int = MIN_FULL_SPEED_TOKENS_CPU,
 ) -> int:
     """Automatic chunk size, in tokens.
 
     Args:
         num_tokens: N, the number of (flattened) tokens.
-        hidden_size: H.
         vocab_size: V.
-        hidden_itemsize: bytes per element of the hidden states.
-        logits_itemsize: bytes per element of one chunk of logits (the projection's
-            dtype).
-        min_chunk_bytes: the floor of one chunk's logits, in bytes
-            (:func:`min_chunk_bytes_for` gives the device's).
+        logits_itemsize: bytes per element of one chunk of logits (the projection's dtype).
+        chunk_bytes: the budget of one chunk's logits, in bytes; None = the default
+            (:data:`DEFAULT_CHUNK_BYTES`), which is raised to ``min_tokens`` tokens where
+            it holds fewer. An explicit budget is not raised.
+        min_tokens: the smallest chunk at full matmul speed
+            (:func:`min_full_speed_tokens` gives the device's).
 
     Returns:
-        An int in ``[1, max(num_tokens, 1)]``: the tokens whose logits
-        (``chunk_size * V * logits_itemsize`` bytes) cost about
-        ``max(N * H * hidden_itemsize, min_chunk_bytes)`` bytes, rounded down to a
-        multiple of ``ALIGN`` (at least ``ALIGN``).
+        An int in ``[1, max(num_tokens, 1)]``: ``chunk_bytes // (V * logits_itemsize)``
+        tokens (at least ``min_tokens`` for the default budget), rounded down to a
+        multiple of ``ALIGN`` (at least ``ALIGN``), at most ``num_tokens``.
     """
-    budget = max(num_tokens * hidden_size * hidden_itemsize, min_chunk_bytes)
+    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     tokens = budget // max(vocab_size * logits_itemsize, 1)
+    if chunk_bytes is None:
+        tokens = max(tokens, min_tokens)
     tokens = max(ALIGN, (tokens // ALIGN) * ALIGN)
     return max(1, min(tokens, num_tokens))
 
 
-def min_chunk_bytes_for(device_type: str) -> int:
-    """The floor of one chunk's logits on a device type, in bytes."""
-    return MIN_CHUNK_BYTES if device_type == "cpu" else MIN_CHUNK_BYTES_ACCELERATOR
-
-
 def resolve_chunk_size(chunk_size: int | None, num_tokens: int, hidden_size: int, vocab_size: int,
-                       itemsize: int, device_type: str) -> int:
+                       itemsize: int, device_type: str, *, chunk_bytes: int | None = None) -> int:
     """The tokens per chunk the op uses for one call.
 
-    An explicit ``chunk_size`` wins; else ``CHUNKCE_CHUNK_SIZE``; else
-    :func:`choose_chunk_size` with the device's floor (:func:`min_chunk_bytes_for`).
+    In order, the first given wins: the arguments ``chunk_size``, then ``chunk_bytes``;
+    the environment's ``CHUNKCE_CHUNK_SIZE``, then ``CHUNKCE_CHUNK_BYTES``; else the
+    default budget with the device's full-speed floor (:func:`choose_chunk_size`).
 
     Args:
         chunk_size: tokens per chunk, or None / 0 for automatic (any value below 1
             is automatic).
         num_tokens: N, the number of (flattened) tokens.
-        hidden_size: H.
+        hidden_size: H (not used by the rule; kept for callers).
         vocab_size: V.
-        itemsize: bytes per element of the hidden states, and of the logits (the
-            projection runs in the hidden states' dtype).
+        itemsize: bytes per element of the logits (the projection runs in the hidden
+            states' dtype).
         device_type: the device type of the hidden states (``"cpu"``, ``"cuda"``, ...).
+        chunk_bytes: bytes of one chunk's logits, or None / 0 for the default budget.
 
     Returns:
         Tokens per chunk, at least 1.
 
     Raises:
-        ValueError: ``chunk_size`` is automatic and ``CHUNKCE_CHUNK_SIZE`` is set
-            but is not a positive integer.
+        ValueError: ``CHUNKCE_CHUNK_SIZE`` or ``CHUNKCE_CHUNK_BYTES`` is read and is
+            not a positive integer.
     """
     if chunk_size is not None and chunk_size > 0:
         return chunk_size
-    return settings().chunk_size or choose_chunk_size(
-        num_tokens, hidden_size, vocab_size, itemsize, itemsize, min_chunk_bytes_for(device_type),
-    )
+    env = settings()
+    if chunk_bytes is None or chunk_bytes <= 0:
+        if env.chunk_size:
+            return env.chunk_size
+        chunk_bytes = env.chunk_bytes
+    return choose_chunk_size(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
+                             min_tokens=min_full_speed_tokens(device_type))
 
 
 def spans(total: int, size: int) -> list[Span]:

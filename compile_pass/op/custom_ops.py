@@ -64,6 +64,18 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
                                         f"or equal to ignore_index ({ignore_index})")
 
 
+def _plan(hidden_states: Tensor, weight: Tensor, ignore_index: int, label_smoothing: float,
+          logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None,
+          logit_scale: float | None, logit_scale_tensor: Tensor | None, scale_divides: bool,
+          scale_dtype: torch.dtype | None, chunk_bytes: int) -> ChunkPlan:
+    """The :class:`ChunkPlan` of either op's arguments (the scale: whichever of the two is given)."""
+    return ChunkPlan.resolve(
+        hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache,
+        logit_scale=logit_scale if logit_scale_tensor is None else logit_scale_tensor,
+        scale_divides=scale_divides, scale_dtype=scale_dtype, chunk_bytes=chunk_bytes,
+    )
+
+
 @torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=())
 def _forward_op(
     hidden_states: Tensor,  # [N, H]
@@ -76,10 +88,19 @@ def _forward_op(
     logits_dtype: torch.dtype,
     chunk_size: int,  # 0 = automatic
     release_cache: bool | None,
+    logit_scale: float | None = None,  # a Python number's scale
+    logit_scale_tensor: Tensor | None = None,  # [] a 0-d tensor's scale (not differentiated)
+    scale_divides: bool = False,  # logits / scale, else logits * scale
+    scale_dtype: torch.dtype | None = None,  # the dtype it scales in; None = the projection's
+    chunk_bytes: int = 0,  # the chunk budget in bytes; 0 = the default
 ) -> tuple[Tensor, Tensor]:
-    """Per-token ``loss [N]`` and ``lse [N]``, fp32 (fp64 for fp64 logits); 0 loss where ignored."""
-    plan = ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
-                             logits_dtype, chunk_size, release_cache)
+    """Per-token ``loss [N]`` and ``lse [N]``, fp32 (fp64 for fp64 logits); 0 loss where ignored.
+
+    At most one of ``logit_scale`` and ``logit_scale_tensor`` is given: the logits are
+    scaled by it (:func:`compile_pass.op.kernels.scale_logits`) before the loss.
+    """
+    plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
+                 release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
     _assert_targets_in_range(target, weight.shape[0], ignore_index)
     with _AutocastOff(hidden_states.device):
         loss, lse = loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
@@ -89,7 +110,8 @@ def _forward_op(
 
 @_forward_op.register_fake
 def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
-      logits_dtype, chunk_size, release_cache):
+      logits_dtype, chunk_size, release_cache, logit_scale=None, logit_scale_tensor=None,
+      scale_divides=False, scale_dtype=None, chunk_bytes=0):
     num_tokens = hidden_states.shape[0]
     accumulate = kernels.accumulate_dtype(logits_dtype)
     return (hidden_states.new_empty(num_tokens, dtype=accumulate),
@@ -111,6 +133,11 @@ def _backward_op(
     chunk_size: int,
     release_cache: bool | None,
     output_mask: list[bool],  # [grad_hidden_states, grad_weight, grad_bias] wanted
+    logit_scale: float | None = None,  # the forward op's scaling arguments
+    logit_scale_tensor: Tensor | None = None,
+    scale_divides: bool = False,
+    scale_dtype: torch.dtype | None = None,
+    chunk_bytes: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
 
@@ -119,10 +146,12 @@ def _backward_op(
     and are cast to the parameter's dtype once. A half-precision weight over
     several token chunks is walked in ``VOCAB_BLOCKS`` vocabulary blocks, so its
     fp32 accumulator holds one block; the hidden-state gradient then sums over
-    blocks in an fp32 ``[N, H]`` accumulator.
+    blocks in an fp32 ``[N, H]`` accumulator. The scaling arguments (after
+    ``output_mask``, so that their defaults leave the unscaled call as it was) are
+    the forward op's.
     """
-    plan = ChunkPlan.resolve(hidden_states, weight, ignore_index, label_smoothing,
-                             logits_dtype, chunk_size, release_cache)
+    plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
+                 release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
     with _AutocastOff(hidden_states.device):
         grads = loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
                                        class_weight, lse, output_mask)
@@ -132,7 +161,8 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, ignore_index,
-      label_smoothing, logits_dtype, chunk_size, release_cache, output_mask):
+      label_smoothing, logits_dtype, chunk_size, release_cache, output_mask, logit_scale=None,
+      logit_scale_tensor=None, scale_divides=False, scale_dtype=None, chunk_bytes=0):
     want_hidden, want_weight, want_bias = output_mask
     return (
         torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
@@ -143,24 +173,32 @@ def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, ignore_
     )
 
 
+_OPTIONS = 5  # ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache
+
+
 def _setup_context(ctx, inputs, output):
-    hidden_states, weight, target, bias, class_weight, *options = inputs
+    # inputs: every argument, defaults filled in
+    hidden_states, weight, target, bias, class_weight, *rest = inputs
+    options, (logit_scale, logit_scale_tensor, *scaling) = rest[:_OPTIONS], rest[_OPTIONS:]
     _, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden_states, weight, target, bias, class_weight, lse)
-    ctx.options = options  # ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache
+    ctx.save_for_backward(hidden_states, weight, target, bias, class_weight, lse, logit_scale_tensor)
+    ctx.options = options
+    ctx.scaling = (logit_scale, *scaling)  # logit_scale, scale_divides, scale_dtype, chunk_bytes
+    ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, grad_loss, _grad_lse):
-    hidden_states, weight, target, bias, class_weight, lse = ctx.saved_tensors
+    hidden_states, weight, target, bias, class_weight, lse, logit_scale_tensor = ctx.saved_tensors
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
     backward_op = (FunctorchBackward.apply if torch._C._are_functorch_transforms_active()
                    else torch.ops.chunkce.linear_cross_entropy_backward)
+    logit_scale, *scaling = ctx.scaling
     grad_hidden, grad_weight, grad_bias = backward_op(
         grad_loss, hidden_states, weight, target, bias, class_weight, lse,
-        *ctx.options, [want_hidden, want_weight, want_bias],
+        *ctx.options, [want_hidden, want_weight, want_bias], logit_scale, logit_scale_tensor, *scaling,
     )
-    grads = [None] * (5 + len(ctx.options))
+    grads = [None] * ctx.num_inputs
     grads[0] = grad_hidden if want_hidden else None
     grads[1] = grad_weight if want_weight else None
     grads[3] = grad_bias if want_bias else None

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from compile_pass.op.custom_ops import NAME as _NAME
 from compile_pass.op.custom_ops import FunctorchForward, autocast_enabled
+from compile_pass.op.grads_in_forward import summed_loss
 from compile_pass.op.kernels import accumulate_dtype
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -80,7 +81,38 @@ def _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dty
             _fail(ValueError, f"expected {name} on {input.device} (the input's device), got {value.device}")
 
 
-def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size) -> None:
+def _check_scale(input, logit_scale, logit_divisor, scale_dtype) -> None:
+    """The scaling arguments: at most one of the two scales, each a real Python number or
+    a real 0-d tensor that needs no gradient, and a floating ``scale_dtype`` only with one."""
+    if logit_scale is not None and logit_divisor is not None:
+        _fail(ValueError, "expected at most one of logit_scale and logit_divisor, got both; "
+                         "fold them into one: logit_scale=scale / divisor")
+    for name, value in (("logit_scale", logit_scale), ("logit_divisor", logit_divisor)):
+        if value is None:
+            continue
+        if isinstance(value, Tensor):
+            if value.dim() != 0:
+                _fail(ValueError, f"expected {name} to be a number or a 0-d tensor, got a tensor of "
+                                 f"shape {tuple(value.shape)}: a per-class scale is not supported")
+            if value.is_complex() or value.dtype == torch.bool:
+                _fail(TypeError, f"expected a real {name}, got a tensor of dtype {value.dtype}")
+            if value.device != input.device and value.device.type != "cpu":
+                _fail(ValueError, f"expected {name} on {input.device} (the input's device) or the "
+                                 f"CPU, got {value.device}")
+            if value.requires_grad and torch.is_grad_enabled():
+                _fail(NotImplementedError, f"a {name} that requires grad is not supported: the op "
+                                          f"does not differentiate the scale; pass {name}.detach() "
+                                          f"(or freeze it: requires_grad_(False))")
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+            _fail(TypeError, f"expected {name} to be a number or a 0-d tensor, got {type(value).__name__}")
+    if scale_dtype is not None:
+        if not isinstance(scale_dtype, torch.dtype) or not scale_dtype.is_floating_point:
+            _fail(TypeError, f"expected scale_dtype to be a floating torch.dtype, got {scale_dtype!r}")
+        if logit_scale is None and logit_divisor is None:
+            _fail(ValueError, "scale_dtype was given without logit_scale or logit_divisor")
+
+
+def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size, chunk_bytes) -> None:
     """The non-tensor arguments."""
     if reduction not in _REDUCTIONS:
         _fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
@@ -96,6 +128,22 @@ def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size <= 0):
         _fail(ValueError, f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                    or chunk_bytes <= 0):
+        _fail(ValueError, f"expected chunk_bytes to be a positive int or None, got {chunk_bytes!r}")
+
+
+def _grads_wanted(grads_in_forward: bool, input: Tensor, linear_weight: Tensor,
+                  linear_bias: Tensor | None) -> list[bool] | None:
+    """``[input, linear_weight, linear_bias]`` need a gradient, for the grads-in-forward op;
+    None (the recompute op) unless asked for and some gradient is wanted."""
+    if not isinstance(grads_in_forward, bool):
+        _fail(TypeError, f"expected grads_in_forward to be a bool, got {type(grads_in_forward).__name__}")
+    if not grads_in_forward or not torch.is_grad_enabled():
+        return None
+    mask = [input.requires_grad, linear_weight.requires_grad,
+            linear_bias is not None and linear_bias.requires_grad]
+    return mask if any(mask) else None
 
 
 def linear_cross_entropy(
@@ -111,12 +159,20 @@ def linear_cross_entropy(
     logits_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
     release_cache: bool | None = None,
+    logit_scale: float | Tensor | None = None,
+    logit_divisor: float | Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+    chunk_bytes: int | None = None,
+    grads_in_forward: bool = False,
 ) -> Tensor:
     """Cross-entropy of a linear projection, without materializing the logits.
 
     Exactly (loss and every gradient, up to floating-point summation order)::
 
-        logits = F.linear(input, linear_weight, linear_bias).to(logits_dtype)
+        logits = F.linear(input, linear_weight, linear_bias)
+        logits = (logits.to(scale_dtype) * logit_scale)   # with logit_scale
+        logits = (logits.to(scale_dtype) / logit_divisor)  # with logit_divisor
+        logits = logits.to(logits_dtype)
         F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=weight,
                         reduction=reduction, ignore_index=ignore_index,
                         label_smoothing=label_smoothing)  # "none": shaped like target
@@ -155,6 +211,28 @@ def linear_cross_entropy(
             (:func:`compile_pass.op.chunking.resolve_chunk_size`: ``CHUNKCE_CHUNK_SIZE``, else by size).
         release_cache: empty the device allocator's cache after forward and
             backward; None = ``CHUNKCE_RELEASE_CACHE``. Read at run time.
+        logit_scale: multiply the logits by it before the loss (Cohere's
+            ``logit_scale``): a Python number or a real 0-d tensor (on the input's
+            device or the CPU) that does not require grad; None = no scaling. It is
+            applied in ``scale_dtype`` and rounds exactly as ``logits * logit_scale``
+            does there (computed in fp32 for half precision, rounded once); the
+            gradient is scaled the same way, as autograd's ``mul`` backward.
+        logit_divisor: divide the logits by it (Granite's ``logits_scaling``, a
+            sampling temperature); as ``logit_scale`` otherwise. It divides,
+            rounding as ``logits / logit_divisor`` does, not as a multiplication by
+            ``1 / logit_divisor``. At most one of the two.
+        scale_dtype: the dtype the scaling happens in: None = the projection's
+            dtype (``lm_head(h) * s``, as Cohere and Granite do); ``torch.float32``
+            for a scale after ``logits.float()``. A 0-d tensor's own dtype does not
+            change it, as torch's type promotion does not.
+        chunk_bytes: the budget of one chunk's logits in bytes, from which the
+            automatic ``chunk_size`` is chosen; None = the default budget
+            (:func:`compile_pass.op.chunking.resolve_chunk_size`).
+        grads_in_forward: opt-in: for ``"mean"`` / ``"sum"`` with gradients wanted,
+            compute the gradients during forward (three matmuls a chunk instead of
+            the recompute's four) and hold them, ``[N, H] + [V, H]``, until backward
+            (:mod:`compile_pass.op.grads_in_forward`; not with activation offloading or
+            pipeline parallelism). ``"none"``, or no gradient wanted, runs the recompute op.
 
     Returns:
         The loss: a 0-d tensor, or ``target``-shaped for ``"none"``, in
@@ -163,10 +241,12 @@ def linear_cross_entropy(
     Raises:
         TypeError / ValueError: an argument of the wrong type, dtype or shape
             (the message names it).
-        NotImplementedError: probability (floating) targets; double backward.
+        NotImplementedError: probability (floating) targets; a scale that requires
+            grad; double backward.
     """
-    _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size)
+    _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size, chunk_bytes)
     _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)
+    _check_scale(input, logit_scale, logit_divisor, scale_dtype)
     if target.dtype != torch.int64:
         target = target.long()  # uint8 class indices: a new tensor, the caller's is untouched
     projection_dtype = None
@@ -178,6 +258,10 @@ def linear_cross_entropy(
         reduction=reduction, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         logits_dtype=logits_dtype or input.dtype, projection_dtype=projection_dtype,
         chunk_size=chunk_size or 0, release_cache=release_cache,
+        logit_scale=logit_divisor if logit_scale is None else logit_scale,
+        scale_divides=logit_divisor is not None, scale_dtype=scale_dtype,
+        chunk_bytes=chunk_bytes or 0, grads_in_forward=_grads_wanted(
+            grads_in_forward, input, linear_weight, linear_bias),
     )
 
 
@@ -195,6 +279,11 @@ def chunked_cross_entropy(
     projection_dtype: torch.dtype | None = None,
     chunk_size: int = 0,
     release_cache: bool | None = None,
+    logit_scale: float | Tensor | None = None,
+    scale_divides: bool = False,
+    scale_dtype: torch.dtype | None = None,
+    chunk_bytes: int = 0,
+    grads_in_forward: list[bool] | None = None,
 ) -> Tensor:
     """:func:`linear_cross_entropy` after its checks, with every decision made by the caller.
 
@@ -211,6 +300,15 @@ def chunked_cross_entropy(
         projection_dtype: cast hidden_states, weight and bias to it first (the
             autocast dtype); None = no cast.
         chunk_size: tokens per chunk; 0 = automatic.
+        logit_scale: the logits' scale (a Python number or a 0-d tensor), or None;
+            they are divided by it when ``scale_divides``, else multiplied, in
+            ``scale_dtype`` (None = the projection dtype):
+            :func:`compile_pass.op.kernels.scale_logits`.
+        chunk_bytes: the budget of one chunk's logits in bytes; 0 = the default.
+        grads_in_forward: None = the recompute op; else which of ``[hidden_states, weight,
+            bias]`` need a gradient, computed during forward by
+            :mod:`compile_pass.op.grads_in_forward` for ``"mean"`` / ``"sum"`` (``"none"``
+            keeps the recompute op).
 
     Returns:
         The loss in ``logits_dtype``: 0-d, or shaped like ``target`` for ``"none"``.
@@ -221,13 +319,22 @@ def chunked_cross_entropy(
     flat_target = target.reshape(-1)  # [N]
     forward_op = (FunctorchForward.apply if torch._C._are_functorch_transforms_active()
                   else torch.ops.chunkce.linear_cross_entropy.default)
-    loss = forward_op(
-        hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
-        ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache,
-    )[0]  # [N] fp32 (fp64 for fp64 logits); [1] is the lse
-    if reduction == "none":
-        return loss.view_as(target).to(logits_dtype)
-    total = loss.sum()
+    # a Python number goes to the op's float argument, a 0-d tensor (or its FX proxy) to its Tensor one
+    scale_is_number = isinstance(logit_scale, numbers.Real)
+    scale_and_budget = (float(logit_scale) if scale_is_number else None,
+                        None if scale_is_number else logit_scale, scale_divides, scale_dtype, chunk_bytes)
+    if grads_in_forward is not None and reduction != "none":  # the gradients now: grads_in_forward.py
+        total = summed_loss(hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
+                            ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache,
+                            list(grads_in_forward), *scale_and_budget)  # 0-d fp32 (fp64 for fp64)
+    else:
+        loss = forward_op(
+            hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
+            ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache, *scale_and_budget,
+        )[0]  # [N] fp32 (fp64 for fp64 logits); [1] is the lse
+        if reduction == "none":
+            return loss.view_as(target).to(logits_dtype)
+        total = loss.sum()
     if reduction == "sum":
         return total.to(logits_dtype)
     valid = flat_target != ignore_index  # [N]

@@ -12,7 +12,7 @@ is compiled is the memory-bound part, which Inductor fuses into a couple of
 reductions over the chunk.
 
 Each variant (device type, projection dtype, logits dtype, class weights present,
-label smoothing present) is compiled once, with dynamic shapes (token dim
+label smoothing present, the form of the logits' scaling) is compiled once, with dynamic shapes (token dim
 unbacked, no duck sizing: :func:`run`), so no chunk length, sequence length or
 order of calls recompiles it, and with ``emulate_precision_casts`` so a cast to
 half precision rounds as it does eagerly. Where Inductor cannot
@@ -32,6 +32,13 @@ and 0 for ignored tokens. Its gradient, with ``p_ic = exp(z_ic - lse_i)``:
 
     d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic
                         - (1 - eps) * w_y * [c == y] - eps / C * w_c
+
+Scaled logits (Cohere's ``logits * logit_scale``, Granite's ``logits / logits_scaling``):
+with a scale ``s``, ``z = (x.to(scale_dtype) op s).to(logits_dtype)`` for the projection
+``x`` (:func:`scale_logits`, rounded as torch's ``mul`` / ``div`` round), and the
+gradient w.r.t. ``x`` is the gradient w.r.t. ``z`` rounded to ``logits_dtype``, cast to
+``scale_dtype``, then multiplied (divided) by ``s`` and rounded to ``scale_dtype``:
+autograd's ``mul`` / ``div`` backward (``grad * s``, ``grad / s``) at the same point.
 """
 
 from __future__ import annotations
@@ -50,6 +57,32 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half-precision logits, else the logits' own dtype (fp64 stays fp64)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def scale_logits(
+    logits: Tensor,  # [n, V] any floating dtype
+    logit_scale: float | Tensor | None,  # a Python number or a 0-d tensor; None: no scaling
+    scale_divides: bool,
+    scale_dtype: torch.dtype | None,
+) -> Tensor:
+    """``logits.to(scale_dtype) * logit_scale`` (``/ logit_scale`` when ``scale_divides``),
+    in ``scale_dtype``: ``logits`` itself without a scale.
+
+    Rounds as torch's ``mul`` / ``div`` of a tensor by a Python number or a 0-d tensor
+    of the same category (the result keeps the tensor's dtype: type promotion's rule for
+    dimensionless operands): computed in ``accumulate_dtype(scale_dtype)`` (torch's
+    ``opmath_type``, fp32 for half precision) with the scale converted to it, then rounded
+    once to ``scale_dtype``. It divides when the graph divided (``x / s`` and ``x * (1 / s)``
+    round differently). The value of ``logit_scale`` is never branched on, so a compiled
+    kernel takes it as an input and a new value does not recompile it.
+    """
+    if logit_scale is None:
+        return logits
+    opmath = accumulate_dtype(scale_dtype)
+    if isinstance(logit_scale, Tensor):
+        logit_scale = logit_scale.to(device=logits.device, dtype=opmath)
+    x = logits.to(scale_dtype).to(opmath)
+    return (x / logit_scale if scale_divides else x * logit_scale).to(scale_dtype)
 
 
 def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -77,14 +110,19 @@ def chunk_forward(
     ignore_index: int,
     label_smoothing: float | None,  # None: no smoothing term in the graph
     logits_dtype: torch.dtype,
+    logit_scale: float | Tensor | None = None,  # None: no scaling
+    scale_divides: bool = False,
+    scale_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token loss ``[n]`` and log-sum-exp ``[n]`` of one chunk, in ``accumulate_dtype``.
 
-    ``label_smoothing`` is only ever computed with, never branched on (Dynamo then
-    passes it as a graph input, the same way in every process, so the compiled
-    graph and its cache key do not depend on what the process compiled before).
+    ``label_smoothing`` and ``logit_scale`` are only ever computed with, never branched
+    on (Dynamo then passes them as graph inputs, the same way in every process, so the
+    compiled graph and its cache key do not depend on what the process compiled before).
+    The scale (:func:`scale_logits`) is applied before the log-sum-exp.
     """
-    z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
+    z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
+    z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
     lse = _logsumexp(z)  # [n]
     valid, safe_target = _safe_target(target, ignore_index)
     z_target = z.gather(1, safe_target.unsqueeze(1)).squeeze(1)  # [n]
@@ -136,6 +174,9 @@ def chunk_backward(
     logits_dtype: torch.dtype,
     vocab_start: int,
     vocab_size: int,  # V, the whole vocabulary
+    logit_scale: float | Tensor | None = None,  # None: no scaling
+    scale_divides: bool = False,
+    scale_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits::
 
@@ -144,11 +185,15 @@ def chunk_backward(
     (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`).
     The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``; the
     full-row log-sum-exp ``lse`` makes it independent of the other columns.
-    Returns ``[n, Vb]`` in the projection dtype, rounded through ``logits_dtype``
-    exactly as autograd rounds it through the graph's cast.
+    Returns ``logits`` itself, overwritten with the gradient ``[n, Vb]`` in the
+    projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
+    through the graph's cast; with a scale, then through the scaling's backward
+    (``grad * s`` or ``grad / s`` in ``scale_dtype``). The caller's chunk of logits is
+    consumed.
     """
     block = logits.shape[-1]
-    z = logits.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
+    z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
+    z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
     probs = torch.exp(z - lse.unsqueeze(1))  # [n, Vb] p_ic
     valid, safe_target = _safe_target(target, ignore_index)
     grad = torch.where(valid, grad_loss.to(z.dtype), 0.0)  # [n]
@@ -161,7 +206,13 @@ def chunk_backward(
     if coef_uniform is not None:
         uniform = coef_uniform.unsqueeze(1)  # [n, 1]
         out = out - (uniform if w is None else uniform * w.narrow(0, vocab_start, block))  # [n, Vb]
-    return out.to(logits_dtype).to(logits.dtype)
+    out = out.to(logits_dtype)
+    if logit_scale is not None:  # the backward of z = x op s: grad op s, in scale_dtype
+        out = scale_logits(out, logit_scale, scale_divides, scale_dtype)
+    # Into the logits' own buffer: every element is read once, then overwritten by its
+    # gradient (pointwise once lse is known), so a chunk's working set is one [n, Vb]
+    # buffer, not two (Inductor stores the fused result in place).
+    logits.copy_(out)
 
 
 @functools.cache
@@ -222,19 +273,17 @@ def _plain_context() -> bool:
             and not torch._C._are_functorch_transforms_active())
 
 
-# Positions of each kernel's arguments whose first dim is the chunk's tokens.
-_TOKEN_ARGUMENTS = {"chunk_forward": (0, 1), "chunk_backward": (0, 1, 2, 4)}
-
-
-def _symbolic(fn_name: str, args: tuple) -> list:
+def _symbolic(args: tuple) -> list:
     """The kernel's arguments as its compiled graph takes them, so that no call can
     invalidate it: every tensor detached (a view's ``_base`` would be guarded on,
-    and its size duck-sized against the chunk's), and the token dim unbacked (it
-    takes every value from 1 to ``chunk_size``; a backed size would be specialised
-    at 1 and duck-sized against the others)."""
+    and its size duck-sized against the chunk's), and the chunk of logits' token dim
+    unbacked (it takes every value from 1 to ``chunk_size``). The other per-token
+    arguments keep backed sizes, compiled size-oblivious (:func:`run`), so they are
+    not specialised at 1 either: with two unbacked token dims Inductor 2.13 no longer
+    writes ``chunk_backward``'s gradient in place but through a second ``[n, Vb]``
+    buffer."""
     args = [arg.detach() if isinstance(arg, Tensor) else arg for arg in args]
-    for position in _TOKEN_ARGUMENTS[fn_name]:
-        torch._dynamo.decorators.mark_unbacked(args[position], 0)
+    torch._dynamo.decorators.mark_unbacked(args[0], 0)  # the logits: [n, V] or [n, Vb]
     return args
 
 
@@ -257,5 +306,6 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     # (AOTAutograd checks a compiled graph's first run for custom-op aliasing under one)
     # leave different keys excluded, and the kernel's guards on its inputs' dispatch
     # keys would tell the two apart (a recompile).
-    with fx_config.patch(use_duck_shape=False), torch._C._AutoDispatchBelowADInplaceOrView():
-        return _compiled(fn_name, variant)(*_symbolic(fn_name, args))
+    with (fx_config.patch(use_duck_shape=False, backed_size_oblivious=True),
+          torch._C._AutoDispatchBelowADInplaceOrView()):
+        return _compiled(fn_name, variant)(*_symbolic(args))

@@ -11,7 +11,7 @@ Both run inside the ops' bodies (no autograd graph is built here).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -31,12 +31,21 @@ class ChunkPlan:
     chunk_size: int  # tokens per chunk, resolved
     eager_kernels: bool
     release_cache: bool
+    # The logits' scaling (kernels.scale_logits): ``logits * logit_scale`` or, with
+    # ``scale_divides``, ``logits / logit_scale``, in ``scale_dtype``; None: no scaling.
+    logit_scale: float | Tensor | None = field(default=None, compare=False)
+    scale_divides: bool = False
+    scale_dtype: torch.dtype | None = None
 
     @staticmethod
     def resolve(hidden_states: Tensor, weight: Tensor, ignore_index: int, label_smoothing: float,
-                logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None) -> ChunkPlan:
+                logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None, *,
+                logit_scale: float | Tensor | None = None, scale_divides: bool = False,
+                scale_dtype: torch.dtype | None = None, chunk_bytes: int = 0) -> ChunkPlan:
         """The plan of a call: ``chunk_size`` 0 and ``release_cache`` None are resolved
-        (:func:`~compile_pass.op.chunking.resolve_chunk_size`, ``CHUNKCE_*``).
+        (:func:`~compile_pass.op.chunking.resolve_chunk_size`, with ``chunk_bytes``
+        0 for its default budget; ``CHUNKCE_*``). ``scale_dtype`` None with a scale is
+        the projection dtype.
 
         Raises:
             ValueError: a ``CHUNKCE_*`` variable holds a bad value.
@@ -48,9 +57,13 @@ class ChunkPlan:
             label_smoothing=label_smoothing,
             logits_dtype=logits_dtype,
             chunk_size=resolve_chunk_size(chunk_size, num_tokens, hidden_size, weight.shape[0],
-                                          hidden_states.element_size(), hidden_states.device.type),
+                                          hidden_states.element_size(), hidden_states.device.type,
+                                          chunk_bytes=chunk_bytes or None),
             eager_kernels=env.eager_kernels,
             release_cache=env.release_cache if release_cache is None else release_cache,
+            logit_scale=logit_scale,
+            scale_divides=scale_divides,
+            scale_dtype=None if logit_scale is None else (scale_dtype or hidden_states.dtype),
         )
 
     @property
@@ -59,11 +72,23 @@ class ChunkPlan:
         whose graph has no smoothing terms)."""
         return self.label_smoothing if self.label_smoothing > 0.0 else None
 
-    def variant(self, hidden_states: Tensor, class_weight: Tensor | None) -> tuple:
-        """The kernels' compile key: device type, projection dtype, logits dtype,
-        class weights present, label smoothing present."""
-        return (hidden_states.device.type, hidden_states.dtype, self.logits_dtype,
-                class_weight is not None, self.kernel_label_smoothing is not None)
+    @property
+    def kernel_scale(self) -> tuple:
+        """The kernels' scaling arguments: ``(logit_scale, scale_divides, scale_dtype)``."""
+        return self.logit_scale, self.scale_divides, self.scale_dtype
+
+    def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
+        """The kernels' compile key: device type, projection dtype (``logits``: a chunk's
+        projection, or the hidden states), logits dtype, class weights present, label
+        smoothing present, then the scaling's form (none, or multiply / divide, by a
+        Python number or a tensor, in which dtype), never its value."""
+        if self.logit_scale is None:
+            scale = None
+        else:
+            scale = ("div" if self.scale_divides else "mul",
+                     "tensor" if isinstance(self.logit_scale, Tensor) else "number", self.scale_dtype)
+        return (logits.device.type, logits.dtype, self.logits_dtype,
+                class_weight is not None, self.kernel_label_smoothing is not None, scale)
 
 
 def _dense(tensor: Tensor | None) -> Tensor | None:
@@ -83,6 +108,37 @@ def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Ten
     return torch.addmm(bias, hidden_chunk, weight_t)
 
 
+def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor,
+                    class_weight: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``kernels.chunk_forward`` of one chunk: per-token ``loss [n]`` and ``lse [n]`` in
+    ``kernels.accumulate_dtype(plan.logits_dtype)``, from ``logits_chunk [n, V]`` (projection
+    dtype), ``target [n]`` int64 and ``class_weight [V]`` or None; the plan's options
+    (smoothing, scaling, dtypes) are passed as the kernel takes them."""
+    return kernels.run(
+        "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
+        logits_chunk, target, class_weight,
+        plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, *plan.kernel_scale,
+    )
+
+
+def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, lse: Tensor, target: Tensor,
+                     class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int,
+                     vocab_size: int) -> Tensor:
+    """``kernels.chunk_backward`` of one block: the gradient ``[n, Vb]`` (projection dtype)
+    w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``
+    of ``vocab_size``; ``lse [n]`` and ``grad_loss [n]`` fp32 (fp64 for fp64).
+
+    The gradient is written into ``logits_chunk`` (which is returned): the chunk's
+    logits are consumed, and a chunk costs one ``[n, Vb]`` buffer, not two."""
+    kernels.run(
+        "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
+        logits_chunk, lse, target, class_weight, grad_loss,
+        plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, vocab_start, vocab_size,
+        *plan.kernel_scale,
+    )
+    return logits_chunk
+
+
 def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor]:
     """Per-token ``loss [N]`` and ``lse [N]``, in ``kernels.accumulate_dtype(plan.logits_dtype)``.
@@ -95,15 +151,11 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
     accumulate = kernels.accumulate_dtype(plan.logits_dtype)
     loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
     lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
-    variant = plan.variant(hidden_states, class_weight)
     weight_t = weight.t()  # [H, V]
     for start, end in spans(num_tokens, plan.chunk_size):
         logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
-        loss[start:end], lse[start:end] = kernels.run(
-            "chunk_forward", variant, plan.eager_kernels,
-            logits_chunk, target[start:end], class_weight,
-            plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype,
-        )
+        loss[start:end], lse[start:end] = _forward_kernel(plan, logits_chunk, target[start:end],
+                                                          class_weight)
         del logits_chunk
     return loss, lse
 
@@ -187,7 +239,6 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
                                    weight.dtype, walk.zero_grad_weight)  # [V, H]
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
-    variant = plan.variant(hidden_states, class_weight)
     for vocab_start, vocab_end in walk.vocab_blocks:
         weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
@@ -199,11 +250,9 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
         for start, end in walk.token_chunks:
             hidden_chunk = hidden_states[start:end]  # [n, H]
             logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
-            grad_logits = kernels.run(
-                "chunk_backward", variant, plan.eager_kernels,
-                logits_chunk, lse[start:end], target[start:end], class_weight, grad_loss[start:end],
-                plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, vocab_start, vocab_size,
-            )  # [n, Vb] projection dtype
+            grad_logits = _backward_kernel(plan, logits_chunk, lse[start:end], target[start:end],
+                                           class_weight, grad_loss[start:end], vocab_start,
+                                           vocab_size)  # [n, Vb] projection dtype, in place
             del logits_chunk
             if walk.want_hidden:
                 _matmul_into(grad_hidden[start:end], grad_logits, weight_block, walk.hidden_sums)

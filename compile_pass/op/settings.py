@@ -5,8 +5,14 @@ lookups), so a change made between two training steps is seen by the next op
 call; nothing is cached at import time.
 
 Variables:
-    CHUNKCE_CHUNK_SIZE      tokens per chunk for every op call that does not pass
-                            ``chunk_size`` (positive int; unset = automatic).
+    CHUNKCE_CHUNK_SIZE      tokens per chunk for every op call that passes neither
+                            ``chunk_size`` nor ``chunk_bytes`` (positive int; unset
+                            = automatic).
+    CHUNKCE_CHUNK_BYTES     the byte budget of one chunk's logits for every op call
+                            that passes neither ``chunk_size`` nor ``chunk_bytes``
+                            (positive int; unset = ``chunking.DEFAULT_CHUNK_BYTES``
+                            with the device's full-speed floor).
+                            ``CHUNKCE_CHUNK_SIZE`` wins when both are set.
     CHUNKCE_EAGER_KERNELS   ``1`` runs the per-chunk math eagerly instead of
                             compiling it with Inductor (debugging; a device
                             Inductor cannot compile for runs it eagerly anyway,
@@ -29,12 +35,14 @@ class Settings:
 
     Attributes:
         chunk_size: tokens per chunk, or ``None`` for the automatic choice.
+        chunk_bytes: the byte budget of one chunk's logits, or ``None`` for the default.
         eager_kernels: run the per-chunk math eagerly (no Inductor).
         release_cache: empty the device allocator's cache after forward and
             backward of the op (a no-op on CPU).
     """
 
     chunk_size: int | None = None
+    chunk_bytes: int | None = None
     eager_kernels: bool = False
     release_cache: bool = False
 
@@ -43,25 +51,34 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+def _positive_int(name: str) -> int | None:
+    """The value of ``name`` as a positive int, None when unset or blank.
+
+    Raises:
+        ValueError: set but not a positive integer.
+    """
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ValueError(f"chunkce: expected {name} to be a positive integer, got {raw!r}")
+    return value
+
+
 def settings() -> Settings:
     """Read the ``CHUNKCE_*`` variables now.
 
     Raises:
-        ValueError: ``CHUNKCE_CHUNK_SIZE`` is set but is not a positive integer.
+        ValueError: ``CHUNKCE_CHUNK_SIZE`` or ``CHUNKCE_CHUNK_BYTES`` is set but is not a
+            positive integer.
     """
-    raw = os.environ.get("CHUNKCE_CHUNK_SIZE", "").strip()
-    chunk_size = None
-    if raw:
-        try:
-            chunk_size = int(raw)
-        except ValueError:
-            chunk_size = -1
-        if chunk_size <= 0:
-            raise ValueError(
-                f"chunkce: expected CHUNKCE_CHUNK_SIZE to be a positive integer, got {raw!r}"
-            )
     return Settings(
-        chunk_size=chunk_size,
+        chunk_size=_positive_int("CHUNKCE_CHUNK_SIZE"),
+        chunk_bytes=_positive_int("CHUNKCE_CHUNK_BYTES"),
         eager_kernels=_flag("CHUNKCE_EAGER_KERNELS"),
         release_cache=_flag("CHUNKCE_RELEASE_CACHE"),
     )

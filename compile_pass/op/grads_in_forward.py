@@ -1,0 +1,225 @@
+"""Opt-in grads-in-forward mode: the gradients computed during forward, for scalar losses.
+
+``chunkce::linear_cross_entropy_grads_in_forward`` walks the token chunks once.
+Per chunk: the projection (``[n, V]`` logits), the per-chunk forward kernel (loss
+and log-sum-exp), the per-chunk backward kernel with an upstream gradient of one
+per token, then ``grad_logits @ weight`` into ``grad_hidden_states[start:end]``
+and ``grad_logits.T @ hidden_chunk`` (and ``grad_logits.sum(0)``) added into the
+weight (and bias) gradients. Three matmuls a chunk where the recompute op runs
+four (it projects every chunk again in backward).
+
+It returns the loss summed over tokens (0-d, fp32; fp64 for fp64 logits) and the
+gradients of that sum. Its backward scales them: ``d total / d x = grad_total *
+saved_grad_x``; a ``"mean"``'s division by the number of valid tokens (or the
+class-weight sum) stays in the graph after the op, as in the recompute path, so
+autograd hands the op ``grad_total = grad_loss / denominator``. That is exact
+for any scalar reduction, and why ``reduction="none"`` (whose per-token upstream
+gradient is unknown in forward) keeps the recompute op.
+
+What it holds from forward to backward (saved with ``ctx.save_for_backward``,
+so ``torch.autograd.graph.saved_tensors_hooks`` see them; nothing is kept in
+ctx attributes): ``grad_hidden_states [N, H]``, ``grad_weight [V, H]`` and
+``grad_bias [V]``, each in its parameter's dtype, of the inputs that require
+grad. Their inputs are not saved. Backward never writes into them (a second
+``backward(retain_graph=True)`` sees the same values): it returns new tensors,
+``grad_total * saved``, so backward briefly holds both (one gradient-sized
+allocation more, as torch's ``LinearCrossEntropyOptions(allow_retain_graph=True)``).
+While forward runs, a half-precision weight's gradient is summed in an fp32
+``[V, H]`` accumulator (``aten::addmm.dtype_out`` where the device has it),
+cast once at the end.
+
+When to use it: plain training on one device or data parallel, where the
+gradients would be allocated in backward anyway and the recompute's fourth
+matmul is the cost to save. Not with activation offloading or pipeline
+parallelism: the ``[N, H] + [V, H]`` gradients live from forward to backward
+(an offload hook would move a weight-sized tensor per step), and under
+pipeline parallelism many micro-batches' forwards run before their backwards.
+``torch.func`` transforms and double backward are refused
+(``NotImplementedError``); the recompute op supports ``torch.func`` first order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compile_pass.op import kernels, loops
+from compile_pass.op.chunking import spans
+from compile_pass.op.custom_ops import NAME, _assert_targets_in_range, _AutocastOff, _plan, _release_cache
+from compile_pass.op.loops import ChunkPlan
+
+OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
+
+
+def _refuse_under_transforms() -> None:
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"{NAME}: grads_in_forward=True is not supported under torch.func transforms "
+            "(grad, vjp, vmap, ...); pass grads_in_forward=False (the recompute op supports "
+            "first-order torch.func)"
+        )
+
+
+def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                             bias: Tensor | None, class_weight: Tensor | None,
+                             output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The chunk loop: ``total`` (0-d), ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``,
+    ``grad_bias [V]`` of ``total = sum_i loss_i``.
+
+    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
+    ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
+    them. ``total`` is in ``kernels.accumulate_dtype(plan.logits_dtype)``, summed as the
+    recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
+    ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
+    tensor and costs no work; the others are in their parameter's dtype.
+    """
+    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
+    want_hidden, want_weight, want_bias = output_mask
+    want_bias = want_bias and bias is not None
+    target, class_weight = loops._dense(target), loops._dense(class_weight)
+    accumulate = kernels.accumulate_dtype(plan.logits_dtype)
+    weight_accumulate = kernels.accumulate_dtype(weight.dtype)
+    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
+    chunks = spans(num_tokens, plan.chunk_size)
+    sums = len(chunks) > 1  # the weight gradient sums one product per chunk
+    grad_hidden = hidden_states.new_empty((num_tokens, hidden_size) if want_hidden else 0)  # [N, H]
+    grad_weight = weight.new_empty(0)  # [V, H] accumulator: fp32 for a half weight over several chunks
+    if want_weight:
+        dtype = weight_accumulate if sums else weight.dtype  # one product: written by out=
+        grad_weight = (weight.new_zeros if sums or not chunks else weight.new_empty)(
+            (vocab_size, hidden_size), dtype=dtype)
+    grad_bias = (weight.new_zeros(vocab_size, dtype=weight_accumulate) if want_bias
+                 else weight.new_empty(0))  # [V] summed over chunks
+    weight_t = weight.t()  # [H, V]
+    for start, end in chunks:
+        hidden_chunk = hidden_states[start:end]  # [n, H]
+        logits_chunk = loops._project(hidden_chunk, weight_t, bias)  # [n, V]
+        loss[start:end], lse_chunk = loops._forward_kernel(plan, logits_chunk, target[start:end],
+                                                           class_weight)
+        if want_hidden or want_weight or want_bias:
+            grad_logits = loops._backward_kernel(plan, logits_chunk, lse_chunk, target[start:end],
+                                                 class_weight, ones[start:end], 0, vocab_size)  # [n, V]
+            del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if want_weight:  # as F.linear's backward
+                if sums:
+                    loops._add_matmul(grad_weight, grad_logits.t(), hidden_chunk)
+                else:
+                    torch.mm(grad_logits.t(), hidden_chunk, out=grad_weight)
+            if want_bias:
+                grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
+            del grad_logits
+    if want_weight:
+        grad_weight = grad_weight.to(weight.dtype)
+    if want_bias:
+        grad_bias = grad_bias.to(bias.dtype)
+    return loss.sum(), grad_hidden, grad_weight, grad_bias
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _grads_in_forward_op(
+    hidden_states: Tensor,  # [N, H]
+    weight: Tensor,  # [V, H]
+    target: Tensor,  # [N] int64
+    bias: Tensor | None,  # [V]
+    class_weight: Tensor | None,  # [V]
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+    chunk_size: int,  # 0 = automatic
+    release_cache: bool | None,
+    output_mask: list[bool],  # [grad_hidden_states, grad_weight, grad_bias] wanted
+    logit_scale: float | None = None,  # the recompute op's scaling arguments
+    logit_scale_tensor: Tensor | None = None,
+    scale_divides: bool = False,
+    scale_dtype: torch.dtype | None = None,
+    chunk_bytes: int = 0,  # the chunk budget in bytes; 0 = the default
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``total`` (0-d, fp32; fp64 for fp64 logits): the per-token losses summed, 0 where
+    ignored; and its gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias
+    ``[V]`` (an empty tensor where ``output_mask`` does not ask). The other arguments
+    are those of ``chunkce::linear_cross_entropy``."""
+    plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
+                 release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
+    _assert_targets_in_range(target, weight.shape[0], ignore_index)
+    with _AutocastOff(hidden_states.device):
+        outputs = chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight,
+                                           output_mask)
+    _release_cache(hidden_states.device, plan.release_cache)
+    return outputs
+
+
+@_grads_in_forward_op.register_fake
+def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
+      logits_dtype, chunk_size, release_cache, output_mask, logit_scale=None, logit_scale_tensor=None,
+      scale_divides=False, scale_dtype=None, chunk_bytes=0):
+    want_hidden, want_weight, want_bias = output_mask
+    return (
+        hidden_states.new_empty((), dtype=kernels.accumulate_dtype(logits_dtype)),
+        torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+        if want_hidden else hidden_states.new_empty(0),
+        torch.empty_like(weight, memory_format=torch.contiguous_format)
+        if want_weight else weight.new_empty(0),
+        torch.empty_like(bias) if want_bias and bias is not None else weight.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad_hidden, grad_weight, grad_bias = output
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+
+
+def _backward(ctx, grad_total, *_grads_of_grads):
+    """``grad_total`` (0-d) times each saved gradient: new tensors in the saved ones' dtypes
+    (the saved tensors are never written, so ``retain_graph`` sees them unchanged).
+
+    Raises:
+        NotImplementedError: double backward (``create_graph=True``: grad mode is on).
+    """
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{NAME}: double backward (create_graph=True through the op) is not supported with "
+            "grads_in_forward=True; compute higher-order gradients with the unfused F.linear + F.cross_entropy"
+        )
+    want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
+    grad_hidden, grad_weight, grad_bias = ((saved * grad_total).to(saved.dtype) for saved in ctx.saved_tensors)
+    grads = [None] * len(ctx.needs_input_grad)
+    grads[0] = grad_hidden if want_hidden else None
+    grads[1] = grad_weight if want_weight else None
+    grads[3] = grad_bias if want_bias else None
+    return tuple(grads)
+
+
+_grads_in_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                class_weight: Tensor | None, ignore_index: int, label_smoothing: float,
+                logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None,
+                output_mask: list[bool], *scale_and_budget) -> Tensor:
+    """The per-token losses summed (0-d, ``kernels.accumulate_dtype(logits_dtype)``),
+    gradients computed now, through ``chunkce::linear_cross_entropy_grads_in_forward``.
+
+    Traceable (reads no tensor value or metadata):
+    :func:`compile_pass.op.function.chunked_cross_entropy` calls it in place of the
+    recompute op for ``"mean"`` / ``"sum"``.
+
+    Args:
+        hidden_states: ``[N, H]``; weight ``[V, H]``; target ``[N]`` int64; bias,
+            class_weight ``[V]`` or None; the options as ``chunkce::linear_cross_entropy``
+            takes them.
+        output_mask: ``[hidden_states, weight, bias]`` need a gradient.
+        scale_and_budget: ``logit_scale, logit_scale_tensor, scale_divides, scale_dtype,
+            chunk_bytes``, as the recompute op takes them.
+
+    Raises:
+        NotImplementedError: under a ``torch.func`` transform.
+    """
+    _refuse_under_transforms()
+    return torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default(
+        hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
+        logits_dtype, chunk_size, release_cache, list(output_mask), *scale_and_budget,
+    )[0]
