@@ -54,6 +54,7 @@ class ModelConfig:
 
 CONFIGS = {
     "cpu-small": ModelConfig(32000, 256, 688, 2, 4, 4, batch=2, seq_len=512, dtype="fp32"),
+    "cpu-micro": ModelConfig(4096, 64, 172, 1, 2, 2, batch=2, seq_len=128, dtype="fp32"),  # checks, seconds
     # Llama-3.2-1B's widths and vocabulary, fewer layers (compile time), untied head.
     "gpu-1b": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=4, seq_len=2048, dtype="bf16"),
     "gpu-1b-16k": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=8, seq_len=2048, dtype="bf16"),
@@ -159,6 +160,70 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _step_total_mib(model, optimizer, loss_fn, ids, device, static: int) -> tuple[float, float]:
+    """``(peak above static, static + peak)`` in MiB of one training step, gradients freed before it."""
+    optimizer.zero_grad(set_to_none=True)
+    harness.release_memory(device)
+    with harness.PeakMemory(device) as mem:
+        loss = loss_fn(ids)
+        loss.backward()
+        optimizer.step()
+    del loss
+    return mem.peak_bytes / MiB, (static + mem.peak_bytes) / MiB
+
+
+def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
+    """The largest batch (at the config's sequence length) whose training step fits ``--cap-mib``.
+
+    Memory is what a step needs in all: parameters + AdamW state (both allocated
+    before the search, by a warm-up step at batch 1) plus the step's measured peak
+    above them (``compile_pass.memory``: allocator statistics, or on CPU the
+    profiler's allocation events). Batches double from 1 until a step does not
+    fit, then bisect between the last that fit and the first that did not; every
+    tried batch is a row (its measured memory), so the answer is measured on both
+    sides, never extrapolated. Compiled with ``dynamic=None``: one recompile, at
+    the second batch size.
+    """
+    config, device = CONFIGS[name], args.device
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, _ = build(config, device, args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loss_fn = loss_function(model, backend, args.compile, args.chunk_size)
+    gen = torch.Generator(device).manual_seed(args.seed + 2)
+
+    def batch_ids(batch: int) -> torch.Tensor:
+        return torch.randint(0, config.vocab_size, (batch, config.seq_len), device=device, generator=gen)
+
+    loss_fn(batch_ids(1)).backward()  # compiles, and makes AdamW's state
+    optimizer.step()
+    static = sum(t.numel() * t.element_size() for t in model.parameters())
+    static += sum(t.numel() * t.element_size() for s in optimizer.state.values()
+                  for t in s.values() if isinstance(t, torch.Tensor))
+    trials: dict[int, tuple[float, float]] = {}
+
+    def fits(batch: int) -> bool:
+        if batch not in trials:
+            trials[batch] = _step_total_mib(model, optimizer, loss_fn, batch_ids(batch), device, static)
+            print(f"    {backend} batch {batch} ({batch * config.seq_len} tokens): "
+                  f"{trials[batch][1]:.0f} MiB", flush=True)
+        return trials[batch][1] <= args.cap_mib
+
+    low, high = 0, 1
+    while high <= args.max_batch and fits(high):
+        low, high = high, high * 2
+    while high - low > 1 and low > 0:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    rows = [{"config": name, "backend": backend, "batch": b, "seq_len": config.seq_len,
+             "tokens": b * config.seq_len, "peak_mib": p, "static_mib": static / MiB, "total_mib": t,
+             "fits": t <= args.cap_mib, "cap_mib": args.cap_mib} for b, (p, t) in sorted(trials.items())]
+    return {"config": name, "backend": backend, "cap_mib": args.cap_mib, "max_batch": low,
+            "max_tokens": low * config.seq_len, "trials": rows,
+            "sites_rewritten": torch._dynamo.utils.counters.get("chunkce", {}).get("sites_rewritten", ""),
+            "losses": []}
+
+
 def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
     """``run_one`` in a fresh interpreter; its output streams through."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +231,8 @@ def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
         cmd = [sys.executable, "-m", "benchmarks.bench_model", "--configs", name, "--backends", backend,
                "--device", str(args.device), "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--lr", str(args.lr), "--seed", str(args.seed), "--compile", args.compile,
-               "--result-json", out, *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else [])]
+               "--result-json", out, *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else []),
+               *(["--cap-mib", str(args.cap_mib), "--max-batch", str(args.max_batch)] if args.cap_mib else [])]
         proc = subprocess.run(cmd, timeout=args.run_timeout)
         if not os.path.exists(out):
             raise RuntimeError(f"child exited with {proc.returncode} and no result")
@@ -177,26 +243,29 @@ def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
 COLUMNS = ("config", "backend", "compile", "chunk_size", "device", "dtype", "tokens", "vocab", "hidden", "layers",
            "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "peak_fwd_bwd_mib",
            "static_mib",
-           "warmup_s", "loss_first", "loss_last", "max_loss_diff_vs_eager", "sites_rewritten", "note")
+           "warmup_s", "loss_first", "loss_last", "max_loss_diff_vs_eager", "max_loss_diff_vs_inductor",
+           "sites_rewritten", "note")
 
 
 def summarize(results: list[dict]) -> list[dict]:
-    """CSV rows: losses reduced to first, last and the largest per-step gap to eager's."""
-    eager = {r["config"]: r["losses"] for r in results if r["backend"] == "eager" and "losses" in r}
+    """CSV rows: losses reduced to first, last and the largest per-step gap to eager's and Inductor's."""
     rows = []
     for r in results:
         row = {c: r.get(c, "") for c in COLUMNS}
         if r.get("losses"):
             row["loss_first"], row["loss_last"] = r["losses"][0], r["losses"][-1]
-            if r["config"] in eager:
-                row["max_loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(r["losses"], eager[r["config"]]))
+            for other in ("eager", "inductor"):
+                ref = next((x["losses"] for x in results if x["backend"] == other and x["config"] == r["config"]
+                            and x.get("losses")), None)
+                if ref is not None and r["backend"] != other:
+                    row[f"max_loss_diff_vs_{other}"] = max(abs(a - b) for a, b in zip(r["losses"], ref))
         rows.append(row)
     return rows
 
 
 def report(rows: list[dict]) -> None:
     header = ["config", "backend", "tokens", "step ms", "tokens/s", "peak MiB", "x vs inductor",
-              "fwd+bwd peak", "static MiB", "warm-up s", "loss[0]", "max |dloss| vs eager", "sites"]
+              "fwd+bwd peak", "static MiB", "warm-up s", "loss[0]", "max |dloss| vs eager (else inductor)", "sites"]
     base = {r["config"]: r["peak_mib"] for r in rows if r["backend"] == "inductor" and r["peak_mib"] != ""}
     body = []
     for r in rows:
@@ -204,13 +273,46 @@ def report(rows: list[dict]) -> None:
             body.append([r["config"], r["backend"], r["tokens"], "failed: " + r["note"][:60], *[""] * 9])
             continue
         ratio = f"{r['peak_mib'] / base[r['config']]:.2f}" if r["config"] in base else ""
-        diff = r["max_loss_diff_vs_eager"]
+        diff = r["max_loss_diff_vs_eager"] if r["max_loss_diff_vs_eager"] != "" else r["max_loss_diff_vs_inductor"]
         body.append([r["config"], r["backend"], r["tokens"], f"{r['step_ms_p50']:.1f}",
                      f"{r['tokens_per_s']:.0f}", f"{r['peak_mib']:.1f}", ratio,
                      f"{r['peak_fwd_bwd_mib']:.1f}", f"{r['static_mib']:.1f}",
                      f"{r['warmup_s']:.1f}", f"{r['loss_first']:.5f}",
                      f"{diff:.2e}" if diff != "" else "", r["sites_rewritten"]])
     print("\n" + harness.format_table(header, body))
+
+
+CAP_COLUMNS = ("config", "backend", "batch", "seq_len", "tokens", "peak_mib", "static_mib", "total_mib", "fits",
+               "cap_mib")
+
+
+def report_cap(results: list[dict], args: argparse.Namespace) -> int:
+    """The ``--cap-mib`` search: every trial, and per backend the largest batch that fit."""
+    trials = [t for r in results for t in r.get("trials", [])]
+    body = [[t["config"], t["backend"], t["batch"], t["tokens"], f"{t['total_mib']:.1f}",
+             "yes" if t["fits"] else "no"] for t in trials]
+    print("\n" + harness.format_table(["config", "backend", "batch", "tokens", "MiB in all", "fits"], body))
+    base = {r["config"]: r.get("max_tokens") for r in results if r["backend"] == "inductor"}
+    for r in results:
+        if "max_tokens" not in r:
+            print(f"{r['config']} / {r['backend']}: failed: {r.get('note', '')}")
+            continue
+        gain = (f" ({r['max_tokens'] / base[r['config']]:.1f}x inductor's)"
+                if base.get(r["config"]) and r["backend"] != "inductor" else "")
+        print(f"{r['config']} / {r['backend']}: largest batch under {args.cap_mib:.0f} MiB: {r['max_batch']} "
+              f"= {r['max_tokens']} tokens a step{gain}")
+    if args.csv:
+        harness.write_csv([{c: t.get(c, "") for c in CAP_COLUMNS} for t in trials], args.csv)
+        print(f"wrote {len(trials)} rows to {args.csv}")
+    if args.plot:
+        from benchmarks.plots import plot_model_cap
+        name = results[0]["config"]
+        c = CONFIGS[name]
+        plot_model_cap(trials, args.cap_mib, args.plot,
+                       title=f"Llama {c.layers} layer{'s' * (c.layers != 1)}, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+                             f"seq {c.seq_len}, {c.dtype}, {args.device.type}")
+        print(f"wrote {args.plot}")
+    return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,6 +333,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--isolate", action="store_true", help="a fresh process per (config, backend)")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per isolated run")
+    p.add_argument("--cap-mib", type=float, default=None,
+                   help="instead of the timed runs: the largest batch whose step fits this many MiB "
+                        "(parameters + optimizer state + step peak)")
+    p.add_argument("--max-batch", type=int, default=256, help="upper end of the --cap-mib search")
+    p.add_argument("--plot", default=None, help="with --cap-mib: PNG of memory against tokens per step")
     p.add_argument("--csv", default=None)
     p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # child -> parent
     args = p.parse_args(argv)
@@ -254,19 +361,24 @@ def main(argv: list[str] | None = None) -> int:
             if not child:
                 print(f"  {name} / {backend} ...", flush=True)
             try:
-                result = (run_isolated if args.isolate else run_one)(name, backend, args)
+                if args.isolate:
+                    result = run_isolated(name, backend, args)
+                else:
+                    result = (search_cap if args.cap_mib else run_one)(name, backend, args)
             except Exception as e:  # noqa: BLE001 - one failing backend must not end the sweep
                 message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 print(f"  {name} / {backend} failed: {message}", flush=True)
                 result = {"config": name, "backend": backend, "note": message}
             results.append(result)
             harness.release_memory(args.device)
-            if args.csv and not child:  # after each run, so a sweep cut short keeps its rows
+            if args.csv and not child and not args.cap_mib:  # after each run: a sweep cut short keeps its rows
                 harness.write_csv(summarize(results), args.csv)
     if child:
         with open(args.result_json, "w") as f:
             json.dump(results, f)
         return 0 if all("losses" in r for r in results) else 1
+    if args.cap_mib:
+        return report_cap(results, args)
     rows = summarize(results)
     report(rows)
     if args.csv:

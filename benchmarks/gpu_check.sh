@@ -70,6 +70,9 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     MODEL_ARGS=(--configs gpu-1b --steps 5 --backends eager chunkce inductor)
     SWEEP_ARGS=(--tokens 8192 --chunk-size auto 256 1024 2048 4096 --warmup 2 --reps 5)
     PROFILE_ARGS=(--shape llama3-8b --tokens 8192 --chunk-size auto 2048)
+    SCALING_ARGS=(--shape llama3-8b --dtype bf16 --tokens 4096 8192 16384 32768 --mem-cap-gib 100 --max-call-s 20
+                  --impls unfused-compiled torch-lce-compiled chunkce chunkce-compiled chunkce-gif liger cce
+                  floor-recompute)
 else
     DEVICE=cpu
     echo "no CUDA: running the CPU fallback sizes"
@@ -77,13 +80,14 @@ else
     MODEL_ARGS=(--configs cpu-small --steps 2 --warmup 1 --backends eager chunkce)
     SWEEP_ARGS=(--tokens 2048 --chunk-size auto 256)
     PROFILE_ARGS=(--shape cpu-tiny --tokens 2048 --chunk-size 256)
+    SCALING_ARGS=(--shape cpu-tiny --tokens 512 1024 --impls unfused-compiled chunkce floor-recompute)
 fi
 
 section "tests: tests/test_gpu.py tests/test_op.py"
 capped 150 "$PY" -m pytest tests/test_gpu.py tests/test_op.py -q -x -rs -p no:cacheprovider \
     --durations=12 --junitxml="$OUT/junit.xml"
 
-section "op benchmark: full mode, HF-style fp32 logits, speed + memory + error"
+section "op benchmark: every provider (benchmarks/impls.py), full mode, HF-style fp32 logits, speed + memory + error"
 capped 150 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]}" --modes full \
     --logits-dtype fp32 --csv "$OUT/op.csv"
 
@@ -94,6 +98,10 @@ capped 170 "$PY" -m benchmarks.bench_model --device "$DEVICE" "${MODEL_ARGS[@]}"
 section "extra, if time is left: chunkce's chunk size against speed and memory (full mode)"
 capped 80 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]:0:2}" "${SWEEP_ARGS[@]}" \
     --impls chunkce --modes full --runs speed memory --logits-dtype fp32 --csv "$OUT/op_chunk_sweep.csv"
+
+section "extra, if time is left: memory and time against tokens, every provider on one plot"
+capped 120 "$PY" -m benchmarks.scaling --device "$DEVICE" "${SCALING_ARGS[@]}" --logits-dtype fp32 \
+    --csv "$OUT/scaling.csv" --plot "$OUT/scaling.png"
 
 section "extra, if time is left: where the op's time goes (torch.profiler)"
 capped 60 "$PY" -m benchmarks.profile_op --device "$DEVICE" "${PROFILE_ARGS[@]}" --logits-dtype fp32

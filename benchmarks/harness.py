@@ -2,17 +2,21 @@
 
     stats = time_region(run, prepare, device, warmup=3, reps=10)   # ms: p20 / p50 / p80
     peak, retained = memory_region(run, prepare, device)          # bytes, measured
+    rss = rss_region(run, prepare)                                # bytes of resident memory, Linux
     write_csv(rows, "out.csv"); print_table(rows, ...)
 
 ``prepare`` runs before each timed or measured call and is never counted (it zeroes
 gradients, or runs the forward whose backward is measured); ``run`` gets what it
 returned. Memory comes from :class:`compile_pass.memory.PeakMemory`: allocator
-statistics on accelerators, profiler allocation events on CPU.
+statistics on accelerators, profiler allocation events on CPU; :func:`rss_region`
+adds the process's peak resident set (Linux), which also sees what libraries
+allocate outside torch.
 """
 
 from __future__ import annotations
 
 import csv
+import ctypes
 import gc
 import importlib
 import os
@@ -121,6 +125,41 @@ def memory_region(run: Callable[[Any], Any], prepare: Callable[[], Any] | None,
         result = run(state)
     del result, state
     return mem.peak_bytes, mem.end_bytes
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def rss_region(run: Callable[[Any], Any], prepare: Callable[[], Any] | None) -> int | None:
+    """Peak resident-set bytes of one ``run(prepare())`` above the resident set before it.
+
+    Linux only (None elsewhere): glibc's free heap is handed back (``malloc_trim``),
+    the kernel's high-water mark reset (``/proc/self/clear_refs`` = 5), then
+    ``VmHWM`` after the call minus ``VmRSS`` before it. Unlike the allocator-level
+    peak this sees memory taken outside torch (oneDNN / BLAS scratch, compiled
+    code's own buffers); memory freed earlier but kept by the allocator's caches and
+    reused inside the call is not counted, so run it in a fresh process after the
+    warm-up calls. Only meaningful on CPU: device memory is not resident memory.
+    """
+    prepare = prepare or (lambda: None)
+    state = prepare()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status_kib("VmRSS")
+    except OSError:
+        return None
+    result = run(state)
+    peak = _status_kib("VmHWM")
+    del result, state
+    return max(0, peak - before) * 1024
 
 
 def _version(module: str) -> str:

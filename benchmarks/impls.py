@@ -1,37 +1,57 @@
-"""The implementations ``bench_op`` compares, each built on the same inputs.
+"""The providers ``bench_op`` and ``scaling`` compare, each built on the same inputs.
 
-Every implementation computes ``F.cross_entropy(F.linear(hidden, weight).to(logits_dtype),
+Every provider computes ``F.cross_entropy(F.linear(hidden, weight).to(logits_dtype),
 target, ignore_index=-100)`` (mean) and gets its gradients into ``hidden.grad`` and
-``weight.grad``:
+``weight.grad``, except the two floors, which run only the matmuls:
 
-    unfused-eager      F.linear + F.cross_entropy (``.float()`` on the logits, HF style,
-                       with ``--logits-dtype fp32``)
-    unfused-compiled   the same under ``torch.compile`` (Inductor)
-    chunkce            ``compile_pass.linear_cross_entropy``, called eagerly
-    chunkce-compiled   an lm_head + F.cross_entropy module under ``torch.compile(backend="chunkce")``
-    torch-lce          ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())`` (torch >= 2.13)
-    liger              ``liger_kernel``'s fused linear cross-entropy (CUDA, Triton)
-    cce                Apple's Cut Cross-Entropy (CUDA, Triton)
+    unfused-eager         F.linear + F.cross_entropy (``.float()`` on the logits, HF style,
+                          with ``--logits-dtype fp32``)
+    unfused-compiled      the same under ``torch.compile`` (Inductor)
+    autochunk             the same under ``torch.compile`` with Inductor's auto-chunker on
+                          (``auto_chunker.enable``; its own chunk count, 8 in torch 2.13)
+    autochunk-forced      the auto-chunker with its thresholds at 0 and ``num_chunk`` set
+                          so a chunk holds about as many tokens as chunkce's chunk
+    torch-lce             ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())``:
+                          torch's chunked path (torch >= 2.13), eager
+    torch-lce-compiled    the same under ``torch.compile`` (``allow_retain_graph=True``, which
+                          torch 2.13 would otherwise switch on itself with a warning)
+    chunkce               ``compile_pass.linear_cross_entropy``, called eagerly
+    chunkce-compiled      an lm_head + F.cross_entropy module under ``torch.compile(backend="chunkce")``
+    chunkce-gif           ``compile_pass.linear_cross_entropy(..., grads_in_forward=True)``: the
+                          opt-in mode that computes the gradients during forward
+    floor-recompute       the four matmuls of the recompute design alone, chunk by chunk at
+                          chunkce's chunk size: projection, its recompute, grad_hidden,
+                          grad_weight (``benchmarks.floors``)
+    floor-unfused         the three matmuls of the unfused design alone, on the whole [N, V]
+    liger                 ``liger_kernel``'s fused linear cross-entropy (CUDA, Triton)
+    cce                   Apple's Cut Cross-Entropy (CUDA, Triton)
 
-An implementation that cannot run here says why (``Impl.problem``) and is skipped.
+A provider that cannot run here says why (``Impl.problem``) and is skipped; one whose
+compile-time rewrite did not happen (the auto-chunker refusing the graph, the chunkce
+pass not rewriting the site) raises from its first call that compiled a graph, with
+the reason, so it is reported as failed, never timed as if it had run.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import compile_pass
+from benchmarks.floors import RecomputeFloor, UnfusedFloor
 
 IGNORE_INDEX = -100
 
-# Many shapes and dtypes go through the same compiled functions with dynamic=False.
+# Many shapes and dtypes go through the same compiled functions.
 for _name in ("recompile_limit", "cache_size_limit"):
     if hasattr(torch._dynamo.config, _name):
         setattr(torch._dynamo.config, _name, max(64, getattr(torch._dynamo.config, _name)))
@@ -40,17 +60,23 @@ for _name in ("recompile_limit", "cache_size_limit"):
 
 @dataclass
 class OpInputs:
-    """What every implementation gets. Gradients land in ``hidden.grad`` and ``weight.grad``."""
+    """What every provider gets. Gradients land in ``hidden.grad`` and ``weight.grad``."""
 
     hidden: Tensor  # [N, H], a leaf that requires grad
     weight: nn.Parameter  # [V, H], the lm_head weight
     target: Tensor  # [N] int64, some IGNORE_INDEX
     logits_dtype: torch.dtype | None  # None: the projection's dtype; fp32: HF's logits.float()
-    chunk_size: int | None  # None: each implementation's own choice
+    chunk_size: int | None  # None: each provider's own choice
+    dynamic: bool | None = False  # the compiled providers' torch.compile(dynamic=...)
 
     def zero_grad(self) -> None:
         self.hidden.grad = None
         self.weight.grad = None
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of the inputs' own gradients, ``[N, H]`` + ``[V, H]`` in the inputs' dtype."""
+        return (self.hidden.numel() + self.weight.numel()) * self.hidden.element_size()
 
 
 LossFn = Callable[[], Tensor]
@@ -62,6 +88,7 @@ class Impl:
     build: Callable[[OpInputs], LossFn]
     problem: Callable[[torch.device, OpInputs], str | None]  # why it cannot run; None = it can
     note: Callable[[OpInputs], str] = lambda inputs: ""  # how it differs, for the report
+    computes_loss: bool = True  # False for the floors: no loss, no error against fp64
 
 
 def unfused_loss(hidden: Tensor, weight: Tensor, target: Tensor,
@@ -72,7 +99,127 @@ def unfused_loss(hidden: Tensor, weight: Tensor, target: Tensor,
     return F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX)
 
 
-_compiled_unfused = torch.compile(unfused_loss, dynamic=False)
+def _unfused_compiled(inputs: OpInputs, options: dict | None = None, dynamic: bool | None = None) -> LossFn:
+    def loss(hidden, weight, target):
+        return unfused_loss(hidden, weight, target, inputs.logits_dtype)
+    compiled = torch.compile(loss, dynamic=inputs.dynamic if dynamic is None else dynamic, options=options)
+    return lambda: compiled(inputs.hidden, inputs.weight, inputs.target)
+
+
+def _graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process (its ``unique_graphs`` counter)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+# ---------------------------------------------------------------- Inductor's auto-chunker
+
+
+class _AutoChunkerLog(logging.Handler):
+    """Collects the reason Inductor's auto-chunker logs when it refuses a graph (CantChunk)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            self.reasons.append(str(record.exc_info[1]))
+
+
+def _auto_chunker_problem(device: torch.device, inputs: OpInputs) -> str | None:
+    config = torch._inductor.config
+    if not hasattr(config, "auto_chunker"):
+        return f"torch {torch.__version__} has no torch._inductor.config.auto_chunker"
+    return None
+
+
+def _forced_chunks(inputs: OpInputs) -> int:
+    size, _ = chunkce_chunk_size(inputs)
+    n = inputs.hidden.shape[0]
+    return max(2, -(-n // (size or max(1, n // 8))))
+
+
+def _build_autochunk(inputs: OpInputs, *, forced: bool) -> LossFn:
+    """The unfused loss under Inductor with ``auto_chunker.enable``; raises if it did not chunk.
+
+    Forced: ``output_size_threshold`` and ``amplify_ratio_threshold`` at 0 (any
+    amplifying node qualifies) and ``num_chunk`` from :func:`_forced_chunks`.
+    The proof that it ran is Inductor's own counter,
+    ``torch._inductor.metrics.num_auto_chunking``, read around the compiling call
+    (compiled with the FX graph and AOTAutograd caches off, which skip the pass).
+    Always compiled with static shapes: the auto-chunker refuses dynamic ones.
+    """
+    options = {"auto_chunker.enable": True}
+    if forced:
+        options.update({"auto_chunker.output_size_threshold": 0, "auto_chunker.amplify_ratio_threshold": 0,
+                        "auto_chunker.num_chunk": _forced_chunks(inputs)})
+    run = _unfused_compiled(inputs, options, dynamic=False)
+    metrics = importlib.import_module("torch._inductor.metrics")
+    logger = logging.getLogger("torch._inductor.fx_passes.joint_graph.__auto_chunker")
+    checked = False
+
+    def loss() -> Tensor:
+        nonlocal checked
+        if checked:
+            return run()
+        handler, level = _AutoChunkerLog(), logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        before, graphs = metrics.num_auto_chunking, _graphs_compiled()
+        try:
+            # A graph served by the FX graph or AOTAutograd cache runs no pass, so the
+            # counter would not move: compile this one afresh.
+            with torch._functorch.config.patch(enable_autograd_cache=False), \
+                    torch._inductor.config.patch(fx_graph_cache=False):
+                out = run()
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        # No graph compiled: Dynamo served one this process compiled (and checked) before.
+        if metrics.num_auto_chunking == before and _graphs_compiled() != graphs:
+            why = "; ".join(handler.reasons) or "no CantChunk reason logged"
+            raise RuntimeError(f"Inductor's auto-chunker did not chunk this graph ({why}); "
+                               "lower auto_chunker.output_size_threshold / amplify_ratio_threshold")
+        checked = True
+        return out
+    return loss
+
+
+def _autochunk_note(inputs: OpInputs) -> str:
+    return f"num_chunk {_forced_chunks(inputs)}, thresholds 0"
+
+
+# ---------------------------------------------------------------- torch.nn.functional.linear_cross_entropy
+
+
+def _torch_lce_problem(device: torch.device, inputs: OpInputs) -> str | None:
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
+        return f"torch {torch.__version__} has no F.linear_cross_entropy with LinearCrossEntropyOptions"
+    return None
+
+
+def _torch_lce_options(inputs: OpInputs, **extra) -> nn.LinearCrossEntropyOptions:
+    if inputs.chunk_size:
+        return nn.LinearCrossEntropyOptions(batch_chunk_size=inputs.chunk_size, chunking_method=None, **extra)
+    return nn.LinearCrossEntropyOptions(**extra)  # the chunked path, torch's automatic policy
+
+
+def _build_torch_lce(inputs: OpInputs) -> LossFn:
+    options = _torch_lce_options(inputs)
+    return lambda: F.linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target,
+                                          ignore_index=IGNORE_INDEX, options=options)
+
+
+def _build_torch_lce_compiled(inputs: OpInputs) -> LossFn:
+    options = _torch_lce_options(inputs, allow_retain_graph=True)
+
+    def loss(hidden, weight, target):
+        return F.linear_cross_entropy(hidden, weight, target, ignore_index=IGNORE_INDEX, options=options)
+    compiled = torch.compile(loss, dynamic=inputs.dynamic)
+    return lambda: compiled(inputs.hidden, inputs.weight, inputs.target)
+
+
+# ---------------------------------------------------------------- chunkce
 
 
 class LMHeadLoss(nn.Module):
@@ -114,27 +261,82 @@ def chunkce_backend() -> tuple[object | None, str | None]:
     return fn, None
 
 
+def chunkce_chunk_size(inputs: OpInputs) -> tuple[int | None, str | None]:
+    """``(tokens per chunk, None)`` chunkce uses for these inputs, or ``(None, why unknown)``.
+
+    Asks the op's own rule (``compile_pass.op.chunking.resolve_chunk_size``), so an
+    explicit ``chunk_size`` and ``CHUNKCE_CHUNK_SIZE`` count as they do in the op.
+    """
+    n, h = inputs.hidden.shape
+    v = inputs.weight.shape[0]
+    try:
+        from compile_pass.op.chunking import resolve_chunk_size
+        return int(resolve_chunk_size(inputs.chunk_size, n, h, v, inputs.hidden.element_size(),
+                                      inputs.hidden.device.type)), None
+    except Exception as e:  # noqa: BLE001 - the rule's signature is the op's to change
+        return None, f"compile_pass.op.chunking.resolve_chunk_size failed ({type(e).__name__}: {e})"
+
+
+def _chunkce_note(inputs: OpInputs) -> str:
+    size, why = chunkce_chunk_size(inputs)
+    return f"chunk {size} tokens" if size else (why or "")
+
+
 def _build_chunkce_compiled(inputs: OpInputs) -> LossFn:
+    """The backend on an lm_head + loss module; raises at the first call if nothing was rewritten."""
     backend, _ = chunkce_backend()
     kwargs = {"options": {"chunk_size": inputs.chunk_size}} if inputs.chunk_size else {}
     module = torch.compile(LMHeadLoss(inputs.weight, inputs.logits_dtype), backend=backend,
-                           dynamic=False, **kwargs)
-    return lambda: module(inputs.hidden, inputs.target)
+                           dynamic=inputs.dynamic, **kwargs)
+    counters = torch._dynamo.utils.counters
+    checked = False
+
+    def loss() -> Tensor:
+        nonlocal checked
+        before, graphs = counters["chunkce"]["sites_rewritten"], _graphs_compiled()
+        out = module(inputs.hidden, inputs.target)
+        if not checked:
+            # No graph compiled: Dynamo served one this process compiled (and checked) before.
+            if counters["chunkce"]["sites_rewritten"] == before and _graphs_compiled() != graphs:
+                refused = {k: v for k, v in counters["chunkce"].items() if k.startswith("refused")}
+                raise RuntimeError(f"the chunkce pass rewrote no site (counters {refused}); "
+                                   "see logging.getLogger('compile_pass') for the reason")
+            checked = True
+        return out
+    return loss
 
 
-def _torch_lce_problem(device: torch.device, inputs: OpInputs) -> str | None:
-    if not hasattr(F, "linear_cross_entropy") or not hasattr(nn, "LinearCrossEntropyOptions"):
-        return f"torch {torch.__version__} has no F.linear_cross_entropy with LinearCrossEntropyOptions"
+def _gif_problem(device: torch.device, inputs: OpInputs) -> str | None:
+    try:
+        params = inspect.signature(compile_pass.linear_cross_entropy).parameters
+    except (TypeError, ValueError) as e:
+        return f"cannot read compile_pass.linear_cross_entropy's signature ({e})"
+    if "grads_in_forward" not in params:
+        return ("compile_pass.linear_cross_entropy has no grads_in_forward keyword "
+                "(issue 9's opt-in mode not in this checkout)")
     return None
 
 
-def _build_torch_lce(inputs: OpInputs) -> LossFn:
-    if inputs.chunk_size:
-        options = nn.LinearCrossEntropyOptions(batch_chunk_size=inputs.chunk_size, chunking_method=None)
-    else:
-        options = nn.LinearCrossEntropyOptions()  # the chunked path, torch's automatic policy
-    return lambda: F.linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target,
-                                          ignore_index=IGNORE_INDEX, options=options)
+def _build_chunkce(inputs: OpInputs, **extra) -> LossFn:
+    return lambda: compile_pass.linear_cross_entropy(
+        inputs.hidden, inputs.weight, inputs.target, ignore_index=IGNORE_INDEX,
+        logits_dtype=inputs.logits_dtype, chunk_size=inputs.chunk_size, **extra)
+
+
+def _floor_problem(device: torch.device, inputs: OpInputs) -> str | None:
+    return chunkce_chunk_size(inputs)[1]
+
+
+def _build_recompute_floor(inputs: OpInputs) -> LossFn:
+    chunk_size, _ = chunkce_chunk_size(inputs)
+    return lambda: RecomputeFloor.apply(inputs.hidden, inputs.weight, chunk_size)
+
+
+def _build_unfused_floor(inputs: OpInputs) -> LossFn:
+    return lambda: UnfusedFloor.apply(inputs.hidden, inputs.weight)
+
+
+# ---------------------------------------------------------------- CUDA peers
 
 
 def _triton_problem(module: str) -> Callable[[torch.device, OpInputs], str | None]:
@@ -177,16 +379,22 @@ def _grads_in_forward(inputs: OpInputs) -> str:
 IMPLS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("unfused-eager",
          lambda i: lambda: unfused_loss(i.hidden, i.weight, i.target, i.logits_dtype), _always),
-    Impl("unfused-compiled",
-         lambda i: lambda: _compiled_unfused(i.hidden, i.weight, i.target, i.logits_dtype), _always),
-    Impl("chunkce",
-         lambda i: lambda: compile_pass.linear_cross_entropy(
-             i.hidden, i.weight, i.target, ignore_index=IGNORE_INDEX,
-             logits_dtype=i.logits_dtype, chunk_size=i.chunk_size),
-         _always),
-    Impl("chunkce-compiled", _build_chunkce_compiled,
-         lambda device, inputs: chunkce_backend()[1]),
+    Impl("unfused-compiled", _unfused_compiled, _always),
+    Impl("autochunk", functools.partial(_build_autochunk, forced=False), _auto_chunker_problem,
+         lambda i: "Inductor's default chunk count"),
+    Impl("autochunk-forced", functools.partial(_build_autochunk, forced=True), _auto_chunker_problem,
+         _autochunk_note),
     Impl("torch-lce", _build_torch_lce, _torch_lce_problem, _grads_in_forward),
+    Impl("torch-lce-compiled", _build_torch_lce_compiled, _torch_lce_problem, _grads_in_forward),
+    Impl("chunkce", _build_chunkce, _always, _chunkce_note),
+    Impl("chunkce-compiled", _build_chunkce_compiled, lambda device, inputs: chunkce_backend()[1],
+         _chunkce_note),
+    Impl("chunkce-gif", functools.partial(_build_chunkce, grads_in_forward=True), _gif_problem,
+         lambda i: "; ".join(filter(None, ("grads computed in forward", _chunkce_note(i))))),
+    Impl("floor-recompute", _build_recompute_floor, _floor_problem,
+         lambda i: f"4 matmuls, {_chunkce_note(i)}", computes_loss=False),
+    Impl("floor-unfused", _build_unfused_floor, _always, lambda i: "3 matmuls, whole [N, V]",
+         computes_loss=False),
     Impl("liger", _build_liger, _triton_problem("liger_kernel.transformers.functional"), _grads_in_forward),
     Impl("cce", _build_cce, _triton_problem("cut_cross_entropy"), _native_logits),
 )}

@@ -40,8 +40,9 @@ class Options:
         drop_unused_logits: backend only, opt-in. In a training graph (logits
             require grad) whose loss was rewritten, logits that are returned but
             read by nothing else in the graph (HF's ``outputs.logits``, also
-            through dtype casts that only the output reads, as accelerate's
-            mixed-precision ``.float()`` on outputs) are not computed; the step returns a :class:`compile_pass.graph.logits_drop.DroppedLogits`
+            through dtype casts, copies and absorbed scales that only the output
+            reads, as accelerate's mixed-precision ``.float()`` on outputs) are not
+            computed; the step returns a :class:`compile_pass.graph.logits_drop.DroppedLogits`
             in their place, which has their shape, dtype and device and raises on
             any read of values. See ``docs/models.md``.
     """

@@ -1,0 +1,96 @@
+"""The benchmark plots (matplotlib, PNG): scaling of every provider, and the model under a memory cap.
+
+    plot_scaling(rows, "docs/img/scaling_cpu.png")        # rows of benchmarks.scaling
+    plot_model_cap(rows, cap_mib, "docs/img/model_cap_cpu.png")  # rows of bench_model --cap-mib
+
+matplotlib is imported here only (the ``Agg`` backend: no display needed); the
+benchmarks run without it when no plot is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+# Line styles: the unfused family dashed, torch's and Inductor's chunkers dotted, chunkce solid.
+_STYLE = {"unfused": "--", "autochunk": ":", "torch-lce": "-.", "chunkce": "-", "floor": (0, (1, 3))}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _style(impl: str) -> object:
+    return next((s for prefix, s in _STYLE.items() if impl.startswith(prefix)), "-")
+
+
+def plot_scaling(rows: Sequence[dict], path: str, *, title: str = "") -> None:
+    """Two panels against tokens N (log 2): working set beyond the gradients (MiB) and s per call.
+
+    Every measured point of every provider; a skipped or failed size is simply absent
+    (the table beside the plot says why). Working sets under 0.1 MiB are drawn at 0.1
+    (log scale).
+    """
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(14, 5.4))
+    colors = plt.get_cmap("tab20").colors
+    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows)):
+        points = sorted((int(r["tokens"]), float(r["beyond_grads_mib"]), float(r["ms"]))
+                        for r in rows if r["impl"] == impl and r["metric"] == "measured")
+        if not points:
+            continue
+        n, mem, ms = zip(*points)
+        kwargs = {"label": impl, "linestyle": _style(impl), "marker": "o", "markersize": 4,
+                  "color": colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]}
+        if not impl.startswith("floor"):
+            mem_ax.plot(n, [max(m, 0.1) for m in mem], **kwargs)
+        time_ax.plot(n, [t / 1e3 for t in ms], **kwargs)
+    mem_ax.set(yscale="log", xlabel="tokens N", ylabel="MiB beyond the inputs' gradients (allocator peak)",
+               title="working set (the floors: no loss, omitted)")
+    time_ax.set(yscale="log", xlabel="tokens N", ylabel="s per forward + backward", title="time")
+    ticks = sorted({int(r["tokens"]) for r in rows})
+    for ax in (mem_ax, time_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = time_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_model_cap(rows: Sequence[dict], cap_mib: float, path: str, *, title: str = "") -> None:
+    """Measured step memory against tokens per step, per backend, with the cap and each backend's largest fit."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        points = sorted((int(r["tokens"]), float(r["total_mib"])) for r in rows
+                        if r["backend"] == backend and r.get("total_mib") not in ("", None))
+        if not points:
+            continue
+        tokens, total = zip(*points)
+        line, = ax.plot(tokens, total, marker="o", label=backend, linestyle=_style(backend))
+        fits = [t for t, m in points if m <= cap_mib]
+        if fits:
+            ax.axvline(max(fits), color=line.get_color(), alpha=0.4, linestyle=":")
+            ax.annotate(f"{backend}: {max(fits)} tokens", (max(fits), cap_mib), textcoords="offset points",
+                        xytext=(4, -14 if backend == "inductor" else 6), color=line.get_color(), fontsize=9)
+    ax.axhline(cap_mib, color="black", linewidth=1)
+    ax.text(ax.get_xlim()[0], cap_mib, f" cap {cap_mib:.0f} MiB", va="bottom", fontsize=9)
+    ax.set(xlabel="tokens per training step (batch x sequence)",
+           ylabel="MiB: parameters + optimizer state + step peak", title=title or "training step under a memory cap")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
