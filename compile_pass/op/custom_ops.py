@@ -60,8 +60,9 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
     """Raise (CPU) or device-assert (accelerators: no host sync) on a target outside
     ``[0, V)`` that is not ``ignore_index``, before any kernel indexes with it."""
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
-    torch._assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}) "
-                                        f"or equal to ignore_index ({ignore_index})")
+    ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
+    # (int64's minimum: no target is ignored, the graph pass's gather spelling)
+    torch._assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}){ignored}")
 
 
 def _plan(hidden_states: Tensor, weight: Tensor, ignore_index: int, label_smoothing: float,
