@@ -162,11 +162,13 @@ def test_saved_gradients_reach_saved_tensor_hooks():
     hooks = PackRecorder()
     with hooks:
         loss = gif(hidden, weight, target, bias, chunk_size=8)
-    # exactly the three gradients, each once (and the mean's 0-d denominator): no inputs, no logits
-    big = sorted(shape for shape, _ in hooks.packed if math.prod(shape) > 1)
-    assert big == sorted([(N, H), (V, H), (V,)]), hooks.packed
+    # exactly the three gradients, each once, and the [N] bool mask of counted tokens (and the
+    # mean's 0-d denominator): no inputs, no logits
+    big = sorted((shape, dtype) for shape, dtype in hooks.packed if math.prod(shape) > 1)
+    assert big == sorted([((N, H), torch.float32), ((V, H), torch.float32), ((V,), torch.float32),
+                          ((N,), torch.bool)]), hooks.packed
     packed_bytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in hooks.packed)
-    assert packed_bytes <= (N * H + V * H + V) * 4 + 64
+    assert packed_bytes <= (N * H + V * H + V) * 4 + N + 64
     loss.backward()
     assert hooks.unpacked == len(hooks.packed)
     reference = loss_and_grads(unfused, *[t.detach().requires_grad_() for t in (hidden, weight)], target,
@@ -181,7 +183,7 @@ def test_frozen_weight_not_computed():
     hooks = PackRecorder()
     with hooks:
         loss = gif(hidden, weight, target, None, chunk_size=8)
-    assert sorted(shape for shape, _ in hooks.packed if math.prod(shape) > 1) == [(N, H)]
+    assert sorted(shape for shape, _ in hooks.packed if math.prod(shape) > 1) == [(N,), (N, H)]  # + the mask
     (grad,) = torch.autograd.grad(loss, hidden)
     assert_close(grad, torch.autograd.grad(unfused(hidden, weight, target, None), hidden)[0],
                  **TOL[torch.float32])
@@ -297,3 +299,82 @@ def test_scaled_logits(scale):
                             hidden, weight, target, bias)
     for a, b in zip(ours, theirs, strict=True):
         assert_close(a, b, **TOL[torch.float32])
+
+
+# --- tokens that count for nothing (issue 16, item 2) ---------------------------------------
+# A "mean" over no counted token is 0 / 0: the loss is nan, as torch's, and autograd hands the
+# op grad_total = grad_loss / 0 = inf; torch's gradient of an ignored token is 0 whatever the
+# upstream gradient, so the gradients must be zeros, not inf * 0 = nan.
+
+
+def _zero_weight_for_targets(target):
+    weight = torch.ones(V)
+    weight[target[target != -100]] = 0.0  # every counted token's class weighs 0: total weight 0
+    return weight
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", ["all_ignored", "ignored_chunk", "zero_total_weight"])
+def test_tokens_that_count_for_nothing_match_torch(reduction, case):
+    hidden, weight, target, bias = make_inputs(bias=True, ignored=N if case == "all_ignored" else 5)
+    kwargs = {"reduction": reduction, "chunk_size": 8}
+    if case == "ignored_chunk":
+        target[8:24] = -100  # chunks 2 and 3 (chunk_size 8) hold only ignored tokens
+    if case == "zero_total_weight":
+        kwargs["weight"] = _zero_weight_for_targets(target)  # torch's mean: nan loss and gradients
+    ours = loss_and_grads(gif, hidden, weight, target, bias, **kwargs)
+    theirs = loss_and_grads(unfused, hidden, weight, target, bias, **kwargs)
+    for name, a, b in zip(("loss", "hidden", "weight", "bias"), ours, theirs, strict=True):
+        assert_close(a, b, **TOL[torch.float32], equal_nan=True, msg=lambda m, name=name: f"{name}: {m}")
+    if case != "zero_total_weight":
+        assert all(bool(g.isfinite().all()) for g in ours[1:])
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, one body layer, an untied head: what an AdamW step on NaN gradients would poison."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, H)
+        self.body = torch.nn.Linear(H, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.lm_head(torch.tanh(self.body(self.embed(ids)))).float()
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", ["all_ignored", "ignored_chunk"])
+def test_backend_tokens_that_count_for_nothing_match_stock(reduction, case):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, H, requires_grad=True)
+    labels = torch.full((2, 9), -100) if case == "all_ignored" else torch.randint(0, V, (2, 9))
+    if case == "ignored_chunk":
+        labels[0, :8] = -100  # the first chunk of 8 tokens: only ignored tokens
+    recorder, _ = compare_with_stock(Head(reduction), hidden, labels,
+                                     options={"grads_in_forward": True, "chunk_size": 8},
+                                     atol=2e-5, rtol=2e-5, equal_nan=True)
+    gif_nodes = sum(fact.target is GIF_OP for graph in recorder.graphs for fact in graph)
+    assert gif_nodes == (0 if reduction == "none" else 1)  # "none" keeps the recompute op
+    assert recorder.logits_like(18, V) == []
+
+
+def test_backend_adamw_step_on_an_all_ignored_batch_leaves_weights_finite():
+    torch.manual_seed(0)
+    model = TinyLM()
+    reference = TinyLM()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="chunkce",
+                             options={"grads_in_forward": True, "chunk_size": 8, "inner_backend": "aot_eager"})
+    ids = torch.randint(0, V, (2, 9))
+    labels = torch.full((2, 9), -100)  # an all-padding micro-batch
+    for module, run in ((model, compiled), (reference, reference)):
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        loss = run(ids, labels)
+        assert torch.isnan(loss)  # torch's mean over no tokens
+        loss.backward()
+        optimizer.step()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert ours.isfinite().all(), name
+        assert_close(ours, theirs, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -20,7 +20,9 @@ What it holds from forward to backward (saved with ``ctx.save_for_backward``,
 so ``torch.autograd.graph.saved_tensors_hooks`` see them; nothing is kept in
 ctx attributes): ``grad_hidden_states [N, H]``, ``grad_weight [V, H]`` and
 ``grad_bias [V]``, each in its parameter's dtype, of the inputs that require
-grad. Their inputs are not saved. Backward never writes into them (a second
+grad, and ``counted [N]`` bool, the tokens that are not ignored (an ignored token's
+gradient is 0 for any upstream gradient, even the inf of a ``"mean"`` over no
+counted token). Their inputs are not saved. Backward never writes into them (a second
 ``backward(retain_graph=True)`` sees the same values): it returns new tensors,
 ``grad_total * saved``, so backward briefly holds both (one gradient-sized
 allocation more, as torch's ``LinearCrossEntropyOptions(allow_retain_graph=True)``).
@@ -62,9 +64,10 @@ def _refuse_under_transforms() -> None:
 
 def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
                              bias: Tensor | None, class_weight: Tensor | None,
-                             output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The chunk loop: ``total`` (0-d), ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``,
-    ``grad_bias [V]`` of ``total = sum_i loss_i``.
+    ``grad_bias [V]`` of ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens
+    that are not ignored.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
     ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
@@ -115,7 +118,8 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
         grad_weight = grad_weight.to(weight.dtype)
     if want_bias:
         grad_bias = grad_bias.to(bias.dtype)
-    return loss.sum(), grad_hidden, grad_weight, grad_bias
+    counted = target != plan.ignore_index  # [N] bool
+    return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -136,11 +140,12 @@ def _grads_in_forward_op(
     scale_divides: bool = False,
     scale_dtype: torch.dtype | None = None,
     chunk_bytes: int = 0,  # the chunk budget in bytes; 0 = the default
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``total`` (0-d, fp32; fp64 for fp64 logits): the per-token losses summed, 0 where
-    ignored; and its gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias
-    ``[V]`` (an empty tensor where ``output_mask`` does not ask). The other arguments
-    are those of ``chunkce::linear_cross_entropy``."""
+    ignored; its gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias
+    ``[V]`` (an empty tensor where ``output_mask`` does not ask); and ``counted [N]``
+    bool: the tokens that are not ignored (backward's zero gradient for the others). The
+    other arguments are those of ``chunkce::linear_cross_entropy``."""
     plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
                  release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
     _assert_targets_in_range(target, weight.shape[0], ignore_index)
@@ -163,18 +168,24 @@ def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smo
         torch.empty_like(weight, memory_format=torch.contiguous_format)
         if want_weight else weight.new_empty(0),
         torch.empty_like(bias) if want_bias and bias is not None else weight.new_empty(0),
+        target.new_empty(target.shape, dtype=torch.bool),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    _, grad_hidden, grad_weight, grad_bias = output
-    ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
-    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+    _, grad_hidden, grad_weight, grad_bias, counted = output
+    ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias, counted)
+    ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted)
 
 
 def _backward(ctx, grad_total, *_grads_of_grads):
     """``grad_total`` (0-d) times each saved gradient: new tensors in the saved ones' dtypes
     (the saved tensors are never written, so ``retain_graph`` sees them unchanged).
+
+    An ignored token's share is 0 whatever ``grad_total``, as torch's: its row of the
+    hidden-state gradient, and the weight and bias gradients when every token is ignored.
+    (A ``"mean"`` over no counted token hands the op ``grad_total = grad_loss / 0``, inf,
+    which times the saved zeros would be nan.)
 
     Raises:
         NotImplementedError: double backward (``create_graph=True``: grad mode is on).
@@ -185,7 +196,11 @@ def _backward(ctx, grad_total, *_grads_of_grads):
             "grads_in_forward=True; compute higher-order gradients with the unfused F.linear + F.cross_entropy"
         )
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
-    grad_hidden, grad_weight, grad_bias = ((saved * grad_total).to(saved.dtype) for saved in ctx.saved_tensors)
+    saved_hidden, saved_weight, saved_bias, counted = ctx.saved_tensors  # counted [N] bool
+    grad_rows = torch.where(counted, grad_total, 0.0).unsqueeze(1)  # [N, 1]: 0 for ignored tokens
+    grad_some = torch.where(counted.any(), grad_total, 0.0)  # []: 0 when every token is ignored
+    grad_hidden = (saved_hidden * grad_rows).to(saved_hidden.dtype) if want_hidden else None
+    grad_weight, grad_bias = ((saved * grad_some).to(saved.dtype) for saved in (saved_weight, saved_bias))
     grads = [None] * len(ctx.needs_input_grad)
     grads[0] = grad_hidden if want_hidden else None
     grads[1] = grad_weight if want_weight else None
