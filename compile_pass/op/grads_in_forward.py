@@ -98,10 +98,10 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
     for start, end in chunks:
         hidden_chunk = hidden_states[start:end]  # [n, H]
         logits_chunk = loops._project(hidden_chunk, weight_t, bias)  # [n, V]
-        loss[start:end], lse_chunk = loops._forward_kernel(plan, logits_chunk, target[start:end],
-                                                           class_weight)
+        loss[start:end], row_max, row_log_sum = loops._forward_kernel(plan, logits_chunk, target[start:end],
+                                                                      class_weight)
         if want_hidden or want_weight or want_bias:
-            grad_logits = loops._backward_kernel(plan, logits_chunk, lse_chunk, target[start:end],
+            grad_logits = loops._backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
                                                  class_weight, ones[start:end], 0, vocab_size)  # [n, V]
             del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
             if want_hidden:

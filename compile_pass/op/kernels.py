@@ -2,7 +2,7 @@
 
 Two functions of one chunk of logits ``[n, V]`` (``n`` = tokens in the chunk):
 
-* :func:`chunk_forward` -> the per-token loss and the fp32 log-sum-exp;
+* :func:`chunk_forward` -> the per-token loss and the fp32 log-sum-exp (in two parts);
 * :func:`chunk_backward` -> the gradient of the per-token loss with respect to
   the chunk's logits, given the upstream per-token gradient.
 
@@ -28,7 +28,9 @@ class weights ``w`` (all ones without them), ``W = sum_c w_c``, smoothing
     lse_i  = log sum_c exp(z_ic)
     loss_i = (1 - eps) * w_y * (lse_i - z_iy) + eps / C * sum_c w_c * (lse_i - z_ic)
 
-and 0 for ignored tokens. Its gradient, with ``p_ic = exp(z_ic - lse_i)``:
+and 0 for ignored tokens (``lse_i - z_iy`` computed as torch's log-softmax rounds it:
+``log_sum_i - (z_iy - max_i)``, :func:`_row_stats`). Its gradient, with
+``p_ic = exp(z_ic - lse_i)`` (computed as ``exp((z_ic - max_i) - log_sum_i)``):
 
     d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic
                         - (1 - eps) * w_y * [c == y] - eps / C * w_c
@@ -92,15 +94,21 @@ def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     return valid, torch.where(valid, target, 0)
 
 
-def _logsumexp(z: Tensor) -> Tensor:
-    """Log-sum-exp of each row of a non-empty ``[n, V]``, ``[n]``, as ``F.log_softmax``
-    (which ``F.cross_entropy`` calls) computes it: shifted by the row's maximum, an
-    infinite one included, so a row holding ``+inf`` or only ``-inf`` gives nan and
-    nan propagates exactly as torch's loss does. (``torch.logsumexp`` would return
-    ``inf`` for such a row, and its ``numel() == 0`` branch cannot be traced with
-    an unbacked chunk length.)"""
-    maxes = torch.amax(z, dim=-1, keepdim=True)  # [n, 1]
-    return torch.sum(torch.exp(z - maxes), dim=-1).log().add(maxes.squeeze(-1))  # [n]
+def _row_stats(z: Tensor) -> tuple[Tensor, Tensor]:
+    """``row_max [n]`` and ``row_log_sum [n] = log sum_c exp(z_ic - row_max_i)`` of each row
+    of a non-empty ``[n, V]``: the log-sum-exp is their sum, kept in two parts as
+    ``F.log_softmax`` (which ``F.cross_entropy`` calls) keeps it, so that
+    ``log p = (z - row_max) - row_log_sum`` rounds as torch's log-softmax does. One
+    rounded ``lse`` would carry an absolute error of half its ulp into every ``log p``
+    (3e-5 at an lse of 1e3 in fp32, where torch's is that of ``log p`` itself).
+
+    Shifted by the row's maximum, an infinite one included, so a row holding ``+inf``
+    or only ``-inf`` gives nan and nan propagates exactly as torch's loss does.
+    (``torch.logsumexp`` would return ``inf`` for such a row, and its ``numel() == 0``
+    branch cannot be traced with an unbacked chunk length.)"""
+    row_max = torch.amax(z, dim=-1, keepdim=True)  # [n, 1]
+    row_log_sum = torch.sum(torch.exp(z - row_max), dim=-1).log()  # [n]
+    return row_max.squeeze(-1), row_log_sum
 
 
 def chunk_forward(
@@ -113,8 +121,11 @@ def chunk_forward(
     logit_scale: float | Tensor | None = None,  # None: no scaling
     scale_divides: bool = False,
     scale_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Per-token loss ``[n]`` and log-sum-exp ``[n]`` of one chunk, in ``accumulate_dtype``.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token loss ``[n]``, ``row_max [n]`` and ``row_log_sum [n]`` of one chunk (the
+    log-sum-exp is ``row_max + row_log_sum``: :func:`_row_stats`), in ``accumulate_dtype``.
+    The loss is ``row_log_sum - (z_y - row_max)``: torch's ``-log_softmax(z)[y]``, rounded
+    as torch rounds it.
 
     ``label_smoothing`` and ``logit_scale`` are only ever computed with, never branched
     on (Dynamo then passes them as graph inputs, the same way in every process, so the
@@ -123,20 +134,20 @@ def chunk_forward(
     """
     z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
-    lse = _logsumexp(z)  # [n]
+    row_max, row_log_sum = _row_stats(z)  # [n] each
     valid, safe_target = _safe_target(target, ignore_index)
     z_target = z.gather(1, safe_target.unsqueeze(1)).squeeze(1)  # [n]
-    nll = lse - z_target
+    nll = row_log_sum - (z_target - row_max)
     if class_weight is not None:
         nll = nll * class_weight.to(z.dtype)[safe_target]
     loss = nll
     if label_smoothing is not None:
-        neg_logp = lse.unsqueeze(1) - z  # [n, V]
+        neg_logp = row_log_sum.unsqueeze(1) - (z - row_max.unsqueeze(1))  # [n, V]
         if class_weight is not None:
             neg_logp = neg_logp * class_weight.to(z.dtype)
         smooth = neg_logp.sum(dim=-1)  # [n]
         loss = (1.0 - label_smoothing) * nll + (label_smoothing / z.shape[-1]) * smooth
-    return torch.where(valid, loss, 0.0), lse
+    return torch.where(valid, loss, 0.0), row_max, row_log_sum
 
 
 def _gradient_coefficients(
@@ -165,7 +176,8 @@ def _gradient_coefficients(
 
 def chunk_backward(
     logits: Tensor,  # [n, Vb] projection dtype: vocabulary columns [vocab_start, vocab_start + Vb)
-    lse: Tensor,  # [n] fp32
+    row_max: Tensor | None,  # [n] fp32: the shift (the whole lse without row_log_sum); None: recompute
+    row_log_sum: Tensor | None,  # [n] fp32, or None
     target: Tensor,  # [n] int64
     class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
     grad_loss: Tensor,  # [n] fp32
@@ -182,9 +194,20 @@ def chunk_backward(
 
         grad_ic = coef_probs_i * p_ic - coef_target_i * [c == y_i] - coef_uniform_i * w_c
 
-    (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`).
-    The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``; the
-    full-row log-sum-exp ``lse`` makes it independent of the other columns.
+    (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`),
+    with ``p = exp((z - row_max) - row_log_sum)``, torch's ``exp(log_softmax(z))``:
+
+    * ``row_max`` and ``row_log_sum`` given (grads-in-forward, from the forward kernel):
+      as torch rounds it;
+    * both None (the whole row, ``Vb = V``: a full-precision head's recompute): both
+      recomputed from the chunk (:func:`_row_stats`), as torch rounds it;
+    * ``row_log_sum`` None: ``row_max`` is the saved full-row log-sum-exp, rounded to
+      fp32 (a half-precision head's recompute, which may walk vocabulary blocks that
+      cannot see the whole row): ``p = exp(z - lse)``, whose error is half an ulp of the
+      lse in every exponent; the gradient is then rounded to half precision, whose
+      half ulp is 128x that at an lse of 1e3 (bf16; 16x for fp16).
+
+    The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``.
     Returns ``logits`` itself, overwritten with the gradient ``[n, Vb]`` in the
     projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
     through the graph's cast; with a scale, then through the scaling's backward
@@ -194,7 +217,10 @@ def chunk_backward(
     block = logits.shape[-1]
     z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
-    probs = torch.exp(z - lse.unsqueeze(1))  # [n, Vb] p_ic
+    if row_max is None:
+        row_max, row_log_sum = _row_stats(z)  # [n] each: the whole row is in the chunk
+    shifted = z - row_max.unsqueeze(1)  # [n, Vb]
+    probs = torch.exp(shifted if row_log_sum is None else shifted - row_log_sum.unsqueeze(1))  # p_ic
     valid, safe_target = _safe_target(target, ignore_index)
     grad = torch.where(valid, grad_loss.to(z.dtype), 0.0)  # [n]
     w = None if class_weight is None else class_weight.to(z.dtype)  # [V]
@@ -210,7 +236,7 @@ def chunk_backward(
     if logit_scale is not None:  # the backward of z = x op s: grad op s, in scale_dtype
         out = scale_logits(out, logit_scale, scale_divides, scale_dtype)
     # Into the logits' own buffer: every element is read once, then overwritten by its
-    # gradient (pointwise once lse is known), so a chunk's working set is one [n, Vb]
+    # gradient (pointwise once the row's statistics are known), so a chunk's working set is one [n, Vb]
     # buffer, not two (Inductor stores the fused result in place).
     logits.copy_(out)
 

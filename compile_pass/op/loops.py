@@ -77,18 +77,21 @@ class ChunkPlan:
         """The kernels' scaling arguments: ``(logit_scale, scale_divides, scale_dtype)``."""
         return self.logit_scale, self.scale_divides, self.scale_dtype
 
-    def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
+    def variant(self, logits: Tensor, class_weight: Tensor | None, row_stats: str = "") -> tuple:
         """The kernels' compile key: device type, projection dtype (``logits``: a chunk's
         projection, or the hidden states), logits dtype, class weights present, label
-        smoothing present, then the scaling's form (none, or multiply / divide, by a
-        Python number or a tensor, in which dtype), never its value."""
+        smoothing present, the scaling's form (none, or multiply / divide, by a
+        Python number or a tensor, in which dtype), never its value; then, for the
+        backward kernel, which row statistics it is given (``row_stats``:
+        :func:`_backward_kernel`)."""
         if self.logit_scale is None:
             scale = None
         else:
             scale = ("div" if self.scale_divides else "mul",
                      "tensor" if isinstance(self.logit_scale, Tensor) else "number", self.scale_dtype)
-        return (logits.device.type, logits.dtype, self.logits_dtype,
-                class_weight is not None, self.kernel_label_smoothing is not None, scale)
+        key = (logits.device.type, logits.dtype, self.logits_dtype,
+               class_weight is not None, self.kernel_label_smoothing is not None, scale)
+        return key + (row_stats,) if row_stats else key
 
 
 def _dense(tensor: Tensor | None) -> Tensor | None:
@@ -109,8 +112,9 @@ def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Ten
 
 
 def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor,
-                    class_weight: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``kernels.chunk_forward`` of one chunk: per-token ``loss [n]`` and ``lse [n]`` in
+                    class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``kernels.chunk_forward`` of one chunk: per-token ``loss [n]``, ``row_max [n]`` and
+    ``row_log_sum [n]`` (their sum is the lse) in
     ``kernels.accumulate_dtype(plan.logits_dtype)``, from ``logits_chunk [n, V]`` (projection
     dtype), ``target [n]`` int64 and ``class_weight [V]`` or None; the plan's options
     (smoothing, scaling, dtypes) are passed as the kernel takes them."""
@@ -121,18 +125,22 @@ def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor,
     )
 
 
-def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, lse: Tensor, target: Tensor,
-                     class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int,
-                     vocab_size: int) -> Tensor:
+def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor | None,
+                     row_log_sum: Tensor | None, target: Tensor, class_weight: Tensor | None,
+                     grad_loss: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
     """``kernels.chunk_backward`` of one block: the gradient ``[n, Vb]`` (projection dtype)
     w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``
-    of ``vocab_size``; ``lse [n]`` and ``grad_loss [n]`` fp32 (fp64 for fp64).
+    of ``vocab_size``; ``grad_loss [n]`` fp32 (fp64 for fp64). The row statistics, ``[n]``
+    fp32 (fp64 for fp64): ``row_max`` and ``row_log_sum`` of the forward kernel; None and
+    None for a block that is the whole row (the kernel recomputes them); or the saved lse
+    and None for a vocabulary block (``kernels.chunk_backward``).
 
     The gradient is written into ``logits_chunk`` (which is returned): the chunk's
     logits are consumed, and a chunk costs one ``[n, Vb]`` buffer, not two."""
+    row_stats = "recompute" if row_max is None else "lse" if row_log_sum is None else "given"
     kernels.run(
-        "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, lse, target, class_weight, grad_loss,
+        "chunk_backward", plan.variant(logits_chunk, class_weight, row_stats), plan.eager_kernels,
+        logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss,
         plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, vocab_start, vocab_size,
         *plan.kernel_scale,
     )
@@ -154,8 +162,9 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
     weight_t = weight.t()  # [H, V]
     for start, end in spans(num_tokens, plan.chunk_size):
         logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
-        loss[start:end], lse[start:end] = _forward_kernel(plan, logits_chunk, target[start:end],
-                                                          class_weight)
+        loss[start:end], row_max, row_log_sum = _forward_kernel(plan, logits_chunk, target[start:end],
+                                                                class_weight)
+        torch.add(row_max, row_log_sum, out=lse[start:end])
         del logits_chunk
     return loss, lse
 
@@ -239,6 +248,11 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
                                    weight.dtype, walk.zero_grad_weight)  # [V, H]
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
+    # A full-precision head is never walked in vocabulary blocks: its kernel recomputes each
+    # row's statistics, rounding as torch does. A half-precision head may be, and always takes
+    # the saved lse (one compiled variant whatever the walk; its gradient is then rounded to
+    # half precision, whose half ulp is 128x (bf16; fp16 16x) the lse's fp32 rounding at an lse of 1e3).
+    whole_rows = walk.accumulate_dtype == weight.dtype
     for vocab_start, vocab_end in walk.vocab_blocks:
         weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
@@ -250,8 +264,9 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
         for start, end in walk.token_chunks:
             hidden_chunk = hidden_states[start:end]  # [n, H]
             logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
-            grad_logits = _backward_kernel(plan, logits_chunk, lse[start:end], target[start:end],
-                                           class_weight, grad_loss[start:end], vocab_start,
+            grad_logits = _backward_kernel(plan, logits_chunk, None if whole_rows else lse[start:end],
+                                           None, target[start:end], class_weight,
+                                           grad_loss[start:end], vocab_start,
                                            vocab_size)  # [n, Vb] projection dtype, in place
             del logits_chunk
             if walk.want_hidden:

@@ -1,0 +1,116 @@
+"""Accuracy of the loss and gradients over a sweep of logit magnitudes, against fp64.
+
+    python -m benchmarks.precision_sweep            # the table of docs/op.md's numerics section
+    python -m benchmarks.precision_sweep --grads-in-forward
+
+For each case, fp32 inputs ``hidden [N, H]``, ``weight [V, H]``, ``bias [V]`` (the head's
+logits have standard deviation ``spread`` about an offset, optionally divided by
+``logit_divisor``) go through torch's unfused ``F.linear`` + ``F.cross_entropy`` in fp32
+and through ``chunkce.linear_cross_entropy`` (several token chunks); the reference is the
+same unfused computation in fp64 on the same (fp32) values: the same roundings of the
+inputs, none after. Each cell is the relative error ``||x - ref|| / ||ref||`` of the per-token losses
+(``reduction="none"``, every fourth token ignored), and of ``d hidden``, ``d weight`` and
+``d bias`` of the ``mean``; the last column gives chunkce's error over torch's (1.0: as
+accurate as torch). ``tests/test_op_precision.py`` asserts the ratio on these cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from compile_pass.op.function import linear_cross_entropy
+
+N, H, V = 96, 32, 509  # tokens (several chunks of 32), hidden size, vocabulary (odd)
+CHUNK = 32
+# (name, logit spread (std), offset added to every logit, logit_divisor or None)
+CASES = (
+    ("spread 1", 1.0, 0.0, None),
+    ("spread 30", 30.0, 0.0, None),
+    ("spread 300", 300.0, 0.0, None),
+    ("spread 3000", 3000.0, 0.0, None),
+    ("offset 1e3, spread 1", 1.0, 1e3, None),
+    ("divisor 1e-3 (logits ~1e3)", 1.0, 0.0, 1e-3),
+    ("divisor 1e-3, spread 30 about 1e3", 0.03, 1.0, 1e-3),
+)
+QUANTITIES = ("loss", "d hidden", "d weight", "d bias")  # loss: the per-token losses
+
+
+def make_inputs(spread: float, offset: float, seed: int = 0) -> dict:
+    """fp32 leaves: ``hidden [N, H]`` (unit rows), ``weight [V, H]`` scaled so that the
+    logits have standard deviation ``spread``, ``bias [V]`` = ``offset`` + a tenth of that,
+    ``target [N]`` with every fourth token ignored."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=generator)
+    hidden = hidden / hidden.norm(dim=1, keepdim=True)
+    weight = torch.randn(V, H, generator=generator) * spread
+    bias = offset + 0.1 * spread * torch.randn(V, generator=generator)
+    target = torch.randint(0, V, (N,), generator=generator)
+    target[::4] = -100
+    return {"hidden": hidden, "weight": weight, "bias": bias, "target": target}
+
+
+def losses_and_grads(fn, inputs: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``[per-token losses, d hidden, d weight, d bias]`` (fp64) of ``fn`` on the inputs cast
+    to ``dtype``: ``fn(hidden, weight, bias, target, reduction)``, the losses from
+    ``"none"``, the gradients of ``"mean"``."""
+    leaves = [inputs[k].to(dtype).requires_grad_() for k in ("hidden", "weight", "bias")]
+    with torch.no_grad():
+        losses = fn(*leaves, inputs["target"], "none")
+    grads = torch.autograd.grad(fn(*leaves, inputs["target"], "mean"), leaves)
+    return [t.detach().double() for t in (losses, *grads)]
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def case_errors(spread: float, offset: float, divisor: float | None,
+                grads_in_forward: bool = False) -> tuple[list[float], list[float]]:
+    """(torch's fp32 errors, chunkce's fp32 errors) against fp64, in ``QUANTITIES`` order."""
+    inputs = make_inputs(spread, offset)
+
+    def unfused(hidden, weight, bias, target, reduction):
+        logits = F.linear(hidden, weight, bias)
+        if divisor is not None:
+            logits = logits / divisor
+        return F.cross_entropy(logits, target, reduction=reduction)
+
+    def chunkce(hidden, weight, bias, target, reduction):
+        return linear_cross_entropy(hidden, weight, target, linear_bias=bias, logit_divisor=divisor,
+                                    reduction=reduction, chunk_size=CHUNK,
+                                    grads_in_forward=grads_in_forward)
+
+    reference = losses_and_grads(unfused, inputs, torch.float64)
+    ours = losses_and_grads(chunkce, inputs, torch.float32)
+    theirs = losses_and_grads(unfused, inputs, torch.float32)
+    return ([relative_error(t, r) for t, r in zip(theirs, reference)],
+            [relative_error(o, r) for o, r in zip(ours, reference)])
+
+
+def sweep(grads_in_forward: bool = False) -> list[tuple[str, list[float], list[float]]]:
+    """Per case: (name, torch's errors, chunkce's errors), in ``QUANTITIES`` order."""
+    return [(name, *case_errors(spread, offset, divisor, grads_in_forward))
+            for name, spread, offset, divisor in CASES]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grads-in-forward", action="store_true", help="chunkce's grads_in_forward op")
+    args = parser.parse_args()
+    rows = sweep(args.grads_in_forward)
+    print(f"fp32, N={N} H={H} V={V}, chunk_size={CHUNK}, "
+          f"relative error against fp64 (torch | chunkce{', grads_in_forward' if args.grads_in_forward else ''})")
+    header = " | ".join(f"{q} torch | {q} chunkce" for q in QUANTITIES)
+    print(f"| case | {header} | chunkce / torch (loss, dh, dW, db) |")
+    print("|---" * (2 + 2 * len(QUANTITIES)) + "|")
+    for name, theirs, ours in rows:
+        cells = " | ".join(f"{t:.1e} | {o:.1e}" for t, o in zip(theirs, ours))
+        ratios = ", ".join(f"{o / t:.1f}" if t > 0 else "-" for t, o in zip(theirs, ours))
+        print(f"| {name} | {cells} | {ratios} |")
+
+
+if __name__ == "__main__":
+    main()
