@@ -378,3 +378,28 @@ def test_backend_adamw_step_on_an_all_ignored_batch_leaves_weights_finite():
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert ours.isfinite().all(), name
         assert_close(ours, theirs, atol=1e-6, rtol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [8, 64], ids=["chunks", "one_chunk"])
+def test_bfloat16_weight_gradient_rounded_once(chunk_size):
+    """Issue 16, item 5: a bf16 head's weight and bias gradients were rounded to bf16 in
+    forward, then again after backward's upstream gradient (here 1.13x the unfused path's
+    error against fp64 before the fix, 0.87x after); they are held in fp32 and rounded
+    once. Relative error of the gradient, averaged over four small draws (bf16 matmuls
+    are emulated on CPU)."""
+    errors = {"ours": [0.0, 0.0], "unfused": [0.0, 0.0]}
+    for seed in range(4):
+        inputs = make_inputs(dtype=torch.bfloat16, bias=True, ignored=3, seed=seed, n=64, h=64, v=256)
+        truth_inputs = [t.detach().double().requires_grad_() if t is not None and t.is_floating_point()
+                        else t for t in inputs]
+        truth = loss_and_grads(unfused, *truth_inputs, grad_scale=1.0)[2:]  # weight, bias
+        runs = {"ours": loss_and_grads(gif, *inputs, chunk_size=chunk_size, logits_dtype=torch.float32,
+                                       grad_scale=1.0)[2:],
+                "unfused": loss_and_grads(lambda h, w, t, b: F.cross_entropy(F.linear(h, w, b).float(), t),
+                                          *inputs, grad_scale=1.0)[2:]}
+        for who, grads in runs.items():
+            for i, (g, t) in enumerate(zip(grads, truth, strict=True)):
+                assert g.dtype == torch.bfloat16
+                errors[who][i] += ((g.double() - t).norm() / t.norm()).item() / 4
+    for name, ours, theirs in zip(("weight", "bias"), errors["ours"], errors["unfused"], strict=True):
+        assert ours <= theirs, (name, ours, theirs)

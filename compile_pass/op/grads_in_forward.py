@@ -19,16 +19,16 @@ gradient is unknown in forward) keeps the recompute op.
 What it holds from forward to backward (saved with ``ctx.save_for_backward``,
 so ``torch.autograd.graph.saved_tensors_hooks`` see them; nothing is kept in
 ctx attributes): ``grad_hidden_states [N, H]``, ``grad_weight [V, H]`` and
-``grad_bias [V]``, each in its parameter's dtype, of the inputs that require
-grad, and ``counted [N]`` bool, the tokens that are not ignored (an ignored token's
+``grad_bias [V]`` of the inputs that require grad (the hidden states' in its dtype,
+the weight's and bias's in fp32 for a half-precision head: the forward's accumulator,
+rounded to the parameter's dtype once, in backward, after the upstream gradient), and ``counted [N]`` bool, the tokens that are not ignored (an ignored token's
 gradient is 0 for any upstream gradient, even the inf of a ``"mean"`` over no
 counted token). Their inputs are not saved. Backward never writes into them (a second
 ``backward(retain_graph=True)`` sees the same values): it returns new tensors,
 ``grad_total * saved``, so backward briefly holds both (one gradient-sized
 allocation more, as torch's ``LinearCrossEntropyOptions(allow_retain_graph=True)``).
-While forward runs, a half-precision weight's gradient is summed in an fp32
-``[V, H]`` accumulator (``aten::addmm.dtype_out`` where the device has it),
-cast once at the end.
+While forward runs, a half-precision weight's gradient is summed in that fp32
+``[V, H]`` accumulator (``aten::addmm.dtype_out`` where the device has it).
 
 When to use it: plain training on one device or data parallel, where the
 gradients would be allocated in backward anyway and the recompute's fourth
@@ -74,7 +74,9 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
     them. ``total`` is in ``kernels.accumulate_dtype(plan.logits_dtype)``, summed as the
     recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
     ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
-    tensor and costs no work; the others are in their parameter's dtype.
+    tensor and costs no work; ``grad_hidden_states`` is in its dtype, ``grad_weight`` and
+    ``grad_bias`` in ``kernels.accumulate_dtype(weight.dtype)`` (fp32 for a half-precision
+    head: backward rounds them to the parameter's dtype once, after the upstream gradient).
     """
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     want_hidden, want_weight, want_bias = output_mask
@@ -85,13 +87,15 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
     loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
     ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
     chunks = spans(num_tokens, plan.chunk_size)
-    sums = len(chunks) > 1  # the weight gradient sums one product per chunk
+    # the weight gradient sums one product per chunk, or is a half-precision weight's: then it
+    # sums in (and is returned in) an fp32 accumulator, rounded once in backward, after the
+    # upstream gradient (rounded now and again then, it had 1.7x the unfused path's bf16 error)
+    sums = len(chunks) > 1 or weight_accumulate != weight.dtype
     grad_hidden = hidden_states.new_empty((num_tokens, hidden_size) if want_hidden else 0)  # [N, H]
-    grad_weight = weight.new_empty(0)  # [V, H] accumulator: fp32 for a half weight over several chunks
-    if want_weight:
-        dtype = weight_accumulate if sums else weight.dtype  # one product: written by out=
+    grad_weight = weight.new_empty(0)  # [V, H] in weight_accumulate: fp32 for a half weight
+    if want_weight:  # one product of a full-precision weight: written by out=
         grad_weight = (weight.new_zeros if sums or not chunks else weight.new_empty)(
-            (vocab_size, hidden_size), dtype=dtype)
+            (vocab_size, hidden_size), dtype=weight_accumulate)
     grad_bias = (weight.new_zeros(vocab_size, dtype=weight_accumulate) if want_bias
                  else weight.new_empty(0))  # [V] summed over chunks
     weight_t = weight.t()  # [H, V]
@@ -114,10 +118,6 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
             if want_bias:
                 grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
             del grad_logits
-    if want_weight:
-        grad_weight = grad_weight.to(weight.dtype)
-    if want_bias:
-        grad_bias = grad_bias.to(bias.dtype)
     counted = target != plan.ignore_index  # [N] bool
     return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
 
@@ -143,7 +143,8 @@ def _grads_in_forward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``total`` (0-d, fp32; fp64 for fp64 logits): the per-token losses summed, 0 where
     ignored; its gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias
-    ``[V]`` (an empty tensor where ``output_mask`` does not ask); and ``counted [N]``
+    ``[V]`` (an empty tensor where ``output_mask`` does not ask; the weight's and bias's
+    in fp32 for a half-precision head); and ``counted [N]``
     bool: the tokens that are not ignored (backward's zero gradient for the others). The
     other arguments are those of ``chunkce::linear_cross_entropy``."""
     plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
@@ -165,9 +166,10 @@ def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smo
         hidden_states.new_empty((), dtype=kernels.accumulate_dtype(logits_dtype)),
         torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         if want_hidden else hidden_states.new_empty(0),
-        torch.empty_like(weight, memory_format=torch.contiguous_format)
+        weight.new_empty(weight.shape, dtype=kernels.accumulate_dtype(weight.dtype))
         if want_weight else weight.new_empty(0),
-        torch.empty_like(bias) if want_bias and bias is not None else weight.new_empty(0),
+        bias.new_empty(bias.shape, dtype=kernels.accumulate_dtype(weight.dtype))
+        if want_bias and bias is not None else weight.new_empty(0),
         target.new_empty(target.shape, dtype=torch.bool),
     )
 
@@ -176,6 +178,8 @@ def _setup_context(ctx, inputs, output):
     _, grad_hidden, grad_weight, grad_bias, counted = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias, counted)
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted)
+    weight, bias = inputs[1], inputs[3]
+    ctx.param_dtypes = (weight.dtype, weight.dtype if bias is None else bias.dtype)  # not tensors
 
 
 def _backward(ctx, grad_total, *_grads_of_grads):
@@ -200,7 +204,8 @@ def _backward(ctx, grad_total, *_grads_of_grads):
     grad_rows = torch.where(counted, grad_total, 0.0).unsqueeze(1)  # [N, 1]: 0 for ignored tokens
     grad_some = torch.where(counted.any(), grad_total, 0.0)  # []: 0 when every token is ignored
     grad_hidden = (saved_hidden * grad_rows).to(saved_hidden.dtype) if want_hidden else None
-    grad_weight, grad_bias = ((saved * grad_some).to(saved.dtype) for saved in (saved_weight, saved_bias))
+    grad_weight, grad_bias = ((saved * grad_some).to(dtype)  # fp32 accumulators rounded once
+                              for saved, dtype in zip((saved_weight, saved_bias), ctx.param_dtypes))
     grads = [None] * len(ctx.needs_input_grad)
     grads[0] = grad_hidden if want_hidden else None
     grads[1] = grad_weight if want_weight else None
