@@ -137,8 +137,7 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
     module = report.module_of(site.projection.node if site.projection else site.stop)
     form = site.call.form if site.call is not None else ""
     if reason is not None:
-        fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
-        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix, form=form)
+        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, form=form)  # fix: its key's
     graph = site.node.graph
     chunk = _chunk_size(site, options)
     with Edit(graph) as edit:
