@@ -53,7 +53,6 @@ _FIXES = {
     "argument": "fix: pass reduction, ignore_index and label_smoothing as Python constants, class weights as a "
                 "tensor of the compiled region",
     "class_weight": "fix: pass class weights as a plain floating tensor (float16, bfloat16, float32 or float64)",
-    "unbatched": "fix: give the hidden states a token dim ([N, H], then logits [N, V])",
     "class_dim_1": "fix: compute the [B, T, V] logits, then move the class dim for the loss with "
                    ".transpose(1, 2), or flatten to [B * T, V]",
     "vocab_dim": "fix: slice or select token dims only; keep the vocabulary dim whole from the lm_head to the "
