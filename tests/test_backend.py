@@ -252,6 +252,42 @@ def test_explain_many_times_reports_each_time_and_keeps_the_users_compile(eager_
     assert counters["stats"]["unique_graphs"] == graphs_by_explain > graphs  # no recompile of the user's model
 
 
+def test_explain_leaves_the_counters_and_the_last_report_alone(eager_kernels):
+    compiled = torch.compile(Toy(), backend="chunkce", options={"inner_backend": "aot_eager"})
+    compiled(*make_inputs())
+    before, last = dict(counters["chunkce"]), compile_pass.last_report()
+    assert before["sites_rewritten"] == 1
+    report = compile_pass.explain(TwoHeads(), *make_inputs())
+    assert [r.decision for r in report.records] == ["rewritten", "refused"]
+    assert dict(counters["chunkce"]) == before and compile_pass.last_report() is last
+
+
+class Float64Temperature(nn.Module):
+    """``logits / buffer`` with a float64 0-d buffer: Dynamo traces the frame twice on a cold
+    cache ([0/0], then [0/0_1] after AOTAutograd's tensorify pass restarts it), as for stock."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.register_buffer("temperature", torch.tensor(0.7, dtype=torch.float64))
+
+    def forward(self, h, labels):
+        return F.cross_entropy((self.lm_head(h) / self.temperature).float().view(-1, V), labels.view(-1))
+
+
+def test_a_frame_dynamo_traces_again_is_counted_and_logged_once(eager_kernels, chunkce_logs):
+    model = Float64Temperature()
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})
+    torch.testing.assert_close(compiled(*make_inputs()), model(*make_inputs()))
+    assert counters["stats"]["unique_graphs"] == 1
+    stats = counters["chunkce"]
+    assert (stats["sites_found"], stats["sites_rewritten"], stats["sites_refused"]) == (1, 1, 0), dict(stats)
+    assert stats["logits_bytes_avoided"] == compile_pass.last_report().records[0].logits_bytes_avoided
+    rewrote = [r for r in chunkce_logs.records if r.getMessage().startswith("chunkce: rewrote")]
+    assert len(rewrote) == 1
+
+
 @pytest.mark.slow
 def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
     import transformers
