@@ -69,6 +69,28 @@ def test_bad_option_values_are_refused(bad):
         Options.from_mapping(bad)
 
 
+@pytest.mark.parametrize("bad,error", [({"chunk_size": -3}, ValueError), ({"strict": "yes"}, TypeError),
+                                       ({"inner_backend": "chunkce"}, ValueError)])
+def test_bad_options_are_rejected_at_the_first_call_with_when_and_how_to_check_earlier(bad, error):
+    """torch.compile stores options= and hands them to the backend only at the first call (no hook
+    to check them earlier): the error says so, and Options(...) checks them where they are built."""
+    model = torch.compile(Toy(), backend="chunkce", options=bad)  # accepted: nothing checks it yet
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        model(*make_inputs())
+    assert isinstance(info.value.inner_exception, error)
+    message = str(info.value.inner_exception)
+    assert message.startswith("chunkce: expected option") and "first call" in message
+    assert "options=compile_pass.Options(...)" in message
+    with pytest.raises(error, match="chunkce: expected option"):
+        Options(**bad)
+
+
+def test_options_object_is_taken_by_torch_compile(eager_kernels):
+    model = torch.compile(Toy(), backend="chunkce", options=Options(inner_backend="aot_eager", chunk_size=5))
+    torch.testing.assert_close(model(*make_inputs()), Toy()(*make_inputs()))
+    assert counters["chunkce"]["sites_rewritten"] == 1 and compile_pass.last_report().records[0].chunk_size == 5
+
+
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_debug_inner_backends(inner, eager_kernels):
     model, reference = Toy(), Toy()
