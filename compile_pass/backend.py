@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 from torch._dynamo.backends import registry
+from torch._dynamo.exc import RestartAnalysis
 
-from compile_pass import BACKEND_NAME, cache_key, dynamo_scope
+from compile_pass import cache_key, dynamo_scope
 from compile_pass.graph import logits_drop
 from compile_pass.graph import fuse_linear_cross_entropy
+from compile_pass.graph.driver import publish_report
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -49,22 +51,43 @@ def chunkce_backend(
             selects Inductor's mode options (e.g. ``"max-autotune"``).
 
     Raises:
-        ValueError: an unknown option key, or ``mode`` / ``inductor_config`` with
-            a non-Inductor inner backend.
+        ValueError / TypeError: an unknown option key or a bad value, or ``mode`` /
+            ``inductor_config`` with a non-Inductor inner backend. Raised here, at the
+            first call of the compiled model (Dynamo wraps it in ``BackendCompilerFailed``):
+            ``torch.compile`` stores ``options=`` and hands it over only then, with no
+            hook for a backend to check it earlier. ``options=compile_pass.Options(...)``
+            is checked where it is built.
         NotImplementedError: ``strict=True`` and a site the pass must refuse.
     """
-    opts = Options.from_mapping(options)
+    try:
+        opts = Options.from_mapping(options)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} ({_WHEN_CHECKED})") from None
     inner = opts.inner_backend
-    if inner == BACKEND_NAME:
-        raise ValueError("chunkce: inner_backend cannot be 'chunkce' itself; use 'inductor', 'aot_eager' or 'eager'")
     if inner != "inductor" and (opts.inductor_config or mode not in (None, "default")):
         raise ValueError(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
-    fuse_linear_cross_entropy(gm.graph, opts)
+    report = fuse_linear_cross_entropy(gm.graph, opts, publish=False)
     gm.recompile()
     dropped = logits_drop.dropped_positions(gm.graph)  # only with drop_unused_logits
+    retried = False
+    try:
+        compiled = _compile_inner(gm, example_inputs, opts, mode)
+    except RestartAnalysis:  # Dynamo traces the frame again ([0/0] -> [0/0_1]) and calls us again
+        retried = True
+        raise
+    finally:
+        if not retried:  # a site is logged and counted once, by the attempt that compiles
+            publish_report(report, opts.strict)
+    return logits_drop.wrap(compiled, dropped) if dropped else compiled
+
+
+def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,
+                   mode: str | None) -> Callable[..., Any]:
+    """The rewritten graph compiled by the inner backend, under chunkce's cache key tag."""
+    inner = opts.inner_backend
     with torch.compiler.config.patch(cache_key_tag=_cache_key_tag(opts)):
         if inner == "inductor":
             from torch._inductor import list_mode_options
@@ -76,7 +99,11 @@ def chunkce_backend(
         else:
             backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
             compiled = backend(gm, example_inputs)
-    return logits_drop.wrap(compiled, dropped) if dropped else compiled
+    return compiled
+
+
+_WHEN_CHECKED = ("torch.compile hands options= to the backend at the compiled model's first call, so they are "
+                 "checked there; pass options=compile_pass.Options(...) to have them checked where you write them")
 
 
 def _cache_key_tag(opts: Options) -> str:

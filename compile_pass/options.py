@@ -2,6 +2,7 @@
 
     torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "strict": True})
     torch.compile(model, backend="chunkce", options={"chunk_bytes": 8 << 20, "grads_in_forward": True})
+    torch.compile(model, backend="chunkce", options=Options(chunk_size=1024))  # checked here, not at the first call
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"chunkce: expected option {name} to be a bool, got {type(value).__name__}")
+        if self.inner_backend == "chunkce":
+            raise ValueError("chunkce: expected option inner_backend to be another backend, got 'chunkce' itself; "
+                             "use 'inductor', 'aot_eager' or 'eager'")
         if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
             raise TypeError(
                 "chunkce: expected option inner_backend to be a backend name "

@@ -69,6 +69,28 @@ def test_bad_option_values_are_refused(bad):
         Options.from_mapping(bad)
 
 
+@pytest.mark.parametrize("bad,error", [({"chunk_size": -3}, ValueError), ({"strict": "yes"}, TypeError),
+                                       ({"inner_backend": "chunkce"}, ValueError)])
+def test_bad_options_are_rejected_at_the_first_call_with_when_and_how_to_check_earlier(bad, error):
+    """torch.compile stores options= and hands them to the backend only at the first call (no hook
+    to check them earlier): the error says so, and Options(...) checks them where they are built."""
+    model = torch.compile(Toy(), backend="chunkce", options=bad)  # accepted: nothing checks it yet
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        model(*make_inputs())
+    assert isinstance(info.value.inner_exception, error)
+    message = str(info.value.inner_exception)
+    assert message.startswith("chunkce: expected option") and "first call" in message
+    assert "options=compile_pass.Options(...)" in message
+    with pytest.raises(error, match="chunkce: expected option"):
+        Options(**bad)
+
+
+def test_options_object_is_taken_by_torch_compile(eager_kernels):
+    model = torch.compile(Toy(), backend="chunkce", options=Options(inner_backend="aot_eager", chunk_size=5))
+    torch.testing.assert_close(model(*make_inputs()), Toy()(*make_inputs()))
+    assert counters["chunkce"]["sites_rewritten"] == 1 and compile_pass.last_report().records[0].chunk_size == 5
+
+
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_debug_inner_backends(inner, eager_kernels):
     model, reference = Toy(), Toy()
@@ -250,6 +272,42 @@ def test_explain_many_times_reports_each_time_and_keeps_the_users_compile(eager_
     graphs_by_explain = counters["stats"]["unique_graphs"]
     torch.testing.assert_close(compiled(*make_inputs()), expected)
     assert counters["stats"]["unique_graphs"] == graphs_by_explain > graphs  # no recompile of the user's model
+
+
+def test_explain_leaves_the_counters_and_the_last_report_alone(eager_kernels):
+    compiled = torch.compile(Toy(), backend="chunkce", options={"inner_backend": "aot_eager"})
+    compiled(*make_inputs())
+    before, last = dict(counters["chunkce"]), compile_pass.last_report()
+    assert before["sites_rewritten"] == 1
+    report = compile_pass.explain(TwoHeads(), *make_inputs())
+    assert [r.decision for r in report.records] == ["rewritten", "refused"]
+    assert dict(counters["chunkce"]) == before and compile_pass.last_report() is last
+
+
+class Float64Temperature(nn.Module):
+    """``logits / buffer`` with a float64 0-d buffer: Dynamo traces the frame twice on a cold
+    cache ([0/0], then [0/0_1] after AOTAutograd's tensorify pass restarts it), as for stock."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.register_buffer("temperature", torch.tensor(0.7, dtype=torch.float64))
+
+    def forward(self, h, labels):
+        return F.cross_entropy((self.lm_head(h) / self.temperature).float().view(-1, V), labels.view(-1))
+
+
+def test_a_frame_dynamo_traces_again_is_counted_and_logged_once(eager_kernels, chunkce_logs):
+    model = Float64Temperature()
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})
+    torch.testing.assert_close(compiled(*make_inputs()), model(*make_inputs()))
+    assert counters["stats"]["unique_graphs"] == 1
+    stats = counters["chunkce"]
+    assert (stats["sites_found"], stats["sites_rewritten"], stats["sites_refused"]) == (1, 1, 0), dict(stats)
+    assert stats["logits_bytes_avoided"] == compile_pass.last_report().records[0].logits_bytes_avoided
+    rewrote = [r for r in chunkce_logs.records if r.getMessage().startswith("chunkce: rewrote")]
+    assert len(rewrote) == 1
 
 
 @pytest.mark.slow

@@ -214,8 +214,18 @@ def gather_shifted(m, h, y):  # shifted, on flat tokens
     return log_probs.gather(1, y[:, 1:].reshape(-1, 1)).squeeze(1)
 
 
+def gather_shifted_index(m, h, y):  # the shift in one index: labels[:, 1:, None]
+    return F.log_softmax(m.lm_head(h)[:, :-1], dim=-1).gather(-1, y[:, 1:, None]).squeeze(-1)
+
+
+def gather_permuted_index(m, h, y):  # an index made some other way, [B, T, 1]: squeezed
+    return F.log_softmax(m.lm_head(h), -1).gather(-1, y.unsqueeze(0).permute(1, 2, 0)).squeeze(-1)
+
+
 GATHER_FORMS = {"method": gather_method, "torch_gather": gather_torch, "negated_first": gather_negated_first,
-                "shifted": gather_shifted}
+                "shifted": gather_shifted, "shifted_index": gather_shifted_index,
+                "permuted_index": gather_permuted_index}
+SHIFTED = ("shifted", "shifted_index")
 
 
 def _reduce(log_p, y, reduction):
@@ -234,9 +244,10 @@ def _reduce(log_p, y, reduction):
 def test_gathered_log_probs(form, reduction):
     def loss(m, h, y):
         safe = y.clamp(min=0)  # gather has no ignore_index: masked tokens read class 0
-        return _reduce(GATHER_FORMS[form](m, h, safe), y[:, 1:] if form == "shifted" else y, reduction)
+        return _reduce(GATHER_FORMS[form](m, h, safe), y[:, 1:] if form in SHIFTED else y, reduction)
 
-    rewritten(Head(loss, bias=True), hidden(), labels(ignored=True), form="gather", tokens=TOKENS.get(form, B * T))
+    tokens = B * (T - 1) if form in SHIFTED else B * T
+    rewritten(Head(loss, bias=True), hidden(), labels(ignored=True), form="gather", tokens=tokens)
 
 
 def test_gathered_log_probs_per_sequence():
@@ -276,9 +287,6 @@ REFUSED = {
     "cast_after_log_softmax": (lambda m, h, y: F.nll_loss(F.log_softmax(m.lm_head(h), -1).half().float()
                                                           .view(-1, V), y.view(-1)),
                                "loss_spelling", "log-probabilities cast from torch.float32 to torch.float16 after"),
-    "gather_index_not_from_labels": (lambda m, h, y: -F.log_softmax(m.lm_head(h), -1).gather(
-                                         -1, y.unsqueeze(0).permute(1, 2, 0)).mean(),
-                                     "loss_spelling", "gather: gather index is not labels.unsqueeze(-1)"),
     "gather_index_smaller": (lambda m, h, y: -F.log_softmax(m.lm_head(h), -1).gather(
                                  -1, y[:, 1:].unsqueeze(-1)).mean(),
                              "loss_spelling", "gather index of shape (2, 4, 1) for log-probabilities of shape"),

@@ -213,7 +213,7 @@ BAD_ARGUMENTS = [
     ({"target": torch.rand(37, 51)}, NotImplementedError, "probability"),
     ({"target": torch.zeros(37, dtype=torch.int32)}, TypeError, "target of dtype torch.int64"),
     ({"target": torch.zeros(36, dtype=torch.int64)}, ValueError, "target of shape"),
-    ({"input": torch.randn(16)}, ValueError, "input of shape"),
+    ({"input": torch.tensor(1.0)}, ValueError, "input of shape"),  # 0-d; [H] is one unbatched token
     ({"linear_weight": torch.randn(51, 15)}, ValueError, "linear_weight of shape"),
     ({"linear_weight": torch.randn(51, 16, dtype=torch.float64)}, TypeError, "linear_weight of dtype"),
     ({"linear_bias": torch.randn(50)}, ValueError, "linear_bias of shape"),

@@ -145,8 +145,6 @@ CASES = {
                      inputs=lambda: (hidden(), labels(), 3)),
     "graph_break": Case(graph_break_loss, "logits enter this graph as an input (`L_logits_`): the graph broke"),
     "subgraph_input": Case(checkpointed_loss, "logits enter this higher-order op's body"),
-    "unbatched": Case(lambda m, h, y: F.cross_entropy(m.lm_head(h[0, 0]), y[0, 0]),
-                      "unbatched cross_entropy (1-D logits or hidden states)"),
     "class_dim_1": Case(lambda m, h, y: F.cross_entropy(m.lm_head(h).permute(0, 2, 1).contiguous(), y),
                         "logits of shape (2, 23, 5) with the class dim at 1 that are not a transpose"),
     "vocab_dim": Case(lambda m, h, y: F.cross_entropy(m.lm_head(h)[..., :V - 3].reshape(-1, V - 3),
@@ -337,7 +335,7 @@ def test_narrow_then_widen_is_refused_and_exact(narrow, chunkce_logs):
 
 
 # sites.py's stop kinds reach the guard as these keys (the rest are opaque: op_* / producer / ...).
-_STOP_KINDS = {"graph_input": "graph_break", "subgraph_input": "subgraph_input", "unbatched": "unbatched",
+_STOP_KINDS = {"graph_input": "graph_break", "subgraph_input": "subgraph_input",
                "class_dim_1": "class_dim_1", "vocab_dim": "vocab_dim", "advanced_index": "advanced_index",
                "symbolic_reshape": "symbolic_reshape", "unreadable": "unreadable", "call_module": "call_module",
                "internal_error": "internal_error", "opaque": "op_*", "scale_operand": "scale_operand",

@@ -12,11 +12,13 @@ compile; what the op cannot take refused with its reason and bit for bit stock.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import rewrite_proof
 import torch
 import torch.nn.functional as F
-from conftest import OP, op_arguments
+from conftest import OP, op_arguments, train_step
 from rewrite_proof import Recorder, compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters
@@ -266,10 +268,12 @@ class Head(nn.Module):
 
 
 class ArgsRecorder(Recorder):
-    """Also keeps the op nodes' arguments, by schema name."""
+    """Also keeps the op nodes' arguments, by schema name: ``op_args`` of the last graph,
+    ``op_args_by_graph`` of each."""
 
     def __call__(self, gm, example_inputs):
         self.op_args = [op_arguments(node) for node in gm.graph.nodes if node.target is OP]
+        self.op_args_by_graph = [*getattr(self, "op_args_by_graph", []), self.op_args]
         return super().__call__(gm, example_inputs)
 
 
@@ -340,6 +344,58 @@ def test_temperature_argument_made_dynamic_is_rewritten_for_every_value():
         torch.testing.assert_close(got, model(h, y, temperature))
         assert compile_pass.last_report().records[0].decision == "rewritten"
     assert counters["chunkce"]["sites_rewritten"] >= 2 and counters["chunkce"]["sites_refused"] == 0
+
+
+def _step_pair(compiled, stock, h, y, temperature):
+    """One training step of each; loss and every gradient of the chunkce one equal to stock's."""
+    got = train_step(compiled, [h.detach().clone().requires_grad_(), y, temperature])
+    expected = train_step(stock, [h.detach().clone().requires_grad_(), y, temperature])
+    torch.testing.assert_close(got[0], expected[0])
+    assert got[1].keys() == expected[1].keys()
+    for name in got[1]:
+        torch.testing.assert_close(got[1][name], expected[1][name], msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.usefixtures("fresh_compile", "eager_kernels")
+def test_float_temperature_recompiles_no_more_than_stock():
+    """``lm_head(h) / temperature`` with a Python float: stock compile compiles for the first
+    value (a constant), then once more with the float dynamic, and never again. chunkce must
+    too: once rewritten, the op's scale is the float's tensor, not a specialised number
+    (AOTAutograd's tensorify pass would otherwise specialise it: a guard ``temperature ==
+    0.9`` and a recompile for every value)."""
+    model = Head(lambda m, z, temperature: z / temperature)
+    reference = copy.deepcopy(model)
+    recorder = ArgsRecorder("aot_eager")
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": recorder})
+    stock = torch.compile(reference, backend="aot_eager")
+    h, y = inputs()
+    for temperature in (0.5, 0.7):  # the warm-up stock needs: a constant, then dynamic
+        _step_pair(compiled, stock, h, y, temperature)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for temperature in (0.9, 1.3, 2.0, 0.25, 1.0):
+            _step_pair(compiled, stock, h, y, temperature)
+    assert len(recorder.graphs) == 2
+    recorder.assert_rewritten(B * T, V, sites=2)
+    (constant,), (dynamic,) = recorder.op_args_by_graph
+    assert constant["logit_scale"] == 0.5 and constant["logit_scale_tensor"] is None
+    assert dynamic["logit_scale"] is None and dynamic["logit_scale_tensor"] is not None
+    assert counters["chunkce"]["sites_refused"] == 0
+
+
+@pytest.mark.usefixtures("fresh_compile", "eager_kernels")
+def test_0d_tensor_temperature_compiles_once():
+    model = Head(lambda m, z, temperature: z / temperature)
+    reference = copy.deepcopy(model)
+    recorder = ArgsRecorder("aot_eager")
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": recorder})
+    stock = torch.compile(reference, backend="aot_eager")
+    h, y = inputs()
+    _step_pair(compiled, stock, h, y, torch.tensor(0.5))  # one compile each (they share forward's code)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for temperature in (0.7, 1.3, 2.0):
+            _step_pair(compiled, stock, h, y, torch.tensor(temperature))
+    assert len(recorder.graphs) == 1
+    recorder.assert_rewritten(B * T, V)
 
 
 REFUSED = {

@@ -341,3 +341,14 @@ def test_example_runs_offline_and_its_runs_agree(tmp_path):
     peak = {name: float(row[2]) for name, row in rows.items()}  # MiB, measured by the script
     assert peak["chunkce"] < peak["chunkce-keep-logits"]
     assert "'logits_dropped': 1" in proc.stdout
+
+
+def test_torch_compile_backend_chunkce_is_accepted_by_the_arguments_and_rejected_by_the_trainer(tmp_path):
+    """What docs/trainers.md says of ``TrainingArguments(torch_compile_backend="chunkce")``:
+    the arguments take it (and turn ``torch_compile`` on); ``Trainer(...)`` raises, when it
+    builds accelerate's ``TorchDynamoPlugin``, whose backend is a closed enum."""
+    args = TrainingArguments(output_dir=str(tmp_path), torch_compile_backend="chunkce", report_to=[],
+                             use_cpu=True)
+    assert args.torch_compile and args.torch_compile_backend == "chunkce"
+    with pytest.raises(ValueError, match="'CHUNKCE' is not a valid DynamoBackend"):
+        Trainer(model=tiny_llama(64), args=args)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
-                              subgraphs: bool = True) -> report.PassReport:
+                              subgraphs: bool = True, publish: bool = True) -> report.PassReport:
     """Rewrite every accepted ``linear -> cross_entropy`` site of ``graph`` in place.
 
     Each site is all-or-nothing: an exception at any step of its rewrite leaves the
@@ -40,10 +40,14 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
         subgraphs: also rewrite the subgraphs of higher-order ops (e.g. the body of a
             ``torch.utils.checkpoint`` region), innermost first. Inductor's pre-grad
             pass passes False: Inductor calls it on every subgraph itself.
+        publish: log the report, count it in ``counters["chunkce"]`` and keep it as
+            :func:`compile_pass.graph.report.last_report` (:func:`publish_report`). False:
+            the caller publishes it, or not (``explain`` does not; the backend does once
+            its inner backend has compiled the graph, so that a frame Dynamo traces again
+            is counted once).
 
     Returns:
-        The report (also logged, counted in ``counters["chunkce"]`` and kept as
-        :func:`compile_pass.graph.report.last_report`).
+        The report.
 
     Raises:
         NotImplementedError: ``options.strict`` and a site was refused (the
@@ -63,13 +67,19 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
     else:
         records += _fuse_graph(graph, options, in_subgraph=is_subgraph(graph))
     result = report.PassReport(records)
+    if publish:
+        publish_report(result, options.strict)
+    return result
+
+
+def publish_report(result: report.PassReport, strict: bool = False) -> None:
+    """:func:`compile_pass.graph.report.publish`; a failure is logged, not raised, unless ``strict``."""
     try:
         report.publish(result)
     except Exception:
-        if options.strict:
+        if strict:
             raise
         log.warning("chunkce: could not report the pass's decisions; the graph is rewritten", exc_info=True)
-    return result
 
 
 def is_subgraph(graph: Graph) -> bool:
@@ -137,8 +147,7 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
     module = report.module_of(site.projection.node if site.projection else site.stop)
     form = site.call.form if site.call is not None else ""
     if reason is not None:
-        fix = report.GRAPH_BREAK_FIX if reason.key == "graph_break" else ""
-        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, fix=fix, form=form)
+        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, form=form)  # fix: its key's
     graph = site.node.graph
     chunk = _chunk_size(site, options)
     with Edit(graph) as edit:

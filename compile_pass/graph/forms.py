@@ -5,6 +5,9 @@ spelling Dynamo 2.13 emits:
     h @ W.t() / matmul(h, W.T)  call_function operator.matmul / torch.matmul,
                                 W.t() = call_method t, W.T = call_function getattr(W, "T")
     h @ W.t() + b               the matmul under operator.add of a [V] tensor (a bias)
+    logits = h @ W.t(); logits += b
+                                operator.iadd / Tensor.add_ of a [V] tensor on a matmul or linear
+                                that nothing else reads (Cut Cross-Entropy's reference spelling)
     F.cross_entropy, nn.CrossEntropyLoss
                                 call_function torch.nn.functional.cross_entropy
                                 (the module is inlined, all its keywords spelled out)
@@ -32,6 +35,7 @@ CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
 _LINEAR = (torch._C._nn.linear, F.linear)
 _MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
 _ADD = (operator.add, torch.add, torch.Tensor.add)
+_ADD_IN_PLACE = (operator.iadd, torch.Tensor.add_)  # `logits += bias`: a bias add when nothing else reads `logits`
 _REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.cross_entropy_loss
 _TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT"}
 
@@ -131,10 +135,13 @@ def as_projection(node: Any) -> Projection | None:
         if weight is not None:
             return Projection(node, hidden, weight, inner=(rhs,))
         return Projection(node, hidden, rhs, weight_is_hv=True)
-    if target in _ADD and len(node.args) == 2 and not node.kwargs:
-        for base, bias in (node.args, node.args[::-1]):
+    in_place = target in _ADD_IN_PLACE
+    if (target in _ADD or in_place) and len(node.args) == 2 and not node.kwargs:
+        for base, bias in (node.args,) if in_place else (node.args, node.args[::-1]):  # `b += logits`: no bias
             inner = as_projection(base)
             if inner is None or inner.bias is not None or not is_tensor_node(bias):
+                continue
+            if in_place and len(base.users) != 1:  # another reader of the logits, before or after the add
                 continue
             logits, b = example_value(base), example_value(bias)
             if b.dim() == 1 and same_size(b.shape[0], logits.shape[-1]) and b.dtype == logits.dtype:

@@ -121,8 +121,6 @@ def _check_stop(site: Site) -> Reason | None:
     if kind == "subgraph_input":
         return Reason("subgraph_input", f"logits enter this higher-order op's body (e.g. a checkpoint region) as "
                                         f"its input `{stop.target}`: the projection is outside it")
-    if kind == "unbatched":
-        return Reason("unbatched", "unbatched cross_entropy (1-D logits or hidden states) is not supported")
     if kind == "class_dim_1":
         shape = tuple(example_value(stop).shape)
         return Reason("class_dim_1", f"logits of shape {shape} with the class dim at 1 that are not a "

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+from torch._dynamo import utils as dynamo_utils
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -156,7 +157,7 @@ def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
     # The inputs' own fake mode (the tracing context may hold another one).
     fake_mode = next((leaf.fake_mode for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, FakeTensor)), None)
     try:
-        with fake_mode or contextlib.nullcontext():
+        with fake_mode or contextlib.nullcontext(), _saved_tensors_hooks_off():
             if node.op == "call_method":
                 value = getattr(args[0], node.target)(*args[1:], **kwargs)
             else:
@@ -166,6 +167,16 @@ def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
         return
     node.meta["example_value"] = value
 
+
+
+def _saved_tensors_hooks_off() -> contextlib.AbstractContextManager[None]:
+    """Autograd's saved-tensor hooks off while computing an ``example_value``, as Dynamo
+    computes its own (``_disable_saved_tensors_hooks_during_tracing``): a fake op that
+    requires grad would otherwise be packed by the hooks active where the compile runs
+    (``torch.utils.checkpoint(..., use_reentrant=False)`` counts what its region saves,
+    and a first call compiling inside it would count these too)."""
+    disable = getattr(dynamo_utils, "_disable_saved_tensors_hooks_during_tracing", None)
+    return disable() if disable is not None else contextlib.nullcontext()
 
 
 class Edit:

@@ -36,6 +36,63 @@ GRAPH_BREAK_FIX = (
     "names the cause and its fix (docs/distributed.md)"
 )
 
+# How to make a site refused with a reason key rewritable, or that there is no way and the site
+# stays unfused (exact, as stock compile): every refused record carries one (SiteRecord.fix).
+_FIXES = {
+    "graph_break": GRAPH_BREAK_FIX,
+    "subgraph_input": "fix: compute the lm_head inside the same checkpoint region (higher-order op body) as the "
+                      "loss, or the loss outside it",
+    "call_module": "fix: call F.cross_entropy, or let Dynamo inline nn.CrossEntropyLoss (do not register it as "
+                   "a leaf module)",
+    "loss_spelling": "fix: write the loss as F.cross_entropy(logits.view(-1, V), labels.view(-1), ...) or as "
+                     "the reason says",
+    "target": "fix: pass int64 class indices computed in the compiled region, shaped like the logits without "
+              "their class dim",
+    "probability_target": "fix: none for soft targets (the op takes class indices); the site stays unfused, "
+                          "exact",
+    "argument": "fix: pass reduction, ignore_index and label_smoothing as Python constants, class weights as a "
+                "tensor of the compiled region",
+    "class_weight": "fix: pass class weights as a plain floating tensor (float16, bfloat16, float32 or float64)",
+    "class_dim_1": "fix: compute the [B, T, V] logits, then move the class dim for the loss with "
+                   ".transpose(1, 2), or flatten to [B * T, V]",
+    "vocab_dim": "fix: slice or select token dims only; keep the vocabulary dim whole from the lm_head to the "
+                 "loss",
+    "advanced_index": "fix: select the tokens on the hidden states before the lm_head (h[mask]), or with "
+                      "slices on the logits",
+    "symbolic_reshape": "fix: flatten the logits with .view(-1, V) before indexing their tokens, or mark one "
+                        "token dim dynamic",
+    "unreadable": "fix: compute the loss's input from the lm_head's output inside the compiled region",
+    "no_projection": "fix: compute the logits with nn.Linear / F.linear / a matmul by a [V, H] (or [H, V]) "
+                     "weight inside the compiled region",
+    "producer": "fix: project with a plain nn.Linear / F.linear / matmul by a 2-D weight",
+    "weight_dtype": "fix: none for quantized heads (the op takes float16, bfloat16, float32 or float64 "
+                    "weights); the site stays unfused, exact",
+    "subclass": "fix: none for tensor-subclass heads (quantized, float8, DTensor); keep the head a plain "
+                "tensor (e.g. FSDP2: the head in the root group) or the site stays unfused, exact",
+    "lossy_cast": "fix: cast the logits once, to the dtype the loss needs (a narrowing cast on the way is not "
+                  "reproduced)",
+    "mode_switch": "fix: keep grad mode and autocast unchanged from the lm_head to the loss",
+    "mutation": "fix: compute the logits out of place (logits = logits * s, not logits *= s)",
+    "soft_cap": "fix: none for soft-capped heads (tanh); the site stays unfused, exact",
+    "scale_operand": "fix: scale by one Python number or 0-d tensor, before the log_softmax: logits * s or "
+                     "logits / s",
+    "scale_requires_grad": "fix: detach the scale (logits * s.detach()) or freeze it (s.requires_grad_(False))",
+    "scale_twice": "fix: fold the scalings into one constant, e.g. logits * (a / b)",
+    "internal_error": "fix: none on your side (the site stays unfused, exact); please report it, with the "
+                      "graph (TORCH_LOGS=graph_code)",
+}
+_OP_FIX = ("fix: compute only shape, dtype or one scaling between the lm_head and the loss; anything else "
+           "there stays unfused, exact")
+
+
+def fix_for(reason_key: str) -> str:
+    """What to do about a site refused with ``reason_key``, or that nothing can be done;
+    never empty (``op_<name>``: an op between projection and loss)."""
+    if reason_key.startswith("op_"):
+        return _OP_FIX
+    return _FIXES.get(reason_key, "fix: write the loss as F.cross_entropy(lm_head(h).view(-1, V), labels.view(-1)) "
+                                  "inside the compiled region (docs/design.md, The guard)")
+
 
 @dataclass(frozen=True)
 class SiteRecord:
@@ -52,6 +109,10 @@ class SiteRecord:
     # how the loss is spelled: "cross_entropy", "nll_loss" (of a log_softmax), "gather" (of a
     # log_softmax: the per-token log-probabilities); "" when unknown
     form: str = ""
+
+    def __post_init__(self) -> None:
+        if self.decision == REFUSED and not self.fix:  # every refusal says what to do about it
+            object.__setattr__(self, "fix", fix_for(self.reason_key))
 
 
 @dataclass

@@ -16,6 +16,7 @@ Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alon
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -64,13 +65,16 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
         projection_dtype = example_value(projection.node).dtype
         casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
                            for arg in (hidden, weight) if is_tensor_node(arg))
+        scale_value = None if scale is None else scale.value
+        if scale is not None and scale.item is not None:
+            scale_value = _scale_from_item(graph, scale.value, scale.item, meta)
         new = trace_into(
             graph, call.emit, hidden, weight, call.target, projection.bias, call.weight,
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
             chunk_size=chunk_size or 0, chunk_bytes=chunk_bytes or 0,
-            logit_scale=None if scale is None else scale.value,
+            logit_scale=scale_value,
             scale_divides=scale is not None and scale.divides,
             scale_dtype=None if scale is None else scale.dtype,
             grads_in_forward=_grads_wanted(site, hidden, weight) if grads_in_forward else None, meta=meta,
@@ -83,9 +87,23 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
     if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
         scaled = example_value(scale.node)
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
-        if scale.item is not None and not scale.item.users:  # the op takes the tensor, not its .item()
-            edit.erase(scale.item)
     return Rewritten(bool(projection.node.users), bytes_avoided)
+
+
+def _scale_from_item(graph: Graph, tensor: Node, item: Node, meta: dict) -> Node:
+    """The op's 0-d scale tensor for ``logits / tensor.item()``: ``ones_like(tensor) * item``,
+    exactly ``tensor`` (``1 * x`` is ``x``, signed zeros, infinities and nan included).
+
+    ``tensor`` is a Python float argument Dynamo made dynamic (a 0-d fp64 input; ``item``
+    its symbolic float). AOTAutograd's ``tensorify_python_scalars`` pass turns a symbolic
+    float that a multiplication reads into tensor math; one it finds no such use of, it
+    specialises, and Dynamo then re-traces the frame with the value as a constant (a guard
+    ``temperature == 1.3``, a recompile for every new value). Passing the op ``tensor``
+    itself would leave ``item`` unread; this product keeps the float dynamic, as stock
+    compile's ``logits / item`` does.
+    """
+    ones = create_node(graph, "call_function", torch.ones_like, (tensor,), meta=meta)  # [] fp64
+    return create_node(graph, "call_function", operator.mul, (ones, item), meta=meta)  # [] fp64
 
 
 def _hidden_states(site: Site, meta: dict) -> Node:

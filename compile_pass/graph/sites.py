@@ -94,7 +94,7 @@ class Site:
     class_dim_moved: Node | None = None  # transpose taking [B, T, V] to [B, V, T] right before the loss
     stop: Node | None = None
     # opaque | graph_input | subgraph_input | vocab_dim | advanced_index | symbolic_reshape
-    # | class_dim_1 | unbatched | call_module | unreadable | internal_error
+    # | class_dim_1 | call_module | unreadable | internal_error
     # | scale_operand | scale_requires_grad | scale_twice | in_place_scale
     stop_kind: str | None = None
     error: str | None = None  # what went wrong reading the site (internal_error)
@@ -307,10 +307,7 @@ def match_site(node: Node, call: CrossEntropyCall) -> Site:
     if not is_tensor_node(current):
         site.stop, site.stop_kind = (current if isinstance(current, Node) else None), "unreadable"
         return site
-    ndim = example_value(current).dim()
-    if ndim == 1:
-        site.stop, site.stop_kind = current, "unbatched"
-        return site
+    ndim = example_value(current).dim()  # 1: unbatched logits [V] (a 0-d target), the hidden states unsqueezed
     if ndim >= 3 and call.class_dim == 1:
         if not _moves_class_dim_to_1(current):
             site.stop, site.stop_kind = current, "class_dim_1"
@@ -350,10 +347,7 @@ def match_site(node: Node, call: CrossEntropyCall) -> Site:
         current = current.args[0]
     site.steps = steps[::-1]
     if site.projection is not None:
-        if example_value(site.projection.hidden).dim() < 2:
-            site.stop, site.stop_kind, site.projection = site.projection.node, "unbatched", None
-        else:
-            _plan_hidden(site)
+        _plan_hidden(site)
     return site
 
 

@@ -6,7 +6,8 @@
         log_probs from F.log_softmax / torch.log_softmax / Tensor.log_softmax over the
         class dim, ``dtype=`` kwarg or not; shape/dtype-only ops in between
     -log_softmax(z, -1).gather(-1, y.unsqueeze(-1))   (torch.gather, take_along_dim; y[..., None],
-        y.reshape(-1, 1); the negation before or after the gather, or after the reduction)
+        y.reshape(-1, 1), y[:, 1:, None], any [..., 1] index; the negation before or after the
+        gather, or after the reduction)
 
 ``nll_loss(log_softmax(z), ...)`` is what ``F.cross_entropy(z, ...)`` computes for
 class-index targets and no label smoothing (``cross_entropy_loss`` in ATen's
@@ -181,10 +182,12 @@ def read_gathered_log_probs(node: Node) -> CrossEntropyCall | None:
     The call reads as a ``reduction="none"`` cross-entropy of ``z`` and ``labels``
     whose per-token loss, negated unless the log-probabilities were, and unsqueezed
     to ``[..., 1]``, is the gather's value (:func:`gathered_log_probs`). The index
-    must be ``labels.unsqueeze(-1)`` / ``labels[..., None]`` / a view of ``labels``
-    with a trailing 1 added, or ``labels.reshape(-1, 1)`` for ``[N, V]`` log-probabilities,
-    exactly as large as the log-probabilities in every other dim (a smaller gather
-    index reads a corner of them: ``unsupported``).
+    must be shaped ``[..., 1]``, exactly as large as the log-probabilities in every
+    other dim (a smaller gather index reads a corner of them: ``unsupported``). The
+    labels are what the index was made from when it is ``labels.unsqueeze(-1)`` /
+    ``labels[..., None]`` / a view with a trailing 1 added, or ``labels.reshape(-1, 1)``
+    for ``[N, V]`` log-probabilities; any other index (``labels[:, 1:, None]``, a
+    permute) is squeezed: ``gather(-1, index)`` reads class ``index[..., 0]`` of each row.
     """
     target = _target(node) if node.op in ("call_function", "call_method") else None
     if target in _GATHER:
@@ -215,14 +218,11 @@ def read_gathered_log_probs(node: Node) -> CrossEntropyCall | None:
         unsupported = unsupported or (f"gather index of shape {tuple(picked.shape)} for log-probabilities of shape "
                                       f"{tuple(log_probs.shape)}: chunkce reads one label per token "
                                       "(an index shaped [..., 1] like the log-probabilities)")
-    elif labels is None:
-        unsupported = unsupported or ("gather index is not labels.unsqueeze(-1) (or labels[..., None], or "
-                                      "labels.reshape(-1, 1) for [N, V] log-probabilities): chunkce reads the "
-                                      "labels from it")
     return CrossEntropyCall(source, index if labels is None else labels, None, NO_IGNORE_INDEX, "none", 0.0,
                             form="gather", passes=found.passes, class_dim=-1,
                             inner=(index,) if labels is not None else (), unsupported=unsupported,
-                            emit=partial(gathered_log_probs, negated=found.negated, flat=flat))
+                            emit=partial(gathered_log_probs, negated=found.negated, flat=flat,
+                                         squeeze=labels is None))
 
 
 def _squeezed_labels(index: Node) -> tuple[Node | None, bool]:
@@ -243,7 +243,7 @@ def _squeezed_labels(index: Node) -> tuple[Node | None, bool]:
 
 def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                        class_weight: Tensor | None, *, negated: bool, flat: bool, ignore_index: int,
-                       **options: Any) -> Tensor:
+                       squeeze: bool = False, **options: Any) -> Tensor:
     """``log_softmax(hidden_states @ weight.T + bias, -1).gather(-1, target[..., None])``
     through the op: ``[..., 1]`` in the call's ``logits_dtype`` (negated when ``negated``;
     ``[N, 1]`` when ``flat``: the index was ``labels.reshape(-1, 1)``).
@@ -252,8 +252,11 @@ def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bi
     the arguments and ``options`` are :func:`compile_pass.op.function.chunked_cross_entropy`'s
     (the call gives ``reduction="none"``, ``ignore_index=NO_IGNORE_INDEX``, no class
     weight). A label equal to ``ignore_index`` is mapped to -1 first, so that the op
-    raises for it as for every other label outside ``[0, V)``.
+    raises for it as for every other label outside ``[0, V)``. ``squeeze``: ``target`` is the
+    gather index itself, ``[..., 1]`` (e.g. ``labels[:, 1:, None]``), whose last dim is dropped.
     """
+    if squeeze:
+        target = target.squeeze(-1)  # [..., 1] -> [...]
     target = target.masked_fill(target == ignore_index, -1)  # [...]
     nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
                                 **options)  # [...] = -log p(target)

@@ -40,8 +40,8 @@ def _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dty
     for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(value, Tensor):
             _fail(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
-    if input.dim() < 2:
-        _fail(ValueError, f"expected input of shape [N, H] or [B, T, H], got {tuple(input.shape)}")
+    if input.dim() < 1:
+        _fail(ValueError, f"expected input of shape [N, H], [B, T, H] or [H] (one token), got {tuple(input.shape)}")
     if not input.is_floating_point():
         _fail(TypeError, f"expected a floating-point input, got {input.dtype}")
     if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
@@ -185,8 +185,9 @@ def linear_cross_entropy(
     weight and bias gradients in fp32.
 
     Args:
-        input: hidden states ``[N, H]`` or ``[B, T, H]`` (any leading dims),
-            floating dtype.
+        input: hidden states ``[N, H]`` or ``[B, T, H]`` (any leading dims), or one
+            token ``[H]`` (unbatched: logits ``[V]``, a 0-d ``target``, as
+            ``F.cross_entropy`` takes them), floating dtype.
         linear_weight: the lm_head weight ``[V, H]``, same dtype as ``input``.
         target: class indices, int64 (or uint8, as ``F.cross_entropy``),
             ``input.shape[:-1]``, each in ``[0, V)`` or ``ignore_index``; another
@@ -249,6 +250,8 @@ def linear_cross_entropy(
     _check_scale(input, logit_scale, logit_divisor, scale_dtype)
     if target.dtype != torch.int64:
         target = target.long()  # uint8 class indices: a new tensor, the caller's is untouched
+    if input.dim() == 1:  # unbatched, as F.cross_entropy takes it: logits [V], a 0-d target
+        input = input.unsqueeze(0)  # [1, H]; the loss keeps the 0-d target's shape
     projection_dtype = None
     if autocast_enabled(input.device.type):  # the projection in the autocast dtype, the loss in fp32
         projection_dtype = torch.get_autocast_dtype(input.device.type)
