@@ -4,6 +4,7 @@ who wins, and the working set it buys, measured."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -177,7 +178,13 @@ def test_working_set_is_one_chunk(grads_in_forward):
     assert smaller <= 4 * MiB + 2 * MiB, smaller / MiB  # the budget is what it costs
 
 
-def test_constants_documented():
-    doc = chunking.__doc__
-    for number in ("97 ms", "63 ms", "59 ms", "256", "2048"):
-        assert number in doc
+def test_documented_tuning_is_the_rule_s():
+    """The module docstring's floors and budget are the constants the rule uses, and the
+    accelerator floor is the fastest chunk of the measurements it quotes."""
+    doc = " ".join(chunking.__doc__.split())
+    assert int(re.search(r"a CPU floor of (\d+) tokens", doc)[1]) == min_full_speed_tokens("cpu")
+    assert int(re.search(r"an accelerator floor of (\d+) tokens", doc)[1]) == min_full_speed_tokens("cuda")
+    assert int(re.search(r"a (\d+) MiB budget", doc)[1]) * MiB == DEFAULT_CHUNK_BYTES
+    measured = re.search(r"(\d+) ms with (\d+)-token chunks, (\d+) ms with (\d+), (\d+) ms with (\d+)", doc)
+    ms_and_tokens = [(int(measured[i]), int(measured[i + 1])) for i in (1, 3, 5)]
+    assert min(ms_and_tokens)[1] == min_full_speed_tokens("cuda"), ms_and_tokens

@@ -177,6 +177,8 @@ CASES = {
     "lossy_cast_method": Case(lambda m, h, y: flat(m.lm_head(h).bfloat16().float(), y),
                               "float32 -> bfloat16 -> float32", key="lossy_cast"),
     "mutation": Case(in_place_loss, "in-place `mul_` between projection and loss"),
+    "mutation_scale": Case(lambda m, h, y: flat(m.lm_head(h).mul_(2.0), y),
+                           "in-place `mul_` between projection and loss (logits scaled in place", key="mutation"),
     "mode_switch": Case(autocast_loss, "`_exit_autocast` (autocast / grad mode change) between projection and loss"),
     "loss_spelling": Case(lambda m, h, y: F.nll_loss(torch.log(torch.softmax(m.lm_head(h), -1)).reshape(-1, V),
                                                      y.reshape(-1)),

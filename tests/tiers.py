@@ -173,8 +173,8 @@ def _tier_check(request, monkeypatch):
     from compile_pass.op import kernels
 
     def caller_file(skip: tuple[str, ...]) -> str:
-        """The file of the nearest caller outside the modules ``skip`` names."""
-        frame = sys._getframe(2)
+        """The file of the nearest caller of the checked function outside the modules ``skip`` names."""
+        frame = sys._getframe(4)  # past caller_file, spawned_by_a_test and check
         while frame is not None and any(part in frame.f_code.co_filename for part in skip):
             frame = frame.f_back
         return frame.f_code.co_filename if frame is not None else ""
@@ -198,7 +198,7 @@ def _tier_check(request, monkeypatch):
     def spawned_by_a_test() -> bool:
         return Path(caller_file(("subprocess.py", "multiprocessing"))).resolve().parent == TESTS
 
-    guarded(compile_fx, "_compile_fx_inner", "compiles a graph with Inductor", lambda: not in_kernels())
+    guarded(compile_fx, "compile_fx", "compiles a graph with Inductor", lambda: not in_kernels())
     guarded(subprocess.Popen, "__init__", "starts a process", spawned_by_a_test)
     guarded(multiprocessing.process.BaseProcess, "start", "starts a process", spawned_by_a_test)
     yield
