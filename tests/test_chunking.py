@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import Head
 
 from compile_pass import Options, last_report, linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
@@ -118,19 +119,10 @@ def test_bad_budget_argument():
         linear_cross_entropy(hidden, weight, target, chunk_bytes=-1)
 
 
-class Head(torch.nn.Module):
-    def __init__(self, h=16, v=64):
-        super().__init__()
-        self.lm_head = torch.nn.Linear(h, v, bias=False)
-
-    def forward(self, hidden, labels):
-        return F.cross_entropy(self.lm_head(hidden).view(-1, self.lm_head.out_features), labels.view(-1))
-
-
 def test_backend_option_budget_is_reported_and_used(monkeypatch):
     torch._dynamo.reset()
     calls = count_kernel_calls(monkeypatch)
-    model = Head()
+    model = Head(hidden_size=16, vocab=64)
     hidden, labels = torch.randn(2, 40, 16), torch.randint(0, 64, (2, 40))
     compiled = torch.compile(model, backend="chunkce",
                              options={"chunk_bytes": ALIGN * 256, "inner_backend": "aot_eager"})
