@@ -1,18 +1,57 @@
-"""Shared fixtures. Not autouse: a test file opts in with
-``pytestmark = pytest.mark.usefixtures("fresh_compile")``."""
+"""Shared fixtures and builders. The fixtures are not autouse (a test file opts in with
+``pytestmark = pytest.mark.usefixtures("fresh_compile")``), but for the tiers' run-time
+check (``tiers.py``, which also marks the slow tests)."""
 
 import operator
 
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
 
 import compile_pass  # noqa: F401 - registers the chunkce ops
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
+from tiers import _tier_check, pytest_collection_modifyitems  # noqa: F401 - the tiers (tiers.py)
 
 
 OP = torch.ops.chunkce.linear_cross_entropy.default  # what a rewritten site calls
+B, T, H, V = 2, 5, 16, 23  # the builders' default shapes: batch, sequence, hidden size, an odd vocabulary
+
+
+# --- builders ------------------------------------------------------------------------------------
+
+
+def flat_loss(module, hidden, labels):
+    """HF's loss without the shift: ``F.cross_entropy`` of the flattened ``[B*T, V]`` logits."""
+    logits = module.lm_head(hidden)  # [B, T, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class Head(nn.Module):
+    """An lm_head ``[V, H]`` and a loss written by ``loss(module, hidden, labels, *extra)``
+    (default :func:`flat_loss`); seeded, so two builds hold the same weights."""
+
+    def __init__(self, loss=flat_loss, *, hidden_size=H, vocab=V, bias=False, dtype=torch.float32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lm_head = nn.Linear(hidden_size, vocab, bias=bias, dtype=dtype)
+        self.loss = loss
+
+    def forward(self, hidden, labels, *extra):
+        return self.loss(self, hidden, labels, *extra)
+
+
+def hidden_states(*shape, seed=0, dtype=torch.float32):
+    """``[B, T, H]`` (or ``shape``) standard-normal hidden states that require grad."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*(shape or (B, T, H)), generator=gen).to(dtype).requires_grad_()
+
+
+def labels_of(*shape, vocab=V, seed=0):
+    """``[B, T]`` (or ``shape``) int64 labels in ``[0, vocab)``."""
+    return torch.randint(0, vocab, shape or (B, T), generator=torch.Generator().manual_seed(seed + 1))
 
 
 def op_node(gm):
@@ -75,11 +114,6 @@ def chunkce_logs(caplog):
     return caplog
 
 
-def _clone_inputs(inputs):
-    return [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
-            for x in inputs]
-
-
 def train_step(model, inputs):
     """Forward, then backward of the sum of every floating output; returns (outputs, grads).
 
@@ -96,33 +130,3 @@ def train_step(model, inputs):
     grads.update({f"input{i}": x.grad for i, x in enumerate(inputs)
                   if isinstance(x, torch.Tensor) and x.requires_grad})
     return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outputs), grads
-
-
-@pytest.fixture
-def compare_with_inductor():
-    """``check(model, *inputs, options=None, backend="inductor", **tolerances) -> generated code``.
-
-    Compiles ``model`` with ``backend="chunkce"`` (inner backend ``backend``) and a
-    deep copy with stock ``backend``, runs a training step on each (cloned
-    inputs), and asserts every output and every parameter / input gradient equal.
-    Returns Inductor's generated code as one string ("" for other backends).
-    """
-    import copy
-
-    from torch._inductor.utils import run_and_get_code
-
-    def check(model, *inputs, options=None, backend="inductor", **tolerances):
-        reference = copy.deepcopy(model)
-        reference_inputs = _clone_inputs(inputs)
-        options = {**(options or {}), "inner_backend": backend}
-        compiled = torch.compile(model, backend="chunkce", options=options)
-        (outputs, grads), code = run_and_get_code(train_step, compiled, list(inputs))
-        ref_outputs, ref_grads = train_step(torch.compile(reference, backend=backend), reference_inputs)
-        torch.testing.assert_close(outputs, ref_outputs, **tolerances)
-        assert grads.keys() == ref_grads.keys()
-        for name in grads:
-            torch.testing.assert_close(grads[name], ref_grads[name], **tolerances,
-                                       msg=lambda m, name=name: f"{name}: {m}")
-        return "\n".join(code)
-
-    return check

@@ -1,20 +1,25 @@
-"""Proof on the graph that the pass rewrote a site, or left it alone.
+"""Proof on the graph that the pass rewrote a site, or left it alone; the one comparison
+with stock compile (:func:`compare_with_stock`).
 
 Counters are the pass's own word; these read the graphs it handed to the inner
 backend. A rewritten site has the op's node and no ``[N, V]`` logits node (no
 node whose fake value holds ``N * V`` elements with ``V`` its last dim); a
 refused one has no op node. The reference is the same model compiled by the
-stock backend: loss, outputs and every gradient compared.
+stock backend: loss, outputs and every gradient compared; and whatever the
+counters say of the compile is proven on the recorded graphs (:meth:`Recorder.assert_counted`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from conftest import OP, train_step
 from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from torch.fx import GraphModule
 
@@ -30,6 +35,7 @@ class NodeFact:
     target: object
     shape: tuple[int, ...] | None  # of its fake value, sizes as hints; None when not a tensor
     expanded: bool = False  # a broadcast view (a stride 0 over a dim > 1): no memory of its own
+    site: tuple[int, int] | None = None  # a chunkce op node's (tokens, vocab): of its hidden states and weight
 
 
 class Recorder:
@@ -45,7 +51,12 @@ class Recorder:
         return lookup_backend(self.inner)(gm, example_inputs)
 
     def op_count(self) -> int:
+        """``chunkce::linear_cross_entropy`` nodes in every recorded graph."""
         return sum(fact.target is OP for graph in self.graphs for fact in graph)
+
+    def sites(self) -> list[tuple[int, int]]:
+        """(tokens, vocab) of every chunkce op node (either op: grads in forward too)."""
+        return [fact.site for graph in self.graphs for fact in graph if fact.site is not None]
 
     def logits_like(self, tokens: int, vocab: int) -> list[NodeFact]:
         """Nodes holding ``tokens x vocab`` values with ``vocab`` last: the logits or a view of them
@@ -60,23 +71,42 @@ class Recorder:
 
     def assert_untouched(self) -> None:
         assert self.graphs, "the inner backend was never called"
-        assert self.op_count() == 0
+        assert self.sites() == [], "a chunkce op node in a graph the pass should have left alone"
+
+    def assert_counted(self, stats: Counter) -> None:
+        """What the counters ``stats`` (of these graphs' compiles) say, proven on the graphs: one
+        op node a rewritten site, and, when every site was rewritten and none kept its logits,
+        no ``[N, V]`` logits node of any op node's shape."""
+        assert self.graphs, "the inner backend was never called"
+        sites = self.sites()
+        assert len(sites) == stats["sites_rewritten"], (
+            f"{len(sites)} chunkce op node(s) in the graphs, counters say {dict(stats)}")
+        if stats["sites_refused"] == 0 and stats["logits_kept"] == 0:
+            for tokens, vocab in sites:
+                assert tokens, "an op node without fake values on its hidden states and weight"
+                assert self.logits_like(tokens, vocab) == [], f"[{tokens}, {vocab}] logits beside the op node"
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total
+    return math.prod(shape)
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(size_hint(s) for s in value.shape)
 
 
 def _fact(node) -> NodeFact:
+    site = None
+    if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "chunkce":
+        hidden, weight = (getattr(argument, "meta", {}).get("example_value") for argument in node.args[:2])
+        known = isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor)  # [..., H], [V, H]
+        site = (_numel(_shape(hidden)[:-1]), _shape(weight)[0]) if known else (0, 0)
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor):
-        return NodeFact(node.op, node.target, None)
-    shape = tuple(size_hint(s) for s in value.shape)
+        return NodeFact(node.op, node.target, None, site=site)
+    shape = _shape(value)
     expanded = any(size_hint(stride) == 0 and size > 1 for stride, size in zip(value.stride(), shape))
-    return NodeFact(node.op, node.target, shape, expanded)
+    return NodeFact(node.op, node.target, shape, expanded, site)
 
 
 def _clone(inputs):
@@ -89,8 +119,12 @@ def compare_with_stock(model, *inputs, inner: str = "aot_eager", options=None, c
     """Compile ``model`` with chunkce (inner backend ``inner``, recorded) and a deep copy with
     stock ``inner``; run a training step of each on every input tuple of ``calls`` (default:
     ``inputs``), cloned; assert every output and every parameter / input gradient equal
-    (``exact``: bit for bit). Returns ``(recorder, Inductor's generated code)``."""
+    (``exact``: bit for bit); and prove on the recorded graphs what the counters say of the
+    compile (:meth:`Recorder.assert_counted`). Returns ``(recorder, Inductor's generated code)``
+    ("" for other inner backends): a test says what it expects of the recorder
+    (``assert_rewritten`` / ``assert_untouched``)."""
     calls = calls or [inputs]
+    before = Counter(counters["chunkce"])
     recorder = Recorder(inner)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="chunkce", dynamic=dynamic,
@@ -109,4 +143,5 @@ def compare_with_stock(model, *inputs, inner: str = "aot_eager", options=None, c
         for name in grads:
             torch.testing.assert_close(grads[name], ref_grads[name], **tolerances,
                                        msg=lambda m, name=name: f"{name}: {m}")
+    recorder.assert_counted(Counter(counters["chunkce"]) - before)
     return recorder, "\n".join(code)

@@ -15,7 +15,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_compiled.py"
 TINY = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "600",
         "--hidden-size", "32", "--intermediate-size", "64", "--layers", "1", "--heads", "2"]
 
-pytestmark = pytest.mark.slow
 
 
 def run_example(tmp_path, *args, timeout=600, launcher=(), env=None):

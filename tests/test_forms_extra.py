@@ -144,7 +144,7 @@ def test_under_autocast_the_op_upcasts_as_the_graph_did_and_matches_eager():
 
 
 @pytest.mark.parametrize("cast", ["float", "to_dtype", "type"])
-def test_bf16_logits_cast_to_fp32_through_inductor(cast, compare_with_inductor):
+def test_bf16_logits_cast_to_fp32_through_inductor(cast):
     """bf16 weights: logits in bf16, then an fp32 upcast however it is spelled."""
     upcast = {"float": lambda x: x.float(), "to_dtype": lambda x: x.to(torch.float32),
               "type": lambda x: x.type(torch.float32)}[cast]

@@ -145,7 +145,6 @@ def assert_same_step(model, reference, got, expected):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}.grad: {m}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("name", "form"), CASES)
 def test_model_matches_stock_compile(name, form):
     spec = BY_NAME[name]
@@ -171,7 +170,6 @@ def test_model_matches_stock_compile(name, form):
     assert_same_step(model, reference, got, expected)
 
 
-@pytest.mark.slow
 def test_tied_embedding_gradient_has_both_uses():
     """GPT-2's lm_head.weight is wte.weight: its gradient is the head's plus the embedding's."""
     model = build(BY_NAME["GPT-2"])
@@ -190,7 +188,6 @@ def test_tied_embedding_gradient_has_both_uses():
     assert head_grad.abs().sum() > 0 and embedding_grad.abs().sum() > 0
 
 
-@pytest.mark.slow
 def test_num_items_in_batch_division_stays_in_the_graph():
     """HF's fixed_cross_entropy: sum-reduced loss / num_items_in_batch, a tensor graph input."""
     graphs = []
@@ -254,7 +251,6 @@ def test_transformers_one_shot_logging_is_skipped_only_when_tracing_for_chunkce(
     assert hf_logging.warning_once not in ignored and hf_logging.warning_once not in set(ignored)
 
 
-@pytest.mark.slow
 def test_explain_agrees_with_the_registry():
     """What benchmarks/coverage_table.py prints into docs/models.md: explain's outcome per model."""
     for spec in MODELS:
@@ -438,7 +434,6 @@ def test_pre_grad_pass_refuses_drop_unused_logits():
         compile_pass.Options.from_mapping({"drop_unused_logits": "yes"})
 
 
-@pytest.mark.slow
 def test_llama_with_dropped_logits_matches_stock_and_saves_two_logits_sizes():
     """Measured (CPU allocator events): without the option the forward still holds the
     returned [N, V] logits and backward a zero [N, V] gradient for them."""

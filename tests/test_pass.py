@@ -1,8 +1,9 @@
 """The pass rewrites every hand-written lm_head -> cross_entropy form.
 
-Reference: the same model compiled with stock Inductor (torch's unfused path);
-loss, outputs and every gradient must match. The pass fired: counters, and the
-op's name in the code Inductor generated.
+Reference: the same model compiled with the stock inner backend (torch's unfused path;
+:func:`rewrite_proof.compare_with_stock`); loss, outputs and every gradient must match.
+The pass fired: counters, the op's node and no ``[N, V]`` logits in the recorded graph,
+and, under Inductor, the op's name in the code it generated.
 """
 
 import functools
@@ -94,9 +95,10 @@ class ReturnsLogits(nn.Module):
         return loss, logits
 
 
-def test_logits_with_other_users_are_kept_and_the_loss_still_rewritten(compare_with_inductor):
-    code = compare_with_inductor(ReturnsLogits(), *make_inputs())
-    assert OP_NAME in code
+def test_logits_with_other_users_are_kept_and_the_loss_still_rewritten():
+    recorder, code = compare_with_stock(ReturnsLogits(), *make_inputs(), inner="inductor")
+    assert OP_NAME in code and recorder.op_count() == 1
+    assert recorder.logits_like(B * T, V) != []  # returned: kept
     assert counters["chunkce"]["sites_rewritten"] == 1 and counters["chunkce"]["logits_kept"] == 1
     record = compile_pass.last_report().records[0]
     assert record.decision == "rewritten" and "logits still materialized for other users" in record.reason
@@ -115,14 +117,15 @@ class HalfHead(nn.Module):
         return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, V), labels[..., 1:].contiguous().view(-1))
 
 
-def test_bf16_logits_cast_to_float(compare_with_inductor):
+def test_bf16_logits_cast_to_float():
     graphs = []
 
     def capture(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
-    compare_with_inductor(HalfHead(), *make_inputs(torch.bfloat16), backend="aot_eager", atol=2e-2, rtol=2e-2)
+    recorder, _ = compare_with_stock(HalfHead(), *make_inputs(torch.bfloat16), atol=2e-2, rtol=2e-2)
+    recorder.assert_rewritten(B * T, V)
     assert counters["chunkce"]["sites_rewritten"] == 1
     torch._dynamo.reset()
     torch.compile(HalfHead(), backend="chunkce", options={"inner_backend": capture})(*make_inputs(torch.bfloat16))
