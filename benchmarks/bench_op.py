@@ -42,7 +42,7 @@ import torch
 
 from benchmarks import harness, isolate
 from benchmarks.cases import DTYPES, SHAPES, Case, reference, setup
-from benchmarks.impls import IMPLS, Impl, OpInputs, dynamo_limits
+from benchmarks.impls import IMPLS, Impl, OpInputs, dynamo_limits, exit_status
 from benchmarks.op_report import report
 
 MiB = harness.MiB
@@ -248,10 +248,7 @@ def _run_case_isolated(case: Case, impls: list[Impl], args: argparse.Namespace) 
 COLUMNS = ("run", "metric", "unit", "impl", "mode", "shape", "tokens", "hidden", "vocab", "dtype",
            "logits_dtype", "chunk_size", "device", "p20", "p50", "p80", "relative", "note")
 
-def broken(rows: list[dict]) -> list[str]:
-    """The failures of our providers (``Impl.ours``): each makes the exit status 1."""
-    return list(dict.fromkeys(f"{r['impl']} {r['run']} {r['mode']}: {r['note']}" for r in rows
-                              if r["metric"] == "failed" and r["impl"] in IMPLS and IMPLS[r["impl"]].ours))
+
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -330,9 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 harness.release_memory(args.device)
     if args.csv:
         print(f"\nwrote {len(rows)} rows to {args.csv}")
-    for line in broken(rows):
-        print(f"BROKEN (ours): {line}", file=sys.stderr)
-    return 1 if broken(rows) else 0
+    return exit_status(rows, lambda r: f"{r['impl']} {r['run']} {r['mode']}: {r['note']}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -370,3 +371,13 @@ IMPLS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("liger", _build_liger, _triton_problem("liger_kernel.transformers.functional"), _grads_in_forward),
     Impl("cce", _build_cce, _triton_problem("cut_cross_entropy"), _native_logits),
 )}
+
+
+def exit_status(rows: list[dict], describe: Callable[[dict], str]) -> int:
+    """1 when one of our providers (``Impl.ours``) has a ``failed`` row, each printed to
+    stderr as ``BROKEN (ours): describe(row)``; else 0. For the benchmarks' ``main``."""
+    broken = list(dict.fromkeys(describe(r) for r in rows
+                                if r["metric"] == "failed" and r["impl"] in IMPLS and IMPLS[r["impl"]].ours))
+    for line in broken:
+        print(f"BROKEN (ours): {line}", file=sys.stderr)
+    return 1 if broken else 0
