@@ -130,19 +130,17 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     warmup_s = time.perf_counter() - start
 
     static = _static_bytes(model, optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    harness.release_memory(device)
-    with harness.PeakMemory(device) as mem:
-        losses.append(step())
-    # The same without the optimizer step, whose temporaries can set the peak of a small model.
-    optimizer.zero_grad(set_to_none=True)
-    harness.release_memory(device)
-    with harness.PeakMemory(device) as mem_fwd_bwd:
+    peak, loss = _peak(optimizer, device, step)
+    losses.append(loss)
+
+    def forward_backward():  # without the optimizer step, whose temporaries can set a small model's peak
         loss = loss_fn(ids)
         loss.backward()
+        return loss.detach()
+
+    peak_fwd_bwd, loss = _peak(optimizer, device, forward_backward)
     optimizer.step()
-    losses.append(loss.detach())
-    del loss
+    losses.append(loss)
 
     def prepare():
         optimizer.zero_grad(set_to_none=True)
@@ -159,7 +157,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
         "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
         "step_ms_p20": stats.p20, "step_ms_p50": stats.p50, "step_ms_p80": stats.p80,
         "tokens_per_s": config.tokens / (stats.p50 / 1e3),
-        "peak_mib": mem.peak_bytes / MiB, "peak_fwd_bwd_mib": mem_fwd_bwd.peak_bytes / MiB,
+        "peak_mib": peak / MiB, "peak_fwd_bwd_mib": peak_fwd_bwd / MiB,
         "static_mib": static / MiB,
         "warmup_s": warmup_s,
         "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
@@ -167,16 +165,23 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _step_total_mib(model, optimizer, loss_fn, ids, device, static: int) -> tuple[float, float]:
-    """``(peak above static, static + peak)`` in MiB of one training step, gradients freed before it."""
+def _peak(optimizer, device: torch.device, run):
+    """``(peak bytes, result)`` of ``run()``, measured with the gradients freed before it."""
     optimizer.zero_grad(set_to_none=True)
     harness.release_memory(device)
     with harness.PeakMemory(device) as mem:
-        loss = loss_fn(ids)
-        loss.backward()
+        result = run()
+    return mem.peak_bytes, result
+
+
+def _step_total_mib(model, optimizer, loss_fn, ids, device, static: int) -> tuple[float, float]:
+    """``(peak above static, static + peak)`` in MiB of one training step, gradients freed before it."""
+    def step() -> None:
+        loss_fn(ids).backward()
         optimizer.step()
-    del loss
-    return mem.peak_bytes / MiB, (static + mem.peak_bytes) / MiB
+
+    peak, _ = _peak(optimizer, device, step)
+    return peak / MiB, (static + peak) / MiB
 
 
 def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
