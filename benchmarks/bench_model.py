@@ -12,23 +12,22 @@ step memory above the parameters and optimizer state (and of forward + backward)
 median step time, tokens/s, and each step's loss against eager's.
 
 ``--isolate`` runs every (config, backend) in a fresh process, so neither compile
-caches nor allocator state of one run colour the next one's numbers.
+caches nor allocator state of one run colour the next one's numbers. The tables are
+markdown (``benchmarks.tables``), the docs' own (``run_cpu``); a backend that fails
+makes the exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks import harness
+from benchmarks import harness, isolate
+from benchmarks.tables import fmt, markdown, num, ratio
 
 MiB = harness.MiB
 BACKENDS = ("eager", "inductor", "chunkce")
@@ -84,27 +83,37 @@ def loss_function(model, backend: str, compile_what: str, chunk_size: int | None
         return model(input_ids=ids, labels=ids).loss
     if backend == "eager":
         return loss
-    backend_arg, kwargs = backend, {}
-    if backend == "chunkce":
-        from benchmarks.impls import chunkce_backend
-        backend_arg, problem = chunkce_backend()
-        if problem:
-            raise RuntimeError(problem)
+    kwargs = {}
+    if backend == "chunkce":  # registered by ``import compile_pass``; torch.compile raises if it is not
+        import compile_pass  # noqa: F401
+
         kwargs = {"options": {"chunk_size": chunk_size}} if chunk_size else {}
     if compile_what == "model":  # the output keeps the logits alive: the pass must keep the linear
-        compiled = torch.compile(model, backend=backend_arg, **kwargs)
+        compiled = torch.compile(model, backend=backend, **kwargs)
         return lambda ids: compiled(input_ids=ids, labels=ids).loss
-    return torch.compile(loss, backend=backend_arg, **kwargs)
+    return torch.compile(loss, backend=backend, **kwargs)
+
+
+def _start(name: str, backend: str, args: argparse.Namespace):
+    """A fresh Dynamo, the config's model and batch, AdamW and the loss function to step."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, ids = build(CONFIGS[name], args.device, args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    return model, ids, optimizer, loss_function(model, backend, args.compile, args.chunk_size)
+
+
+def _static_bytes(model, optimizer) -> int:
+    """Parameters plus the optimizer's state tensors."""
+    tensors = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values()
+                                      if isinstance(t, torch.Tensor))]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     """One (config, backend) training run in this process; every number measured."""
     config, device = CONFIGS[name], args.device
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    model, ids = build(config, device, args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    loss_fn = loss_function(model, backend, args.compile, args.chunk_size)
+    model, ids, optimizer, loss_fn = _start(name, backend, args)
 
     def step(_=None) -> float:
         loss = loss_fn(ids)
@@ -120,22 +129,18 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     harness.synchronize(device)
     warmup_s = time.perf_counter() - start
 
-    static = sum(t.numel() * t.element_size() for t in model.parameters())
-    static += sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                  for t in s.values() if isinstance(t, torch.Tensor))
-    optimizer.zero_grad(set_to_none=True)
-    harness.release_memory(device)
-    with harness.PeakMemory(device) as mem:
-        losses.append(step())
-    # The same without the optimizer step, whose temporaries can set the peak of a small model.
-    optimizer.zero_grad(set_to_none=True)
-    harness.release_memory(device)
-    with harness.PeakMemory(device) as mem_fwd_bwd:
+    static = _static_bytes(model, optimizer)
+    peak, loss = _peak(optimizer, device, step)
+    losses.append(loss)
+
+    def forward_backward():  # without the optimizer step, whose temporaries can set a small model's peak
         loss = loss_fn(ids)
         loss.backward()
+        return loss.detach()
+
+    peak_fwd_bwd, loss = _peak(optimizer, device, forward_backward)
     optimizer.step()
-    losses.append(loss.detach())
-    del loss
+    losses.append(loss)
 
     def prepare():
         optimizer.zero_grad(set_to_none=True)
@@ -152,7 +157,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
         "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
         "step_ms_p20": stats.p20, "step_ms_p50": stats.p50, "step_ms_p80": stats.p80,
         "tokens_per_s": config.tokens / (stats.p50 / 1e3),
-        "peak_mib": mem.peak_bytes / MiB, "peak_fwd_bwd_mib": mem_fwd_bwd.peak_bytes / MiB,
+        "peak_mib": peak / MiB, "peak_fwd_bwd_mib": peak_fwd_bwd / MiB,
         "static_mib": static / MiB,
         "warmup_s": warmup_s,
         "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
@@ -160,16 +165,23 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _step_total_mib(model, optimizer, loss_fn, ids, device, static: int) -> tuple[float, float]:
-    """``(peak above static, static + peak)`` in MiB of one training step, gradients freed before it."""
+def _peak(optimizer, device: torch.device, run):
+    """``(peak bytes, result)`` of ``run()``, measured with the gradients freed before it."""
     optimizer.zero_grad(set_to_none=True)
     harness.release_memory(device)
     with harness.PeakMemory(device) as mem:
-        loss = loss_fn(ids)
-        loss.backward()
+        result = run()
+    return mem.peak_bytes, result
+
+
+def _step_total_mib(model, optimizer, loss_fn, ids, device, static: int) -> tuple[float, float]:
+    """``(peak above static, static + peak)`` in MiB of one training step, gradients freed before it."""
+    def step() -> None:
+        loss_fn(ids).backward()
         optimizer.step()
-    del loss
-    return mem.peak_bytes / MiB, (static + mem.peak_bytes) / MiB
+
+    peak, _ = _peak(optimizer, device, step)
+    return peak / MiB, (static + peak) / MiB
 
 
 def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
@@ -185,11 +197,7 @@ def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
     the second batch size.
     """
     config, device = CONFIGS[name], args.device
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    model, _ = build(config, device, args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    loss_fn = loss_function(model, backend, args.compile, args.chunk_size)
+    model, _, optimizer, loss_fn = _start(name, backend, args)
     gen = torch.Generator(device).manual_seed(args.seed + 2)
 
     def batch_ids(batch: int) -> torch.Tensor:
@@ -197,9 +205,7 @@ def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
 
     loss_fn(batch_ids(1)).backward()  # compiles, and makes AdamW's state
     optimizer.step()
-    static = sum(t.numel() * t.element_size() for t in model.parameters())
-    static += sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                  for t in s.values() if isinstance(t, torch.Tensor))
+    static = _static_bytes(model, optimizer)
     trials: dict[int, tuple[float, float]] = {}
 
     def fits(batch: int) -> bool:
@@ -225,19 +231,16 @@ def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
 
 
 def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
-    """``run_one`` in a fresh interpreter; its output streams through."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "benchmarks.bench_model", "--configs", name, "--backends", backend,
-               "--device", str(args.device), "--warmup", str(args.warmup), "--steps", str(args.steps),
-               "--lr", str(args.lr), "--seed", str(args.seed), "--compile", args.compile,
-               "--result-json", out, *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else []),
-               *(["--cap-mib", str(args.cap_mib), "--max-batch", str(args.max_batch)] if args.cap_mib else [])]
-        proc = subprocess.run(cmd, timeout=args.run_timeout)
-        if not os.path.exists(out):
-            raise RuntimeError(f"child exited with {proc.returncode} and no result")
-        with open(out) as f:
-            return json.load(f)[0]  # a failure inside the child comes back as its note
+    """``run_one`` (or ``search_cap``) in a fresh interpreter; its output streams through."""
+    child = isolate.run(["-m", "benchmarks.bench_model", "--configs", name, "--backends", backend,
+                         "--device", str(args.device), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                         "--lr", str(args.lr), "--seed", str(args.seed), "--compile", args.compile,
+                         *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else []),
+                         *(["--cap-mib", str(args.cap_mib), "--max-batch", str(args.max_batch)]
+                           if args.cap_mib else [])], timeout=args.run_timeout)
+    if not child.records:
+        raise RuntimeError(f"child process ended ({child.status}) with no result")
+    return child.records[0]  # a failure inside the child comes back as its note
 
 
 COLUMNS = ("config", "backend", "compile", "chunk_size", "device", "dtype", "tokens", "vocab", "hidden", "layers",
@@ -263,44 +266,55 @@ def summarize(results: list[dict]) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict]) -> None:
-    header = ["config", "backend", "tokens", "step ms", "tokens/s", "peak MiB", "x vs inductor",
-              "fwd+bwd peak", "static MiB", "warm-up s", "loss[0]", "max |dloss| vs eager (else inductor)", "sites"]
-    base = {r["config"]: r["peak_mib"] for r in rows if r["backend"] == "inductor" and r["peak_mib"] != ""}
+def step_table(rows: list[dict]) -> str:
+    """The training-step runs as markdown (``summarize``'s rows, from memory or a CSV); the docs' model table."""
+    base = {r["config"]: r for r in rows if r["backend"] == "inductor" and num(r["peak_mib"])}
     body = []
     for r in rows:
-        if r["peak_mib"] == "":
-            body.append([r["config"], r["backend"], r["tokens"], "failed: " + r["note"][:60], *[""] * 9])
+        if not num(r["peak_mib"]):
+            body.append([r["config"], r["backend"], r["tokens"], f"failed: {r['note']}", *[""] * 9])
             continue
-        ratio = f"{r['peak_mib'] / base[r['config']]:.2f}" if r["config"] in base else ""
-        diff = r["max_loss_diff_vs_eager"] if r["max_loss_diff_vs_eager"] != "" else r["max_loss_diff_vs_inductor"]
-        body.append([r["config"], r["backend"], r["tokens"], f"{r['step_ms_p50']:.1f}",
-                     f"{r['tokens_per_s']:.0f}", f"{r['peak_mib']:.1f}", ratio,
-                     f"{r['peak_fwd_bwd_mib']:.1f}", f"{r['static_mib']:.1f}",
-                     f"{r['warmup_s']:.1f}", f"{r['loss_first']:.5f}",
-                     f"{diff:.2e}" if diff != "" else "", r["sites_rewritten"]])
-    print("\n" + harness.format_table(header, body))
+        b = base.get(r["config"])
+
+        def vs(key: str) -> str:
+            return f" ({ratio(r[key], b[key])})" if b is not None and b is not r else ""
+
+        body.append([r["config"], r["backend"], r["tokens"], fmt(r["step_ms_p50"], ".0f") + vs("step_ms_p50"),
+                     fmt(r["tokens_per_s"], ".0f"), fmt(r["peak_mib"], ".1f") + vs("peak_mib"),
+                     fmt(r["peak_fwd_bwd_mib"], ".1f"), fmt(r["static_mib"], ".1f"), fmt(r["warmup_s"], ".0f"),
+                     fmt(r["loss_first"], ".5f"), r["sites_rewritten"] or "-",
+                     fmt(r["max_loss_diff_vs_eager"], ".1e") or "-", fmt(r["max_loss_diff_vs_inductor"], ".1e") or "-"])
+    return markdown(["config", "backend", "tokens", "step ms (p50)", "tokens/s", "step peak MiB (above params + AdamW)",
+                     "fwd + bwd peak MiB", "params + AdamW MiB", "warm-up s", "loss[0]", "sites rewritten",
+                     "max loss diff vs eager", "max loss diff vs inductor"], body)
 
 
 CAP_COLUMNS = ("config", "backend", "batch", "seq_len", "tokens", "peak_mib", "static_mib", "total_mib", "fits",
                "cap_mib")
 
 
+def cap_table(trials: list[dict]) -> str:
+    """The ``--cap-mib`` search as markdown (every tried batch, from memory or a CSV), then per
+    backend the largest step that fit (and how many times Inductor's); the docs' cap table."""
+    body = [[t["backend"], t["batch"], t["tokens"], fmt(t["total_mib"], ".0f"), str(t["fits"])] for t in trials]
+    best: dict[str, int] = {}
+    for t in trials:
+        if str(t["fits"]) == "True":
+            best[t["backend"]] = max(best.get(t["backend"], 0), int(t["tokens"]))
+    base = best.get("inductor")
+    summary = ", ".join(f"{b}: {n} tokens" + (f" ({n / base:.1f}x inductor's)" if base and b != "inductor" else "")
+                        for b, n in best.items())
+    return markdown(["backend", "batch", "tokens", "MiB in all", "fits"], body) + \
+        f"\n\nLargest step that fits: {summary or 'none'}."
+
+
 def report_cap(results: list[dict], args: argparse.Namespace) -> int:
     """The ``--cap-mib`` search: every trial, and per backend the largest batch that fit."""
     trials = [t for r in results for t in r.get("trials", [])]
-    body = [[t["config"], t["backend"], t["batch"], t["tokens"], f"{t['total_mib']:.1f}",
-             "yes" if t["fits"] else "no"] for t in trials]
-    print("\n" + harness.format_table(["config", "backend", "batch", "tokens", "MiB in all", "fits"], body))
-    base = {r["config"]: r.get("max_tokens") for r in results if r["backend"] == "inductor"}
+    print("\n" + cap_table(trials))
     for r in results:
         if "max_tokens" not in r:
             print(f"{r['config']} / {r['backend']}: failed: {r.get('note', '')}")
-            continue
-        gain = (f" ({r['max_tokens'] / base[r['config']]:.1f}x inductor's)"
-                if base.get(r["config"]) and r["backend"] != "inductor" else "")
-        print(f"{r['config']} / {r['backend']}: largest batch under {args.cap_mib:.0f} MiB: {r['max_batch']} "
-              f"= {r['max_tokens']} tokens a step{gain}")
     if args.csv:
         harness.write_csv([{c: t.get(c, "") for c in CAP_COLUMNS} for t in trials], args.csv)
         print(f"wrote {len(trials)} rows to {args.csv}")
@@ -312,7 +326,7 @@ def report_cap(results: list[dict], args: argparse.Namespace) -> int:
                        title=f"Llama {c.layers} layer{'s' * (c.layers != 1)}, hidden {c.hidden_size}, vocab {c.vocab_size}, "
                              f"seq {c.seq_len}, {c.dtype}, {args.device.type}")
         print(f"wrote {args.plot}")
-    return 0
+    return 0 if all("max_tokens" in r for r in results) else 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -339,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=256, help="upper end of the --cap-mib search")
     p.add_argument("--plot", default=None, help="with --cap-mib: PNG of memory against tokens per step")
     p.add_argument("--csv", default=None)
-    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # child -> parent
+    isolate.add_result_argument(p)  # child -> parent
     args = p.parse_args(argv)
     args.device = torch.device(args.device) if args.device else harness.default_device()
     cpu = args.device.type == "cpu"
@@ -374,16 +388,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.csv and not child and not args.cap_mib:  # after each run: a sweep cut short keeps its rows
                 harness.write_csv(summarize(results), args.csv)
     if child:
-        with open(args.result_json, "w") as f:
-            json.dump(results, f)
+        for result in results:
+            isolate.Reporter(args.result_json).record(result)
         return 0 if all("losses" in r for r in results) else 1
     if args.cap_mib:
         return report_cap(results, args)
     rows = summarize(results)
-    report(rows)
+    print("\n" + step_table(rows))
     if args.csv:
         print(f"\nwrote {len(rows)} rows to {args.csv}")
-    return 0
+    return 0 if all(r.get("losses") for r in results) else 1  # every backend must run
 
 
 if __name__ == "__main__":

@@ -24,113 +24,30 @@ For each shape (H, V from ``SHAPES``), token count N and provider
 ``--isolate`` runs every (case, provider) in a fresh interpreter, so no provider's
 compile caches, allocator state or resident memory colour the next one's numbers;
 the fp64 reference is computed once per case by the parent and handed over in a file.
-Inputs are made by :func:`setup` (the same seed in every process).
+Inputs are made by :func:`benchmarks.cases.setup` (the same seed in every process).
+The printed tables are markdown (``benchmarks.op_report``, whose ``op_table`` is also
+the docs' table). A failure of one of our providers (``Impl.ours``) is listed as
+``BROKEN`` and makes the exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import traceback
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks import harness
-from benchmarks.impls import IGNORE_INDEX, IMPLS, Impl, OpInputs
+from benchmarks import harness, isolate
+from benchmarks.cases import DTYPES, SHAPES, Case, reference, setup
+from benchmarks.impls import IMPLS, Impl, OpInputs, dynamo_limits, exit_status
+from benchmarks.op_report import report
 
 MiB = harness.MiB
-WEIGHT_STD = 0.02  # lm_head init (Hugging Face's initializer_range), see setup()
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden_size: int  # H
-    vocab_size: int  # V
-
-
-SHAPES = {
-    "llama3-8b": Shape(4096, 128256),
-    "qwen2.5-7b": Shape(3584, 152064),
-    "gemma-2b-like": Shape(2048, 256000),
-    "h2048-v128k": Shape(2048, 128256),
-    "h1024-v32k": Shape(1024, 32768),
-    "h256-v128k": Shape(256, 128256),
-    "h128-v128k": Shape(128, 128256),
-    "h256-v32k": Shape(256, 32768),
-    "small": Shape(1024, 32000),
-    "cpu-tiny": Shape(128, 8192),  # fp32 on 2 CPU cores in seconds
-}
 MODES = ("forward", "backward", "full")
 RUNS = ("speed", "memory", "error")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-@dataclass(frozen=True)
-class Case:
-    shape: str
-    tokens: int  # N
-    dtype: torch.dtype
-    logits_dtype: torch.dtype | None
-    chunk_size: int | None
-    device: torch.device
-    ignored: float = 0.05  # fraction of targets set to IGNORE_INDEX (padding, prompts)
-    seed: int = 0
-    dynamic: bool | None = False  # the compiled providers' torch.compile(dynamic=...)
-
-    def describe(self) -> dict:
-        shape = SHAPES[self.shape]
-        return {"shape": self.shape, "tokens": self.tokens, "hidden": shape.hidden_size,
-                "vocab": shape.vocab_size, "dtype": str(self.dtype).removeprefix("torch."),
-                "logits_dtype": str(self.logits_dtype or self.dtype).removeprefix("torch."),
-                "chunk_size": self.chunk_size or "auto", "device": self.device.type}
-
-
-def setup(case: Case) -> OpInputs:
-    """The one setup factory: hidden states, lm_head weight and targets of ``case``.
-
-    Realistic scales: hidden states ~ N(0, 1) (what a final RMSNorm hands the head)
-    and weight ~ N(0, 0.02^2), so the logits have std 0.02 sqrt(H) (0.64 at H 1024).
-    With an unscaled ``randn`` weight the logits' std is sqrt(H) (32 at H 1024), most
-    softmax probabilities and so most entries of the logits' gradient are denormal
-    floats, and on x86 CPUs every provider's backward matmuls then run ~10x slower:
-    an artefact of the benchmark, not a property of any provider.
-    """
-    shape = SHAPES[case.shape]
-    gen = torch.Generator(case.device).manual_seed(case.seed)
-    n, h, v = case.tokens, shape.hidden_size, shape.vocab_size
-    hidden = torch.randn(n, h, device=case.device, dtype=case.dtype, generator=gen)  # [N, H]
-    weight = torch.randn(v, h, device=case.device, dtype=case.dtype, generator=gen) * WEIGHT_STD  # [V, H]
-    target = torch.randint(0, v, (n,), device=case.device, generator=gen)  # [N]
-    ignored = torch.rand(n, device=case.device, generator=gen) < case.ignored
-    target = target.masked_fill(ignored, IGNORE_INDEX)
-    return OpInputs(hidden=hidden.requires_grad_(), weight=torch.nn.Parameter(weight),
-                    target=target, logits_dtype=case.logits_dtype, chunk_size=case.chunk_size,
-                    dynamic=case.dynamic)
-
-
-def reference(inputs: OpInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp64 loss, grad of hidden, grad of weight: torch's unfused ops, a few hundred MiB at a time."""
-    hidden = inputs.hidden.detach()
-    weight = inputs.weight.detach().double().requires_grad_()  # [V, H]
-    target = inputs.target
-    count = (target != IGNORE_INDEX).sum().double()
-    step = max(1, 2**29 // (weight.shape[0] * 8))  # tokens whose fp64 logits take 512 MiB
-    loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden, dtype=torch.float64)  # [N, H]
-    for start in range(0, hidden.shape[0], step):
-        chunk = hidden[start:start + step].double().requires_grad_()  # [n, H]
-        part = F.cross_entropy(F.linear(chunk, weight), target[start:start + step],
-                               ignore_index=IGNORE_INDEX, reduction="sum") / count
-        part.backward()
-        grad_hidden[start:start + step] = chunk.grad
-        loss += part.detach()
-    return loss, grad_hidden, weight.grad
 
 
 def _prepare(mode: str, inputs: OpInputs, loss_fn):
@@ -219,20 +136,39 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
-def run_impl(case: Case, inputs: OpInputs, impl: Impl, args: argparse.Namespace, truth) -> list[dict]:
-    """Every requested run of one provider on one case, in this process; rows as dicts."""
+def run_impl(case: Case, inputs: OpInputs, impl: Impl, args: argparse.Namespace, truth,
+             emit=lambda row: None) -> list[dict]:
+    """Every requested run of one provider on one case, in this process; rows as dicts.
+
+    A provider of others that cannot run here is one ``skipped`` row; ours are never
+    skipped: a set-up that raises is a ``failed`` row. ``emit`` gets each row as made.
+    """
     base = {**case.describe(), "impl": impl.name}
-    problem = impl.problem(case.device, inputs)
+    rows: list[dict] = []
+
+    def add(row: dict) -> None:
+        row = {c: row.get(c, "") for c in COLUMNS}
+        rows.append(row)
+        emit(row)
+
+    problem = impl.why_not(case.device, inputs)
     if not problem:
         try:
             loss_fn = impl.build(inputs)
+            note = impl.note(inputs)
         except Exception as e:  # noqa: BLE001 - a peer that imports but cannot be set up
+            if args.verbose:
+                traceback.print_exc()
+            if impl.ours:  # something of ours is missing or broken: a failure, never a skip
+                print(f"  {impl.name}: set-up failed: {_message(e)}", flush=True)
+                add({**base, "run": "-", "mode": "-", "metric": "failed", "note": f"set-up failed: {_message(e)}"})
+                return rows
             problem = f"set-up failed: {_message(e)}"
     if problem:
         print(f"  skip {impl.name}: {problem}", flush=True)
-        return [{**base, "run": "-", "mode": "-", "metric": "skipped", "note": problem}]
-    note = impl.note(inputs)
-    rows, warmed = [], False
+        add({**base, "run": "-", "mode": "-", "metric": "skipped", "note": problem})
+        return rows
+    warmed = False
     jobs = [(run, mode) for run in args.runs for mode in (("full",) if run == "error" else args.modes)]
     full_call = "memory" in args.runs and "full" in args.modes  # measures the errors too
     truth = truth if impl.computes_loss else None  # a floor computes no loss
@@ -257,7 +193,7 @@ def run_impl(case: Case, inputs: OpInputs, impl: Impl, args: argparse.Namespace,
                 traceback.print_exc()
             out = [{"metric": "failed", "note": _message(e)}]
         for r in out:
-            rows.append({**base, "run": run, "mode": mode, **r, "note": r.get("note", note)})
+            add({**base, "run": run, "mode": mode, **r, "note": r.get("note", note)})
         inputs.zero_grad()
         harness.release_memory(case.device)
         if out[0]["metric"] == "failed":
@@ -273,20 +209,21 @@ def run_case(case: Case, impls: list[Impl], args: argparse.Namespace) -> list[di
     inputs = setup(case)
     truth = reference(inputs) if "error" in args.runs else None
     rows = []
-    for impl in impls:
-        rows += run_impl(case, inputs, impl, args, truth)
-        harness.release_memory(case.device)
+    with dynamo_limits():
+        for impl in impls:
+            rows += run_impl(case, inputs, impl, args, truth)
+            harness.release_memory(case.device)
     return rows
 
 
-def _child_args(case: Case, impl: str, args: argparse.Namespace, result: str, truth: str | None) -> list[str]:
-    return ["--device", str(case.device), "--shapes", case.shape, "--tokens", str(case.tokens),
-            "--dtype", next(k for k, v in DTYPES.items() if v == case.dtype),
+def _child_args(case: Case, impl: str, args: argparse.Namespace, truth: str | None) -> list[str]:
+    return ["-m", "benchmarks.bench_op", "--device", str(case.device), "--shapes", case.shape,
+            "--tokens", str(case.tokens), "--dtype", next(k for k, v in DTYPES.items() if v == case.dtype),
             "--logits-dtype", "fp32" if case.logits_dtype is not None else "same",
             "--chunk-size", str(case.chunk_size or "auto"), "--impls", impl,
             "--modes", *args.modes, "--runs", *args.runs, "--warmup", str(args.warmup),
-            "--reps", str(args.reps), "--result-json", result,
-            *(["--reference-file", truth] if truth else []), *(["--verbose"] if args.verbose else [])]
+            "--reps", str(args.reps), *(["--reference-file", truth] if truth else []),
+            *(["--verbose"] if args.verbose else [])]
 
 
 def _run_case_isolated(case: Case, impls: list[Impl], args: argparse.Namespace) -> list[dict]:
@@ -298,20 +235,13 @@ def _run_case_isolated(case: Case, impls: list[Impl], args: argparse.Namespace) 
             torch.save(reference(setup(case)), truth_path)
             harness.release_memory(case.device)
         for impl in impls:
-            result = os.path.join(tmp, f"{impl.name}.json")
-            cmd = [sys.executable, "-m", "benchmarks.bench_op",
-                   *_child_args(case, impl.name, args, result, truth_path)]
-            try:
-                proc = subprocess.run(cmd, timeout=args.run_timeout)
-                returncode = proc.returncode
-            except subprocess.TimeoutExpired:
-                returncode = f"timeout after {args.run_timeout} s"
-            if os.path.exists(result):
-                with open(result) as f:
-                    rows += json.load(f)
-            else:  # killed (out of memory) or timed out: say so, never drop it silently
-                rows.append({**case.describe(), "impl": impl.name, "run": "-", "mode": "-",
-                             "metric": "failed", "note": f"child process ended ({returncode}) with no result"})
+            child = isolate.run(_child_args(case, impl.name, args, truth_path), timeout=args.run_timeout)
+            rows += child.records
+            if not child.ok:  # killed (out of memory), timed out or crashed: say so, never drop it silently
+                rows.append({c: "" for c in COLUMNS} | {**case.describe(), "impl": impl.name, "run": "-",
+                                                        "mode": "-", "metric": "failed",
+                                                        "note": f"child process ended ({child.status}) "
+                                                                f"after {len(child.records)} rows"})
     return rows
 
 
@@ -319,77 +249,6 @@ COLUMNS = ("run", "metric", "unit", "impl", "mode", "shape", "tokens", "hidden",
            "logits_dtype", "chunk_size", "device", "p20", "p50", "p80", "relative", "note")
 
 
-def _value(rows: list[dict], impl: str, run: str, metric: str, mode: str = "full") -> float | None:
-    for r in rows:
-        if r["impl"] == impl and r["run"] == run and r["metric"] == metric and r["mode"] == mode:
-            return r["p50"]
-    return None
-
-
-def _ratio(value: float | None, base: float | None, fmt: str = ".2f") -> str:
-    if value is None or not base:
-        return ""
-    return f"{value / base:{fmt}}x"
-
-
-def summary(rows: list[dict], compiled: str = "unfused-compiled", floor: str = "floor-recompute") -> tuple[list, list]:
-    """One line per provider of one case, ``full`` mode: time, memory, error, with ratios."""
-    header = ["provider", "ms", "x compiled", "x floor", "peak MiB", "beyond grads MiB", "x compiled",
-              "peak RSS MiB", "loss err", "grad_hidden err", "grad_weight err", "note"]
-    body = []
-    t_base, t_floor = _value(rows, compiled, "speed", "time"), _value(rows, floor, "speed", "time")
-    w_base = _value(rows, compiled, "memory", "beyond_grads")
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        mine = [r for r in rows if r["impl"] == impl]
-        bad = [r for r in mine if r["metric"] in ("skipped", "failed")]
-        if bad and not any(r["metric"] == "time" for r in mine):
-            body.append([impl, bad[0]["metric"], *[""] * 9, bad[0]["note"]])
-            continue
-        t, peak = _value(rows, impl, "speed", "time"), _value(rows, impl, "memory", "peak")
-        beyond, rss = _value(rows, impl, "memory", "beyond_grads"), _value(rows, impl, "memory", "rss_peak")
-        errors = [next((v for v in (_value(rows, impl, run, m) for run in ("memory", "error")) if v is not None),
-                       None) for m in ("loss_err", "grad_hidden_err", "grad_weight_err")]
-        note = next((r["note"] for r in mine if r.get("note")), "")
-        body.append([impl, f"{t:.1f}" if t is not None else "", _ratio(t, t_base), _ratio(t, t_floor),
-                     f"{peak:.1f}" if peak is not None else "", f"{beyond:.1f}" if beyond is not None else "",
-                     _ratio(beyond, w_base, ".3f"), f"{rss:.1f}" if rss is not None else "",
-                     *(f"{e:.2e}" if e is not None else "-" for e in errors), note])
-    return header, body
-
-
-def report(rows: list[dict], baseline: str = "unfused-compiled") -> None:
-    keys = ("shape", "tokens", "chunk_size", "mode")
-
-    def ratio_cell(fmt):
-        def cell(row, base):
-            if row["metric"] in ("failed", "skipped"):
-                return row["metric"]
-            text = format(row["p50"], fmt)
-            if base is not None and base.get("p50") and row is not base:
-                text += f" ({row['p50'] / base['p50']:.2f}x)"
-            return text
-        return cell
-
-    modes = {r["mode"] for r in rows if r["run"] == "speed"}
-    if modes - {"full"}:  # per mode, when modes other than full were run
-        tables = [("speed", "time", f"speed: ms per call, median (x = vs {baseline})", ".1f"),
-                  ("memory", "peak", f"memory: peak MiB above the inputs (x = vs {baseline})", ".1f"),
-                  ("memory", "retained", "memory: MiB a forward keeps for backward", ".1f")]
-        for run, metric, title, fmt in tables:
-            selected = [r for r in rows if r["run"] == run and r["metric"] in (metric, "failed")]
-            if not any(r["metric"] == metric for r in selected):
-                continue
-            header, body = harness.pivot(selected, keys, "impl", ratio_cell(fmt), baseline=baseline)
-            print(f"\n{title}\n{harness.format_table(header, body)}")
-    for key in dict.fromkeys((r["shape"], r["tokens"], r["chunk_size"]) for r in rows):
-        case_rows = [r for r in rows if (r["shape"], r["tokens"], r["chunk_size"]) == key]
-        header, body = summary(case_rows)
-        print(f"\nfull forward + backward, {key[0]} N={key[1]} chunk={key[2]} "
-              f"(x compiled: vs unfused-compiled; x floor: vs floor-recompute)")
-        print(harness.format_table(header, body))
-    failed = [(r["impl"], r["run"], r["note"]) for r in rows if r["metric"] == "failed"]
-    for impl, run, note in dict.fromkeys(failed):
-        print(f"failed: {impl} {run}: {note}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--csv", default=None, help="write the rows here")
     p.add_argument("--append", action="store_true", help="append to --csv instead of overwriting")
     p.add_argument("--verbose", action="store_true", help="tracebacks of failed measurements")
-    p.add_argument("--result-json", default=None, help=argparse.SUPPRESS)  # child -> parent
+    isolate.add_result_argument(p)  # child -> parent
     p.add_argument("--reference-file", default=None, help=argparse.SUPPRESS)  # parent -> child
     args = p.parse_args(argv)
     args.device = torch.device(args.device) if args.device else harness.default_device()
@@ -435,16 +294,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _child_main(args: argparse.Namespace) -> int:
-    """One (case, provider) for an ``--isolate`` parent: rows to ``--result-json``."""
+    """One (case, provider) for an ``--isolate`` parent: each row reported as it is made."""
     logits_dtype = torch.float32 if args.logits_dtype == "fp32" else None
     case = Case(args.shapes[0], args.tokens[0], args.dtype, logits_dtype, args.chunk_size[0], args.device)
     inputs = setup(case)
     truth = None
     if "error" in args.runs:
         truth = (lambda: torch.load(args.reference_file)) if args.reference_file else reference(inputs)
-    rows = [{c: r.get(c, "") for c in COLUMNS} for r in run_impl(case, inputs, IMPLS[args.impls[0]], args, truth)]
-    with open(args.result_json, "w") as f:
-        json.dump(rows, f)
+    with dynamo_limits():
+        run_impl(case, inputs, IMPLS[args.impls[0]], args, truth, emit=isolate.Reporter(args.result_json).record)
     return 0
 
 
@@ -461,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             for chunk_size in args.chunk_size:
                 case = Case(shape, tokens, args.dtype, logits_dtype, chunk_size, args.device)
                 print(f"case {case.describe()}", flush=True)
-                case_rows = [{c: r.get(c, "") for c in COLUMNS} for r in run_case(case, impls, args)]
+                case_rows = run_case(case, impls, args)
                 report(case_rows)  # per case, so a run cut short still shows what it measured
                 if args.csv:  # likewise on disk
                     harness.write_csv(case_rows, args.csv, append=args.append or bool(rows))
@@ -469,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 harness.release_memory(args.device)
     if args.csv:
         print(f"\nwrote {len(rows)} rows to {args.csv}")
-    return 0
+    return exit_status(rows, lambda r: f"{r['impl']} {r['run']} {r['mode']}: {r['note']}")
 
 
 if __name__ == "__main__":

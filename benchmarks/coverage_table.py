@@ -3,21 +3,28 @@
     python -m benchmarks.coverage_table            # print the generated part of docs/models.md
     python -m benchmarks.coverage_table --write    # rewrite it in place
 
-The models, their tiny configs and the expected outcomes are tests/test_models.py's
-``MODELS`` (the tests assert them, training step against stock compile); this
-script runs :func:`compile_pass.explain` on each (Dynamo capture only, no training,
-~1 s a model on CPU), checks the outcome it observes against the expected one
-(exit status 1 on a mismatch), and prints the table with ``explain``'s own tables
-for a tiny Llama and a tiny Gemma 2.
+The documented dozen, their expected outcomes and what each does between lm_head and
+loss are :data:`MODELS`, this script's own; each is built tiny by
+``benchmarks.tiny_models`` (the sweep's tiny configs, plus the fields an entry sets,
+e.g. Cohere's ``logit_scale``). The script runs :func:`compile_pass.explain` on each
+(Dynamo capture only, no training, ~1 s a model on CPU), checks the outcome it
+observes against the expected one (exit status 1 on a mismatch, and ``--write``
+writes nothing then), and prints the table with ``explain``'s own tables for a tiny
+Llama and a tiny Gemma 2. ``tests/test_models.py`` trains its own tiny builds of the
+same models against stock compile and checks this table's rows against its registry.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from benchmarks.tables import markdown
+from benchmarks.tiny_models import BATCH, SEQ, VOCAB_SIZE, build_model, make_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "models.md"
@@ -25,52 +32,65 @@ BEGIN, END = "<!-- coverage_table: begin -->", "<!-- coverage_table: end -->"
 EXPLAINED = ("Llama", "Gemma 2")
 
 
-def load_tests():
-    """tests/test_models.py as a module (the registry lives with the tests that assert it)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    spec = importlib.util.spec_from_file_location("test_models", ROOT / "tests" / "test_models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+@dataclass(frozen=True)
+class Entry:
+    """One row: a model type of the registry and what the pass does with it."""
+
+    name: str
+    model_type: str  # transformers' model type (its class from the causal-LM registry)
+    outcome: str = "rewritten"  # or "refused"
+    reason_key: str = ""  # counter key of a refusal: counters["chunkce"][f"refused_{key}"]
+    note: str = ""  # what the model does between lm_head and loss
+    fields: dict[str, Any] = field(default_factory=dict)  # set on the tiny config
 
 
-def forms_of(tests, name: str) -> str:
-    forms = [form for model, form in tests.CASES if model == name]
-    return ", ".join(f"{form} (Inductor)" if (name, form) in tests.INDUCTOR else form for form in forms)
+MODELS = (
+    Entry("Llama", "llama"),
+    Entry("Mistral", "mistral"),
+    Entry("Qwen2", "qwen2"),
+    Entry("Qwen3", "qwen3"),
+    Entry("Phi-3", "phi3"),
+    Entry("GPT-2", "gpt2", note="tied embeddings; `logger.warning_once` in the loss path "
+                                "(skipped while tracing for chunkce)"),
+    Entry("Qwen2-MoE", "qwen2_moe", note="mixture of experts"),
+    Entry("Mixtral", "mixtral", note="mixture of experts"),
+    Entry("Gemma 2", "gemma2", "refused", "soft_cap", "`final_logit_softcapping`: tanh(logits / c) * c"),
+    Entry("Gemma 3", "gemma3_text", "refused", "soft_cap", "`final_logit_softcapping` (set; off by default)",
+          {"final_logit_softcapping": 30.0}),
+    Entry("Cohere", "cohere", note="`logit_scale`: logits * scale, absorbed into the op", fields={"logit_scale": 0.25}),
+    Entry("Granite", "granite", note="`logits_scaling`: logits / scale, absorbed into the op",
+          fields={"logits_scaling": 3.0}),
+)
 
 
 def generate() -> tuple[str, list[str]]:
-    """The generated markdown, and every mismatch between explain and the registry."""
+    """The generated markdown, and every mismatch between explain and :data:`MODELS`."""
     os.environ.setdefault("CHUNKCE_EAGER_KERNELS", "1")
     import torch
     import transformers
 
     import compile_pass
 
-    tests = load_tests()
-    rows, tables, mismatches = [], {}, []
-    for spec in tests.MODELS:
-        input_ids, labels = tests.make_batch()
-        report = compile_pass.explain(tests.build(spec), input_ids=input_ids, labels=labels)
+    body, tables, mismatches = [], {}, []
+    for entry in MODELS:
+        model = build_model(entry.model_type, entry.fields)
+        input_ids, labels = make_batch(VOCAB_SIZE)
+        report = compile_pass.explain(model, input_ids=input_ids, labels=labels)
         observed = [(r.decision, r.reason_key) for r in report.records]
-        if observed != [(spec.outcome, spec.reason_key)] or report.graph_breaks:
-            mismatches.append(f"{spec.name}: expected {spec.outcome} {spec.reason_key or ''}, explain says "
+        if observed != [(entry.outcome, entry.reason_key)] or report.graph_breaks:
+            mismatches.append(f"{entry.name}: expected {entry.outcome} {entry.reason_key or ''}, explain says "
                               f"{observed}, graph breaks {report.graph_breaks}")
-        key = f"`{spec.reason_key}`" if spec.reason_key else "-"
-        rows.append(f"| {spec.name} | `{spec.model_class}` | {spec.outcome} | {key} | {spec.note or '-'} "
-                    f"| {forms_of(tests, spec.name)} |")
-        if spec.name in EXPLAINED:
-            tables[spec.name] = str(report)
+        body.append([entry.name, f"`{type(model).__name__}`", entry.outcome,
+                     f"`{entry.reason_key}`" if entry.reason_key else "-", entry.note or "-"])
+        if entry.name in EXPLAINED:
+            tables[entry.name] = str(report)
     lines = [
         BEGIN,
         f"Generated by `python -m benchmarks.coverage_table --write` (torch {torch.__version__}, "
-        f"transformers {transformers.__version__}); tiny configs: hidden 32, 1 layer, 4 heads / 2 kv heads, "
-        f"vocab {tests.V}, fp32, batch {tests.B} x {tests.T} tokens.",
+        f"transformers {transformers.__version__}); the sweep's tiny configs (`benchmarks/tiny_models.py`: "
+        f"hidden 64, 1 layer, 4 heads / 2 kv heads, vocab {VOCAB_SIZE}, fp32, batch {BATCH} x {SEQ} tokens).",
         "",
-        "| model | class | outcome | reason key | between lm_head and loss | tested forms |",
-        "| --- | --- | --- | --- | --- | --- |",
-        *rows,
+        markdown(["model", "class", "outcome", "reason key", "between lm_head and loss"], body),
         "",
     ]
     for name, table in tables.items():
@@ -85,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help=f"rewrite the generated part of {DOC.name}")
     args = parser.parse_args(argv)
     text, mismatches = generate()
-    if args.write:
+    if args.write and not mismatches:
         doc = DOC.read_text()
         start, end = doc.index(BEGIN), doc.index(END) + len(END)
         DOC.write_text(doc[:start] + text + doc[end:])
-    else:
+    elif not args.write:
         print(text)
     for mismatch in mismatches:
         print(f"MISMATCH {mismatch}", file=sys.stderr)

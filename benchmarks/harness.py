@@ -1,9 +1,9 @@
-"""What both benchmarks measure with and how they report: time, peak memory, CSV, tables.
+"""What the benchmarks measure with and record: time, peak memory, environment, CSV.
 
     stats = time_region(run, prepare, device, warmup=3, reps=10)   # ms: p20 / p50 / p80
     peak, retained = memory_region(run, prepare, device)          # bytes, measured
     rss = rss_region(run, prepare)                                # bytes of resident memory, Linux
-    write_csv(rows, "out.csv"); print_table(rows, ...)
+    write_csv(rows, "out.csv")                                    # tables: benchmarks.tables
 
 ``prepare`` runs before each timed or measured call and is never counted (it zeroes
 gradients, or runs the forward whose backward is measured); ``run`` gets what it
@@ -24,7 +24,7 @@ import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,38 +216,3 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str, *, append: bool = False
         if new:
             writer.writeheader()
         writer.writerows(rows)
-
-
-def format_table(header: Sequence[str], body: Iterable[Sequence[Any]]) -> str:
-    """A plain text table (``tabulate``'s when it is installed)."""
-    body = [[str(c) for c in row] for row in body]
-    try:
-        from tabulate import tabulate
-        return tabulate(body, headers=list(header), stralign="right")
-    except ImportError:
-        pass
-    widths = [max(len(str(h)), *(len(r[i]) for r in body)) if body else len(str(h))
-              for i, h in enumerate(header)]
-    lines = ["  ".join(str(h).rjust(w) for h, w in zip(header, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body]
-    return "\n".join(lines)
-
-
-def pivot(rows: Sequence[dict[str, Any]], row_keys: Sequence[str], column_key: str,
-          cell: Callable[[dict[str, Any], dict[str, Any] | None], str],
-          baseline: str | None = None) -> tuple[list[str], list[list[str]]]:
-    """Rows keyed by ``row_keys`` against one column per value of ``column_key``.
-
-    ``cell(row, baseline_row)`` renders a cell; ``baseline_row`` is the row of the
-    same key whose ``column_key`` equals ``baseline`` (None if absent).
-    """
-    columns = list(dict.fromkeys(r[column_key] for r in rows))
-    grid: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        grid.setdefault(tuple(r[k] for k in row_keys), {})[r[column_key]] = r
-    body = []
-    for key, by_column in grid.items():
-        base = by_column.get(baseline) if baseline is not None else None
-        body.append([*key, *(cell(by_column[c], base) if c in by_column else "" for c in columns)])
-    return [*row_keys, *columns], body

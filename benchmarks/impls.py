@@ -26,18 +26,27 @@ target, ignore_index=-100)`` (mean) and gets its gradients into ``hidden.grad`` 
     liger                 ``liger_kernel``'s fused linear cross-entropy (CUDA, Triton)
     cce                   Apple's Cut Cross-Entropy (CUDA, Triton)
 
-A provider that cannot run here says why (``Impl.problem``) and is skipped; one whose
-compile-time rewrite did not happen (the auto-chunker refusing the graph, the chunkce
-pass not rewriting the site) raises from its first call that compiled a graph, with
-the reason, so it is reported as failed, never timed as if it had run.
+A provider of others (torch's or Inductor's chunker on an older torch, Liger or CCE
+off CUDA or not installed) that cannot run here says why (``Impl.problem``) and is
+skipped. Ours (``Impl.ours``: chunkce's op, backend, grads-in-forward mode, chunk
+rule and the floors built on it) have no such escape: anything of ours missing
+raises, and the benchmark reports it as failed and exits non-zero. A provider whose
+compile-time rewrite did not happen (the auto-chunker refusing the graph, the
+chunkce pass not rewriting the site) raises from its first call that compiled a
+graph, with the reason, so it is reported as failed, never timed as if it had run.
+
+Nothing is configured on import: the benchmarks wrap their runs in
+:func:`dynamo_limits` (Dynamo's recompile limit raised for the many shapes and
+dtypes one process may put through the same compiled functions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
-import inspect
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,11 +60,19 @@ from benchmarks.floors import RecomputeFloor, UnfusedFloor
 
 IGNORE_INDEX = -100
 
-# Many shapes and dtypes go through the same compiled functions.
-for _name in ("recompile_limit", "cache_size_limit"):
-    if hasattr(torch._dynamo.config, _name):
-        setattr(torch._dynamo.config, _name, max(64, getattr(torch._dynamo.config, _name)))
-        break
+
+def dynamo_limits(limit: int = 64) -> contextlib.AbstractContextManager:
+    """``torch._dynamo.config.patch`` raising the recompile limit to at least ``limit``.
+
+    One process may put many shapes and dtypes through the same compiled functions
+    (each provider's compiled closure shares its code object across cases); the
+    default limit (8) would make Dynamo fall back to eager for the later ones.
+    """
+    config = torch._dynamo.config
+    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
+    if name is None:
+        return contextlib.nullcontext()
+    return config.patch(**{name: max(limit, getattr(config, name))})
 
 
 @dataclass
@@ -86,9 +103,14 @@ LossFn = Callable[[], Tensor]
 class Impl:
     name: str
     build: Callable[[OpInputs], LossFn]
-    problem: Callable[[torch.device, OpInputs], str | None]  # why it cannot run; None = it can
+    problem: Callable[[torch.device, OpInputs], str | None] | None = None  # others': why it cannot run here
     note: Callable[[OpInputs], str] = lambda inputs: ""  # how it differs, for the report
     computes_loss: bool = True  # False for the floors: no loss, no error against fp64
+    ours: bool = False  # chunkce's: never skipped; any failure fails the benchmark
+
+    def why_not(self, device: torch.device, inputs: OpInputs) -> str | None:
+        """Why this provider of others cannot run here (None: it can; always None for ours)."""
+        return None if self.problem is None else self.problem(device, inputs)
 
 
 def unfused_loss(hidden: Tensor, weight: Tensor, target: Tensor,
@@ -134,9 +156,7 @@ def _auto_chunker_problem(device: torch.device, inputs: OpInputs) -> str | None:
 
 
 def _forced_chunks(inputs: OpInputs) -> int:
-    size, _ = chunkce_chunk_size(inputs)
-    n = inputs.hidden.shape[0]
-    return max(2, -(-n // (size or max(1, n // 8))))
+    return max(2, -(-inputs.hidden.shape[0] // chunkce_chunk_size(inputs)))
 
 
 def _build_autochunk(inputs: OpInputs, *, forced: bool) -> LossFn:
@@ -238,55 +258,30 @@ class LMHeadLoss(nn.Module):
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
 
 
-@functools.cache
-def chunkce_backend() -> tuple[object | None, str | None]:
-    """``(backend, None)`` to pass to torch.compile, or ``(None, why not)``.
-
-    The name ``"chunkce"`` when Dynamo finds it (entry point installed); else the
-    callable from ``compile_pass.backend`` (e.g. the package on PYTHONPATH only).
-    """
-    try:
-        if "chunkce" in torch._dynamo.list_backends(exclude_tags=()):
-            torch._dynamo.lookup_backend("chunkce")
-            return "chunkce", None
-    except Exception:  # noqa: BLE001 - an entry point whose module is missing or broken
-        pass
-    try:
-        backend = importlib.import_module("compile_pass.backend")
-    except ImportError as e:
-        return None, f"backend 'chunkce' not registered and compile_pass.backend not importable ({e})"
-    fn = getattr(backend, "chunkce_backend", None)
-    if fn is None:
-        return None, "compile_pass.backend has no chunkce_backend"
-    return fn, None
-
-
-def chunkce_chunk_size(inputs: OpInputs) -> tuple[int | None, str | None]:
-    """``(tokens per chunk, None)`` chunkce uses for these inputs, or ``(None, why unknown)``.
+def chunkce_chunk_size(inputs: OpInputs) -> int:
+    """Tokens per chunk chunkce uses for these inputs.
 
     Asks the op's own rule (``compile_pass.op.chunking.resolve_chunk_size``), so an
-    explicit ``chunk_size`` and ``CHUNKCE_CHUNK_SIZE`` count as they do in the op.
+    explicit ``chunk_size`` and ``CHUNKCE_CHUNK_SIZE`` count as they do in the op;
+    raises whatever the rule raises (ours: a changed signature must fail loudly).
     """
+    from compile_pass.op.chunking import resolve_chunk_size
+
     n, h = inputs.hidden.shape
     v = inputs.weight.shape[0]
-    try:
-        from compile_pass.op.chunking import resolve_chunk_size
-        return int(resolve_chunk_size(inputs.chunk_size, n, h, v, inputs.hidden.element_size(),
-                                      inputs.hidden.device.type)), None
-    except Exception as e:  # noqa: BLE001 - the rule's signature is the op's to change
-        return None, f"compile_pass.op.chunking.resolve_chunk_size failed ({type(e).__name__}: {e})"
+    return int(resolve_chunk_size(inputs.chunk_size, n, h, v, inputs.hidden.element_size(),
+                                  inputs.hidden.device.type))
 
 
 def _chunkce_note(inputs: OpInputs) -> str:
-    size, why = chunkce_chunk_size(inputs)
-    return f"chunk {size} tokens" if size else (why or "")
+    return f"chunk {chunkce_chunk_size(inputs)} tokens"
 
 
 def _build_chunkce_compiled(inputs: OpInputs) -> LossFn:
     """The backend on an lm_head + loss module; raises at the first call if nothing was rewritten."""
-    backend, _ = chunkce_backend()
     kwargs = {"options": {"chunk_size": inputs.chunk_size}} if inputs.chunk_size else {}
-    module = torch.compile(LMHeadLoss(inputs.weight, inputs.logits_dtype), backend=backend,
+    # "chunkce" is registered by ``import compile_pass``; torch.compile raises here if it is not.
+    module = torch.compile(LMHeadLoss(inputs.weight, inputs.logits_dtype), backend="chunkce",
                            dynamic=inputs.dynamic, **kwargs)
     counters = torch._dynamo.utils.counters
     checked = False
@@ -306,29 +301,14 @@ def _build_chunkce_compiled(inputs: OpInputs) -> LossFn:
     return loss
 
 
-def _gif_problem(device: torch.device, inputs: OpInputs) -> str | None:
-    try:
-        params = inspect.signature(compile_pass.linear_cross_entropy).parameters
-    except (TypeError, ValueError) as e:
-        return f"cannot read compile_pass.linear_cross_entropy's signature ({e})"
-    if "grads_in_forward" not in params:
-        return ("compile_pass.linear_cross_entropy has no grads_in_forward keyword "
-                "(issue 9's opt-in mode not in this checkout)")
-    return None
-
-
 def _build_chunkce(inputs: OpInputs, **extra) -> LossFn:
     return lambda: compile_pass.linear_cross_entropy(
         inputs.hidden, inputs.weight, inputs.target, ignore_index=IGNORE_INDEX,
         logits_dtype=inputs.logits_dtype, chunk_size=inputs.chunk_size, **extra)
 
 
-def _floor_problem(device: torch.device, inputs: OpInputs) -> str | None:
-    return chunkce_chunk_size(inputs)[1]
-
-
 def _build_recompute_floor(inputs: OpInputs) -> LossFn:
-    chunk_size, _ = chunkce_chunk_size(inputs)
+    chunk_size = chunkce_chunk_size(inputs)
     return lambda: RecomputeFloor.apply(inputs.hidden, inputs.weight, chunk_size)
 
 
@@ -363,10 +343,6 @@ def _build_cce(inputs: OpInputs) -> LossFn:
                                         ignore_index=IGNORE_INDEX)
 
 
-def _always(device: torch.device, inputs: OpInputs) -> None:
-    return None
-
-
 def _native_logits(inputs: OpInputs) -> str:
     # These compute the softmax in fp32 from logits in the input dtype; no separate cast.
     return "logits in input dtype" if inputs.logits_dtype is not None else ""
@@ -377,24 +353,31 @@ def _grads_in_forward(inputs: OpInputs) -> str:
 
 
 IMPLS: dict[str, Impl] = {impl.name: impl for impl in (
-    Impl("unfused-eager",
-         lambda i: lambda: unfused_loss(i.hidden, i.weight, i.target, i.logits_dtype), _always),
-    Impl("unfused-compiled", _unfused_compiled, _always),
+    Impl("unfused-eager", lambda i: lambda: unfused_loss(i.hidden, i.weight, i.target, i.logits_dtype)),
+    Impl("unfused-compiled", _unfused_compiled),
     Impl("autochunk", functools.partial(_build_autochunk, forced=False), _auto_chunker_problem,
          lambda i: "Inductor's default chunk count"),
     Impl("autochunk-forced", functools.partial(_build_autochunk, forced=True), _auto_chunker_problem,
          _autochunk_note),
     Impl("torch-lce", _build_torch_lce, _torch_lce_problem, _grads_in_forward),
     Impl("torch-lce-compiled", _build_torch_lce_compiled, _torch_lce_problem, _grads_in_forward),
-    Impl("chunkce", _build_chunkce, _always, _chunkce_note),
-    Impl("chunkce-compiled", _build_chunkce_compiled, lambda device, inputs: chunkce_backend()[1],
-         _chunkce_note),
-    Impl("chunkce-gif", functools.partial(_build_chunkce, grads_in_forward=True), _gif_problem,
-         lambda i: "; ".join(filter(None, ("grads computed in forward", _chunkce_note(i))))),
-    Impl("floor-recompute", _build_recompute_floor, _floor_problem,
-         lambda i: f"4 matmuls, {_chunkce_note(i)}", computes_loss=False),
-    Impl("floor-unfused", _build_unfused_floor, _always, lambda i: "3 matmuls, whole [N, V]",
-         computes_loss=False),
+    Impl("chunkce", _build_chunkce, note=_chunkce_note, ours=True),
+    Impl("chunkce-compiled", _build_chunkce_compiled, note=_chunkce_note, ours=True),
+    Impl("chunkce-gif", functools.partial(_build_chunkce, grads_in_forward=True),
+         note=lambda i: "; ".join(("grads computed in forward", _chunkce_note(i))), ours=True),
+    Impl("floor-recompute", _build_recompute_floor, note=lambda i: f"4 matmuls, {_chunkce_note(i)}",
+         computes_loss=False, ours=True),
+    Impl("floor-unfused", _build_unfused_floor, note=lambda i: "3 matmuls, whole [N, V]", computes_loss=False),
     Impl("liger", _build_liger, _triton_problem("liger_kernel.transformers.functional"), _grads_in_forward),
     Impl("cce", _build_cce, _triton_problem("cut_cross_entropy"), _native_logits),
 )}
+
+
+def exit_status(rows: list[dict], describe: Callable[[dict], str]) -> int:
+    """1 when one of our providers (``Impl.ours``) has a ``failed`` row, each printed to
+    stderr as ``BROKEN (ours): describe(row)``; else 0. For the benchmarks' ``main``."""
+    broken = list(dict.fromkeys(describe(r) for r in rows
+                                if r["metric"] == "failed" and r["impl"] in IMPLS and IMPLS[r["impl"]].ours))
+    for line in broken:
+        print(f"BROKEN (ours): {line}", file=sys.stderr)
+    return 1 if broken else 0

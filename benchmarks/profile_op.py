@@ -6,7 +6,7 @@
 Per chunk size: the op's time split into matmuls (projection, its recompute in
 backward, grad_hidden, grad_weight accumulation), the Inductor-compiled per-chunk
 kernels, and the rest; the matmuls' achieved FLOP/s against 4 * 2*N*H*V FLOPs;
-then the top operators. Inputs come from ``bench_op.setup``.
+then the top operators. Inputs come from ``benchmarks.cases.setup``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import harness
-from benchmarks.bench_op import DTYPES, SHAPES, Case, setup
-from benchmarks.impls import IMPLS
+from benchmarks.cases import DTYPES, SHAPES, Case, setup
+from benchmarks.impls import IMPLS, dynamo_limits
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::addmm_")  # leaves: aten::matmul calls aten::mm
 
@@ -89,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     harness.print_environment(args.device)
     logits_dtype = torch.float32 if args.logits_dtype == "fp32" else None
-    for chunk_size in args.chunk_size:
-        case = Case(args.shape, args.tokens, args.dtype, logits_dtype, chunk_size, args.device)
-        profile_case(case, args.impl, args.top)
-        harness.release_memory(args.device)
+    with dynamo_limits():
+        for chunk_size in args.chunk_size:
+            case = Case(args.shape, args.tokens, args.dtype, logits_dtype, chunk_size, args.device)
+            profile_case(case, args.impl, args.top)
+            harness.release_memory(args.device)
     return 0
 
 

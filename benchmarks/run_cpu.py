@@ -18,6 +18,9 @@ Writes ``<out>/op_cpu.csv``, ``scaling_cpu.csv``, ``model_cpu.csv``,
 ``model_cap_cpu.csv``, ``cpu_tables.md`` (the markdown tables the docs quote) and
 the plots into ``<img>``; default ``benchmarks/results`` and ``docs/img``
 (``--quick``: a temporary directory, so a check never overwrites the documented run).
+The tables are each benchmark's own markdown tables (``op_report.op_table``,
+``bench_model.step_table`` / ``cap_table``, ``scaling.tables``) read back from the
+CSVs. A stage that fails (exit status non-zero) makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks import bench_model, isolate, op_report, scaling
 
 # Stage settings: (full run, --quick).
 OP_CASE = {"full": ["--shapes", "h1024-v32k", "--tokens", "2048", "--warmup", "1", "--reps", "3"],
@@ -45,26 +49,12 @@ CPU_IMPLS = ["unfused-eager", "unfused-compiled", "autochunk", "autochunk-forced
 STAGES = ("op", "model", "cap", "example", "scaling")
 
 
-def _stage(name: str, cmd: list[str], timeout: float | None, log: str | None = None) -> str:
+def _stage(name: str, cmd: list[str], log: str | None = None) -> tuple[str, bool]:
+    """One stage in its own process (its output shown, and kept in ``log`` when given)."""
     print(f"\n=== {name}: {' '.join(cmd)}", flush=True)
-    start = time.perf_counter()
-    try:
-        if log:  # keep the output as well as showing it
-            with open(log, "w") as f:
-                proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-                for line in proc.stdout:
-                    sys.stdout.write(line)
-                    f.write(line)
-                code = proc.wait(timeout=timeout)
-        else:
-            code = subprocess.run([sys.executable, "-m", *cmd], timeout=timeout).returncode
-        status = f"rc={code}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {timeout:.0f} s"
-    took = time.perf_counter() - start
-    print(f"=== {name}: {status}, {took:.0f} s", flush=True)
-    return f"{name}: {status}, {took:.0f} s"
+    child = isolate.run(cmd, results=False, log=log, tee=bool(log))
+    print(f"=== {name}: {child.status}, {child.seconds:.0f} s", flush=True)
+    return f"{name}: {child.status}, {child.seconds:.0f} s", child.ok
 
 
 def _read(path: str) -> list[dict]:
@@ -74,106 +64,11 @@ def _read(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def _md(header: list[str], body: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
-
-
-def _num(value: str) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
-def op_markdown(rows: list[dict]) -> str:
-    """The op table: one row per provider, full mode, ratios against compiled unfused and the floor."""
-    def get(impl: str, run: str, metric: str) -> float | None:
-        return next((_num(r["p50"]) for r in rows if r["impl"] == impl and r["run"] == run
-                     and r["metric"] == metric and r["mode"] == "full"), None)
-
-    t_base, t_floor = get("unfused-compiled", "speed", "time"), get("floor-recompute", "speed", "time")
-    w_base = get("unfused-compiled", "memory", "beyond_grads")
-    body = []
-    for impl in dict.fromkeys(r["impl"] for r in rows):
-        bad = next((r for r in rows if r["impl"] == impl and r["metric"] in ("skipped", "failed")), None)
-        t = get(impl, "speed", "time")
-        if bad and t is None:
-            body.append([f"`{impl}`", f"{bad['metric']}: {bad['note']}", *[""] * 8])
-            continue
-        peak, beyond, rss = (get(impl, "memory", m) for m in ("peak", "beyond_grads", "rss_peak"))
-        errs = [get(impl, "memory", m) for m in ("loss_err", "grad_hidden_err", "grad_weight_err")]
-        body.append([
-            f"`{impl}`", f"{t:.0f}" if t is not None else "",
-            f"{t / t_base:.2f}x" if t and t_base else "", f"{t / t_floor:.2f}x" if t and t_floor else "",
-            f"{peak:.0f}" if peak is not None else "", f"{beyond:.0f}" if beyond is not None else "",
-            f"{beyond / w_base:.3f}x" if beyond is not None and w_base else "",
-            f"{rss:.0f}" if rss is not None else "",
-            " / ".join(f"{e:.1e}" for e in errs) if all(e is not None for e in errs) else "-",
-            next((r["note"] for r in rows if r["impl"] == impl and r.get("note")), ""),
-        ])
-    header = ["provider", "ms", "x compiled", "x floor", "peak MiB", "beyond grads MiB", "x compiled",
-              "peak RSS MiB", "error vs fp64: loss / grad_hidden / grad_weight", "note"]
-    return _md(header, body)
-
-
-def scaling_markdown(rows: list[dict]) -> str:
-    tokens = sorted({int(r["tokens"]) for r in rows})
-    out = []
-    for title, key in (("MiB beyond the inputs' gradients (allocator peak)", "beyond_grads_mib"),
-                       ("seconds per forward + backward", "ms")):
-        body = []
-        for impl in dict.fromkeys(r["impl"] for r in rows):
-            cells = []
-            for n in tokens:
-                r = next((r for r in rows if r["impl"] == impl and int(r["tokens"]) == n), None)
-                if r is None:
-                    cells.append("")
-                elif r["metric"] == "measured":
-                    v = float(r[key])
-                    cells.append(f"{v / 1e3:.1f}" if key == "ms" else f"{v:.0f}")
-                else:
-                    cells.append(r["metric"])
-            body.append([f"`{impl}`", *cells])
-        out.append(f"{title}:\n\n" + _md(["provider", *map(str, tokens)], body))
-    notes = [f"- `{r['impl']}` at N = {r['tokens']}: {r['metric']}, {r['note']}" for r in rows
-             if r["metric"] in ("skipped", "failed")]
-    return "\n\n".join(out + (["\n".join(notes)] if notes else []))
-
-
-def model_markdown(rows: list[dict]) -> str:
-    base = next((r for r in rows if r["backend"] == "inductor" and _num(r["peak_mib"])), None)
-    body = []
-    for r in rows:
-        if not _num(r["peak_mib"]):
-            body.append([r["backend"], f"failed: {r['note']}", *[""] * 7])
-            continue
-        ratio = lambda key: f" ({float(r[key]) / float(base[key]):.2f}x)" if base and r is not base else ""  # noqa: E731
-        body.append([r["backend"], f"{float(r['step_ms_p50']):.0f}{ratio('step_ms_p50')}",
-                     f"{float(r['tokens_per_s']):.0f}", f"{float(r['peak_mib']):.1f}{ratio('peak_mib')}",
-                     f"{float(r['peak_fwd_bwd_mib']):.1f}", f"{float(r['static_mib']):.1f}",
-                     f"{float(r['warmup_s']):.0f}", r["sites_rewritten"] or "-",
-                     f"{float(r['max_loss_diff_vs_inductor']):.1e}" if r.get("max_loss_diff_vs_inductor") else "-"])
-    return _md(["backend", "step ms (p50)", "tokens/s", "step peak MiB (above params + AdamW)",
-                "fwd + bwd peak MiB", "params + AdamW MiB", "warm-up s", "sites rewritten",
-                "max loss diff vs inductor"], body)
-
-
-def cap_markdown(rows: list[dict]) -> str:
-    body = [[r["backend"], r["batch"], r["tokens"], f"{float(r['total_mib']):.0f}", r["fits"]] for r in rows]
-    best = {}
-    for r in rows:
-        if r["fits"] == "True":
-            best[r["backend"]] = max(best.get(r["backend"], 0), int(r["tokens"]))
-    summary = ", ".join(f"{b}: {t} tokens" for b, t in best.items())
-    return _md(["backend", "batch", "tokens", "MiB in all", "fits"], body) + f"\n\nLargest step that fits: {summary}."
-
-
 def write_tables(out: str) -> str:
     parts = []
-    for title, name, fn in (("Op", "op_cpu.csv", op_markdown), ("Model", "model_cpu.csv", model_markdown),
-                            ("Memory cap", "model_cap_cpu.csv", cap_markdown),
-                            ("Scaling", "scaling_cpu.csv", scaling_markdown)):
+    for title, name, fn in (("Op", "op_cpu.csv", op_report.op_table), ("Model", "model_cpu.csv", bench_model.step_table),
+                            ("Memory cap", "model_cap_cpu.csv", bench_model.cap_table),
+                            ("Scaling", "scaling_cpu.csv", scaling.tables)):
         rows = _read(os.path.join(out, name))
         parts.append(f"## {title} ({name})\n\n" + (fn(rows) if rows else "(no rows)"))
     path = os.path.join(out, "cpu_tables.md")
@@ -197,25 +92,31 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(img, exist_ok=True)
     chunk = ["--chunk-size", str(args.chunk_size)] if args.chunk_size else []
     commands = {
-        "op": ["benchmarks.bench_op", "--device", "cpu", *OP_CASE[mode], "--modes", "full", "--isolate",
+        "op": ["-m", "benchmarks.bench_op", "--device", "cpu", *OP_CASE[mode], "--modes", "full", "--isolate",
                "--impls", *CPU_IMPLS, *chunk, "--csv", os.path.join(out, "op_cpu.csv")],
-        "model": ["benchmarks.bench_model", "--device", "cpu", *MODEL[mode], "--backends", "inductor", "chunkce",
+        "model": ["-m", "benchmarks.bench_model", "--device", "cpu", *MODEL[mode], "--backends", "inductor", "chunkce",
                   "--isolate", *chunk, "--csv", os.path.join(out, "model_cpu.csv")],
-        "cap": ["benchmarks.bench_model", "--device", "cpu", *CAP[mode], "--backends", "inductor", "chunkce",
+        "cap": ["-m", "benchmarks.bench_model", "--device", "cpu", *CAP[mode], "--backends", "inductor", "chunkce",
                 "--isolate", *chunk, "--csv", os.path.join(out, "model_cap_cpu.csv"),
                 "--plot", os.path.join(img, "model_cap_cpu.png")],
-        "scaling": ["benchmarks.scaling", "--device", "cpu", *SCALING[mode], "--impls", *CPU_IMPLS, *chunk,
+        "scaling": ["-m", "benchmarks.scaling", "--device", "cpu", *SCALING[mode], "--impls", *CPU_IMPLS, *chunk,
                     "--csv", os.path.join(out, "scaling_cpu.csv"), "--plot", os.path.join(img, "scaling_cpu.png")],
     }
     example = ["examples/train_compiled.py", "--device", "cpu",
                *(["--steps", "3", "--warmup", "1", "--batch-size", "2", "--seq-len", "64", "--max-bytes", "200000"]
                  if args.quick else [])]
     start = time.perf_counter()
-    done = [_stage(name, example, None, os.path.join(out, "example_cpu.txt")) if name == "example"
-            else _stage(name, commands[name], None) for name in args.stages]
+    log = os.path.join(out, "example_cpu.txt")
+    if "example" in args.stages and os.path.exists(log):
+        os.remove(log)  # the log is appended to: this run's output only
+    done = [_stage(name, example, log) if name == "example" else _stage(name, commands[name])
+            for name in args.stages]
     print(f"\nwrote {write_tables(out)}; PNGs in {img}")
-    print("\n".join(done) + f"\nall stages: {time.perf_counter() - start:.0f} s")
-    return 0
+    print("\n".join(line for line, _ in done) + f"\nall stages: {time.perf_counter() - start:.0f} s")
+    failed = [line for line, ok in done if not ok]
+    for line in failed:
+        print(f"FAILED stage {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
         --csv benchmarks/results/scaling_cpu.csv --plot docs/img/scaling_cpu.png
 
 One fresh process per provider (``benchmarks.impls``) walks the token counts in
-ascending order on inputs from ``bench_op.setup``. At each N: one forward + backward
+ascending order on inputs from ``benchmarks.cases.setup``. At each N: one forward + backward
 under ``compile_pass.memory.PeakMemory`` (the compiled providers compile at their
 first call, here; the allocator-level peak above the inputs, so the compiler's own
 Python objects do not count). That call's wall time is the time, unless it
@@ -20,24 +20,25 @@ predicts (linearly in N) a peak beyond ``--mem-cap-gib`` or a call longer than
 exhaust the machine, and the table says where and why. Compiled providers use
 ``dynamic=None`` (one recompile, at the second size); the auto-chunker is always
 compiled static (it refuses dynamic shapes), so it compiles at every size.
+
+One of our providers (``Impl.ours``) is never skipped for being unable to run, and
+a size it fails at is listed as ``BROKEN`` and makes the exit status 1 (a size
+skipped for the predicted memory or time is not a failure).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 import torch
 
-from benchmarks import harness
-from benchmarks.bench_op import DTYPES, SHAPES, Case, setup
-from benchmarks.impls import IMPLS
+from benchmarks import harness, isolate
+from benchmarks.cases import DTYPES, SHAPES, Case, setup
+from benchmarks.impls import IMPLS, dynamo_limits, exit_status
+from benchmarks.tables import fmt, markdown
 
 MiB = harness.MiB
 COLUMNS = ("impl", "shape", "tokens", "hidden", "vocab", "dtype", "chunk_size", "device", "metric",
@@ -54,7 +55,7 @@ def measure(case: Case, impl_name: str, reps: int) -> dict:
     impl = IMPLS[impl_name]
     inputs = setup(case)
     row = {**case.describe(), "impl": impl_name, "grads_mib": inputs.grad_bytes / MiB}
-    problem = impl.problem(case.device, inputs)
+    problem = impl.why_not(case.device, inputs)
     if problem:
         return {**row, "metric": "skipped", "note": problem}
     loss_fn = impl.build(inputs)
@@ -81,9 +82,8 @@ def _input_bytes(case: Case) -> int:
     return (case.tokens * shape.hidden_size + shape.vocab_size * shape.hidden_size) * case.dtype.itemsize
 
 
-def walk(impl_name: str, args: argparse.Namespace, out_path: str) -> None:
-    """Child: every token count for one provider; rows written after each size."""
-    rows: list[dict] = []
+def walk(impl_name: str, args: argparse.Namespace, out: isolate.Reporter) -> None:
+    """Child: every token count for one provider; each size's row reported when measured."""
     last = None  # the last measured row
     failed = None  # the first row after which larger sizes cannot run
     logits_dtype = torch.float32 if args.logits_dtype == "fp32" else None
@@ -117,58 +117,53 @@ def walk(impl_name: str, args: argparse.Namespace, out_path: str) -> None:
         print(f"  {impl_name} N={tokens}: {row['metric']} "
               + (f"peak {row['peak_mib']:.0f} MiB, {row['ms']:.0f} ms" if row["metric"] == "measured"
                  else row.get("note", "")), flush=True)
-        rows.append({c: row.get(c, "") for c in COLUMNS})
+        out.record({c: row.get(c, "") for c in COLUMNS})
         if row["metric"] == "measured":
             last = row
         elif (row["metric"] == "failed" and "memory" in row["note"].lower()) or (
                 row["metric"] == "skipped" and last is None):
             failed = failed or row  # out of memory, or cannot run here: larger sizes neither
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in args.impls:
-            out = os.path.join(tmp, f"{name}.json")
-            cmd = [sys.executable, "-m", "benchmarks.scaling", "--child", name, "--child-out", out,
-                   *args.passthrough]
-            start = time.perf_counter()
-            try:
-                code = subprocess.run(cmd, timeout=args.run_timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = f"timeout after {args.run_timeout} s"
-            got = json.load(open(out)) if os.path.exists(out) else []
-            done = {r["tokens"] for r in got}
-            for tokens in args.tokens:  # sizes a killed child never reported: say so
-                if tokens not in done:
-                    got.append({c: "" for c in COLUMNS} | {"impl": name, "shape": args.shape, "tokens": tokens,
-                                                         "metric": "failed",
-                                                         "note": f"child process ended ({code}) before this size"})
-            print(f"  {name}: {time.perf_counter() - start:.0f} s", flush=True)
-            rows += sorted(got, key=lambda r: int(r["tokens"]))
-            if args.csv:
-                harness.write_csv(rows, args.csv)
+    for name in args.impls:
+        child = isolate.run(["-m", "benchmarks.scaling", "--child", name, *args.passthrough],
+                            timeout=args.run_timeout)
+        got = child.records
+        done = {r["tokens"] for r in got}
+        for tokens in args.tokens:  # sizes a killed child never reported: say so
+            if tokens not in done:
+                got.append({c: "" for c in COLUMNS} | {"impl": name, "shape": args.shape, "tokens": tokens,
+                                                     "metric": "failed",
+                                                     "note": f"child process ended ({child.status}) before this size"})
+        print(f"  {name}: {child.seconds:.0f} s", flush=True)
+        rows += sorted(got, key=lambda r: int(r["tokens"]))
+        if args.csv:
+            harness.write_csv(rows, args.csv)
     return rows
 
 
-def report(rows: list[dict]) -> None:
+def tables(rows: list[dict]) -> str:
+    """Markdown: per provider (rows) and token count (columns) the working set, the peak and
+    the seconds per call, then a line for every size skipped or failed, with why."""
     tokens = sorted({int(r["tokens"]) for r in rows})
-    for title, key, fmt in (("working set beyond the gradients, MiB", "beyond_grads_mib", ".0f"),
-                            ("peak above the inputs, MiB", "peak_mib", ".0f"), ("ms per call", "ms", ".0f")):
+    out = []
+    for title, key, scale, spec in (("MiB beyond the inputs' gradients (allocator peak)", "beyond_grads_mib", 1, ".0f"),
+                                    ("MiB above the inputs (allocator peak)", "peak_mib", 1, ".0f"),
+                                    ("seconds per forward + backward", "ms", 1e3, ".1f")):
         body = []
         for impl in dict.fromkeys(r["impl"] for r in rows):
             cells = []
             for n in tokens:
                 r = next((r for r in rows if r["impl"] == impl and int(r["tokens"]) == n), None)
-                cells.append(format(float(r[key]), fmt) if r and r["metric"] == "measured"
-                             else (r["metric"] if r else ""))
-            body.append([impl, *cells])
-        print(f"\n{title}\n{harness.format_table(['provider', *map(str, tokens)], body)}")
-    for r in rows:
-        if r["metric"] in ("skipped", "failed"):
-            print(f"{r['metric']}: {r['impl']} N={r['tokens']}: {r['note']}")
+                measured = r is not None and r["metric"] == "measured"
+                cells.append(fmt(float(r[key]) / scale, spec) if measured else (r["metric"] if r else ""))
+            body.append([f"`{impl}`", *cells])
+        out.append(f"{title}:\n\n" + markdown(["provider", *map(str, tokens)], body))
+    notes = [f"- `{r['impl']}` at N = {r['tokens']}: {r['metric']}, {r['note']}" for r in rows
+             if r["metric"] in ("skipped", "failed")]
+    return "\n\n".join(out + (["\n".join(notes)] if notes else []))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -193,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="PNG path (matplotlib)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    isolate.add_result_argument(p)
     args = p.parse_args(argv)
     args.passthrough = list(argv if argv is not None else sys.argv[1:])
     args.device = torch.device(args.device) if args.device else harness.default_device()
@@ -207,11 +202,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        walk(args.child, args, args.child_out)
+        with dynamo_limits():
+            walk(args.child, args, isolate.Reporter(args.result_json))
         return 0
     harness.print_environment(args.device)
     rows = run_all(args)
-    report(rows)
+    print("\n" + tables(rows))
     if args.csv:
         print(f"\nwrote {len(rows)} rows to {args.csv}")
     if args.plot:
@@ -220,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                             f"{SHAPES[args.shape].vocab_size}), {args.device.type}, "
                                             f"{str(args.dtype).removeprefix('torch.')}")
         print(f"wrote {args.plot}")
-    return 0
+    return exit_status(rows, lambda r: f"{r['impl']} N={r['tokens']}: {r['note']}")
 
 
 if __name__ == "__main__":

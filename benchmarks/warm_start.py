@@ -13,8 +13,8 @@ warm run, and the ratio of chunkce's warm / cold to Inductor's (1.0 = chunkce
 gains from the caches exactly what stock Inductor gains).
 
 The rewritten graph holds only ``torch.ops.chunkce.*`` and torch ops, so
-AOTAutograd's cache accepts it; :func:`run_in_fresh_process` is also what
-``tests/test_compile_cache.py`` uses to assert the cache hits.
+AOTAutograd's cache accepts it (``tests/test_compile_cache.py`` asserts the hits
+with its own fresh processes). Every process here comes from ``benchmarks.isolate``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import functools
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+
+from benchmarks import isolate
+from benchmarks.tables import markdown
 
 MODELS = ("toy", "llama")
 BACKENDS = ("inductor", "chunkce")
@@ -111,18 +112,17 @@ def run_in_fresh_process(model_name: str, backend: str, cache_dir: str, options:
     counters and ``op_in_code`` (the op's name in the Inductor code it loaded).
 
     Raises:
-        RuntimeError: the worker failed (its stderr is in the message).
+        RuntimeError: the worker failed (the end of its output is in the message).
     """
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.warm_start", "--worker", model_name, backend,
-         "--options", json.dumps(options or {}), "--llama-layers", str(llama_layers)],
-        cwd=root, env=env, capture_output=True, text=True, timeout=timeout,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"warm_start worker {model_name}/{backend} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory(prefix="chunkce-warm-log-") as tmp:
+        child = isolate.run(["-m", "benchmarks.warm_start", "--worker", model_name, backend,
+                             "--options", json.dumps(options or {}), "--llama-layers", str(llama_layers)],
+                            env={"TORCHINDUCTOR_CACHE_DIR": cache_dir}, timeout=timeout,
+                            log=os.path.join(tmp, "log.txt"))
+    if not child.ok or not child.records:
+        raise RuntimeError(f"warm_start worker {model_name}/{backend} failed ({child.status}):\n"
+                           f"{child.output_tail}")
+    return child.records[-1]
 
 
 def main() -> None:
@@ -132,11 +132,12 @@ def main() -> None:
     parser.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the llama model")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    isolate.add_result_argument(parser)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(_worker(*args.worker, json.loads(args.options), args.llama_layers)))
+        isolate.Reporter(args.result_json).record(_worker(*args.worker, json.loads(args.options), args.llama_layers))
         return
-    print(f"{'model':<6} {'backend':<9} {'cold s':>7} {'warm s':>7} {'warm/cold':>9}  warm-run caches")
+    body, relative = [], []
     for model_name in args.models:
         ratios = {}
         for backend in BACKENDS:
@@ -148,10 +149,13 @@ def main() -> None:
             warm_s = statistics.median(w["seconds"] for w in warms)
             ratios[backend] = warm_s / cold["seconds"]
             caches = {**warms[-1]["aot_autograd"], **warms[-1]["inductor"]}
-            print(f"{model_name:<6} {backend:<9} {cold['seconds']:7.2f} {warm_s:7.2f} {ratios[backend]:9.3f}  "
-                  + " ".join(f"{k.replace('_cache', '')}={v}" for k, v in caches.items() if v))
-        print(f"{model_name:<6} chunkce warm/cold relative to inductor's: "
-              f"{ratios['chunkce'] / ratios['inductor']:.3f}")
+            body.append([model_name, backend, f"{cold['seconds']:.2f}", f"{warm_s:.2f}", f"{ratios[backend]:.3f}",
+                         ", ".join(f"{k.replace('_cache', '')} {v}" for k, v in caches.items() if v)])
+            print(f"  {model_name} / {backend}: cold {cold['seconds']:.2f} s, warm {warm_s:.2f} s", flush=True)
+        relative.append(f"{model_name}: chunkce's warm / cold relative to inductor's: "
+                        f"{ratios['chunkce'] / ratios['inductor']:.3f}")
+    print("\n" + markdown(["model", "backend", "cold s", "warm s", "warm / cold", "warm run's caches"], body))
+    print("\n" + "\n".join(relative))
 
 
 if __name__ == "__main__":

@@ -4,21 +4,87 @@ The rewritten graph holds only ``torch.ops.chunkce.*`` and torch ops, so
 AOTAutograd's cache accepts it (a Python callable in the graph makes it bypass
 the cache, so every new process recompiled from scratch). Each case runs the
 first training step in two fresh processes sharing one cache directory
-(``benchmarks/warm_start.py``, which also times it) and asserts the cache
-counters of the second one, and that what it loaded is the rewritten graph.
+(:func:`first_step_in_fresh_process`, this file's own; ``benchmarks/warm_start.py``
+times the same thing) and asserts the cache counters of the second one, and that
+what it loaded is the rewritten graph.
 """
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from benchmarks.warm_start import run_in_fresh_process
-
 pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One process's first training step under backend="chunkce" (Inductor inside), then what
+# the caches did, as one JSON line. argv: model ("toy" or "llama"), the backend's options.
+FIRST_STEP = r'''
+import json, sys
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.codecache import PyCodeCache
+import compile_pass  # registers the backend and the ops
+
+model_name, options = sys.argv[1], json.loads(sys.argv[2])
+torch.manual_seed(0)
+V, H = 1000, 64
+ids = torch.randint(0, V, (2, 64))  # [B, T]
+if model_name == "toy":  # label smoothing: the op's per-chunk kernels take a float
+    embed, body, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, H), torch.nn.Linear(H, V, bias=False)
+    params = [*embed.parameters(), *body.parameters(), *head.parameters()]
+
+    def loss_fn(input_ids):
+        logits = head(torch.relu(body(embed(input_ids)))).float()  # [B, T, V]
+        return F.cross_entropy(logits.flatten(0, 1), input_ids.flatten(), label_smoothing=0.1)
+else:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    params = list(llama.parameters())
+
+    def loss_fn(input_ids):
+        return llama(input_ids=input_ids, labels=input_ids).loss
+
+loss = torch.compile(loss_fn, backend="chunkce", options=options or None)(ids)
+loss.backward()
+code = []
+for module in list(PyCodeCache.modules):
+    try:
+        code.append(open(module.__file__).read())
+    except (OSError, AttributeError, TypeError):
+        pass
+print(json.dumps({
+    "loss": loss.item(),
+    "grad_sum": sum(p.grad.double().sum().item() for p in params if p.grad is not None),
+    "aot_autograd": {k: counters["aot_autograd"][k]
+                     for k in ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")},
+    "inductor": {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
+    "chunkce": dict(counters["chunkce"]),
+    "op_in_code": any("chunkce.linear_cross_entropy" in c for c in code),
+}))
+'''
+
+
+def first_step_in_fresh_process(model: str, cache_dir: str, options: dict | None = None) -> dict:
+    """:data:`FIRST_STEP` in a new interpreter whose Inductor caches live in ``cache_dir``."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", FIRST_STEP, model, json.dumps(options or {})], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"first step of {model} failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("model", ["toy", "llama"])
 def test_second_process_loads_the_rewritten_graph_from_the_caches(model, tmp_path):
-    cold = run_in_fresh_process(model, "chunkce", str(tmp_path))
-    warm = run_in_fresh_process(model, "chunkce", str(tmp_path))
+    cold = first_step_in_fresh_process(model, str(tmp_path))
+    warm = first_step_in_fresh_process(model, str(tmp_path))
     for run in (cold, warm):
         assert run["chunkce"]["sites_rewritten"] == 1, run
         assert run["op_in_code"], run  # Inductor's code calls the op: the site is rewritten in what ran
@@ -35,8 +101,8 @@ def test_other_chunkce_options_do_not_answer_from_the_cache(tmp_path):
     """The backend tags the inner compile with its options and source: ``strict=True`` leaves
     the rewritten graph as it was, yet the model's graph misses; the per-chunk kernels,
     compiled outside the backend, still hit."""
-    cold = run_in_fresh_process("toy", "chunkce", str(tmp_path))
-    strict = run_in_fresh_process("toy", "chunkce", str(tmp_path), options={"strict": True})
+    cold = first_step_in_fresh_process("toy", str(tmp_path))
+    strict = first_step_in_fresh_process("toy", str(tmp_path), options={"strict": True})
     misses = cold["aot_autograd"]["autograd_cache_miss"]  # the model and the two kernels
     assert strict["aot_autograd"] == {"autograd_cache_hit": misses - 1, "autograd_cache_miss": 1,
                                       "autograd_cache_bypass": 0}, strict
