@@ -103,9 +103,6 @@ class GraphRecorder:
         import compile_pass
 
         self.graphs += 1
-        report = compile_pass.last_report()  # the pass ran on this graph just before
-        if report is not None and report is not self._seen and all(report is not r for r in self.reports):
-            self.reports.append(report)
         op = torch.ops.chunkce.linear_cross_entropy.default
         for module in gm.modules():
             if not isinstance(module, GraphModule):
@@ -118,7 +115,27 @@ class GraphRecorder:
                 value = node.meta.get("example_value")
                 if isinstance(value, torch.Tensor) and self._is_logits(value):
                     self.logits_nodes.append(f"{node.name} {tuple(value.shape)}")
-        return lookup_backend(self.inner)(gm, example_inputs)
+        compiled = lookup_backend(self.inner)(gm, example_inputs)
+        return self._noting_report(compiled)
+
+    def _noting_report(self, compiled):
+        """``compiled``, noting the pass's report for its graph at its first call: chunkce
+        publishes a graph's report once this inner backend has compiled it (a compile that
+        Dynamo restarts publishes nothing), and Dynamo runs a graph right after compiling it."""
+        import compile_pass
+
+        noted = False
+
+        def run(*args):
+            nonlocal noted
+            if not noted:
+                noted = True
+                report = compile_pass.last_report()
+                if report is not None and report is not self._seen and all(report is not r for r in self.reports):
+                    self.reports.append(report)
+            return compiled(*args)
+
+        return run
 
     def _is_logits(self, value) -> bool:
         from compile_pass.graph.nodes import size_hint
