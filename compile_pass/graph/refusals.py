@@ -127,6 +127,9 @@ class Refusal(enum.Enum):
         self.message = message
         self.fix = fix
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
     @property
     def fields(self) -> set[str]:
         """The names the key and message templates read."""
