@@ -374,16 +374,39 @@ class ContiguousHead(ReturnsLogits):
         return loss, logits
 
 
-def test_dropped_logits_through_a_copy():
-    model, reference = ContiguousHead(), ContiguousHead()
-    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": "aot_eager"})
+class TypeAsHead(ReturnsLogits):
+    """Returned logits cast with ``.type_as(other)``, a cast the matcher passes too
+    (compile_pass.graph.nodes.CASTS): it reads only ``other``'s dtype."""
+
+    def forward(self, h, labels):
+        logits = self.lm_head(torch.relu(self.body(h)))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        return loss, logits.type_as(h.double())
+
+
+@pytest.mark.parametrize("head", [ContiguousHead, TypeAsHead], ids=["contiguous", "type_as"])
+def test_dropped_logits_through_a_copy(head):
+    model, reference = head(), head()
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(copy.deepcopy(gm.graph))
+        return gm.forward
+
+    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": inner})
     h, labels = toy_batch()
     loss, logits = compiled(h, labels)
     loss.backward()
-    expected_loss, _ = torch.compile(reference, backend="aot_eager")(h, labels)
+    expected_loss, expected_logits = torch.compile(reference, backend="aot_eager")(h, labels)
     expected_loss.backward()
     torch.testing.assert_close(loss, expected_loss)
-    assert isinstance(logits, DroppedLogits)
+    assert isinstance(logits, DroppedLogits) and logits.dtype == expected_logits.dtype
+    (graph,) = graphs  # the op, and no [B, T, V] value but the stand-in
+    assert [n.target for n in graph.nodes if n.target == OP] == [OP]
+    logits_like = [n for n in graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+                   and v.shape[-1:] == (V,) and v.numel() >= B * T * V and not n.meta.get(DROPPED)
+                   and n.op != "placeholder"]
+    assert logits_like == [], logits_like
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     assert counters["chunkce"]["logits_dropped"] == 1
