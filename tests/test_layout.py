@@ -1,11 +1,13 @@
 """The package's layering: the op never imports the graph pass, the pass never the entry points.
 
     compile_pass/op/      the op (public function, custom ops, loops, kernels, chunking, settings)
-    compile_pass/graph/   the pass (nodes, forms, sites, guard, rewrite, driver, logits_drop, report)
+    compile_pass/graph/   the pass (nodes, forms, spellings, sites, scale, refusals, guard, diagnostics,
+                          rewrite, driver, logits_drop, report)
     compile_pass/*.py     the entry points (backend, pre_grad, explain) and what they share
 
 Read from the source (every ``import`` statement, at any depth), so a lazy import
-inside a function counts too.
+inside a function counts too. Every module is small enough to read at once (at most
+400 lines), and each graph module is listed in ``compile_pass/graph/__init__.py``.
 """
 
 import ast
@@ -53,3 +55,18 @@ def test_every_module_is_in_a_layer():
     assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory"}
     assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("__")} == {
         "op", "graph"}
+
+
+MAX_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines (split where one holds two things): {long}"
+
+
+def test_the_graph_package_lists_its_modules():
+    listed = (PACKAGE / "graph" / "__init__.py").read_text()
+    modules = {path.name for path in (PACKAGE / "graph").glob("*.py")} - {"__init__.py"}
+    assert {name for name in modules if f"    {name} " not in listed} == set()

@@ -334,6 +334,22 @@ def test_dropped_logits_are_not_computed_and_the_step_matches_stock(backend):
         assert [n.target for n in readers] == [OP], readers
 
 
+def recording(graphs):
+    """An inner backend that keeps a copy of each graph it gets in ``graphs`` and runs it as is."""
+    def inner(gm, example_inputs):
+        graphs.append(copy.deepcopy(gm.graph))
+        return gm.forward
+    return inner
+
+
+def assert_only_the_stand_in(graph, logits_numel):
+    """One op node, and no computed value of the logits' size: only the dropped logits' stand-in."""
+    assert [n.target for n in graph.nodes if n.target == OP] == [OP]
+    logits_like = [n for n in graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
+                   and v.numel() == logits_numel and n.op != "placeholder" and not n.meta.get(DROPPED)]
+    assert logits_like == [], logits_like
+
+
 @pytest.mark.parametrize("name", ["Cohere", "Granite"])
 def test_dropped_logits_through_an_absorbed_scale(name):
     """Cohere's ``logits * logit_scale`` and Granite's ``logits / logits_scaling`` return the
@@ -342,12 +358,7 @@ def test_dropped_logits_through_an_absorbed_scale(name):
     model = build(spec)
     reference = copy.deepcopy(model)
     graphs = []
-
-    def inner(gm, example_inputs):
-        graphs.append(copy.deepcopy(gm.graph))
-        return gm.forward
-
-    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": inner})
+    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": recording(graphs)})
     input_ids, labels = make_batch()
     out = compiled(input_ids=input_ids, labels=labels)
     out.loss.backward()
@@ -358,11 +369,8 @@ def test_dropped_logits_through_an_absorbed_scale(name):
     for (param, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, param=param: f"{param}.grad: {m}")
     assert counters["chunkce"]["logits_dropped"] == 1 and counters["chunkce"]["logits_kept"] == 0
-    (graph,) = graphs  # the op, and no [B, T, V] value but the stand-in: no projection, no scaled logits
-    assert [n.target for n in graph.nodes if n.target == OP] == [OP]
-    logits_like = [n for n in graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
-                   and v.numel() == B * T * V and not n.meta.get(DROPPED)]
-    assert logits_like == [], logits_like
+    (graph,) = graphs  # no projection, no scaled logits
+    assert_only_the_stand_in(graph, B * T * V)
 
 
 class ContiguousHead(ReturnsLogits):
@@ -374,16 +382,30 @@ class ContiguousHead(ReturnsLogits):
         return loss, logits
 
 
-def test_dropped_logits_through_a_copy():
-    model, reference = ContiguousHead(), ContiguousHead()
-    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": "aot_eager"})
+class TypeAsHead(ReturnsLogits):
+    """Returned logits cast with ``.type_as(other)``, a cast the matcher passes too
+    (compile_pass.graph.nodes.CASTS): it reads only ``other``'s dtype."""
+
+    def forward(self, h, labels):
+        logits = self.lm_head(torch.relu(self.body(h)))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        return loss, logits.type_as(h.double())
+
+
+@pytest.mark.parametrize("head", [ContiguousHead, TypeAsHead], ids=["contiguous", "type_as"])
+def test_dropped_logits_through_a_copy(head):
+    model, reference = head(), head()
+    graphs = []
+    compiled = torch.compile(model, backend="chunkce", options={**DROP, "inner_backend": recording(graphs)})
     h, labels = toy_batch()
     loss, logits = compiled(h, labels)
     loss.backward()
-    expected_loss, _ = torch.compile(reference, backend="aot_eager")(h, labels)
+    expected_loss, expected_logits = torch.compile(reference, backend="aot_eager")(h, labels)
     expected_loss.backward()
     torch.testing.assert_close(loss, expected_loss)
-    assert isinstance(logits, DroppedLogits)
+    assert isinstance(logits, DroppedLogits) and logits.dtype == expected_logits.dtype
+    (graph,) = graphs
+    assert_only_the_stand_in(graph, B * T * V)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
     assert counters["chunkce"]["logits_dropped"] == 1

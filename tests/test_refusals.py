@@ -1,13 +1,13 @@
-"""One test per refusal key the guard can return (and a few other spellings of one).
+"""One test per kind of refusal (``compile_pass.graph.refusals.Refusal``), and a few other spellings of one.
 
-Each case is the smallest graph that produces its key. The site is left as stock
+Each case is the smallest graph that produces its kind. The site is left as stock
 compile leaves it: no op node in the graph the inner backend got, the key counted
-(``refused_<key>``) and in the report's record, the reason naming the cause in the
-record and in the log, and loss and every gradient bit for bit those of stock
-compile (aot_eager; a few under Inductor too). ``test_every_key_of_the_guard_has_a_case``
-parses guard.py: a new key without a case here fails; the matcher's stop kinds are
-read from sites.py and each case checks the kind it stops at reaches the guard as
-the key ``_STOP_KINDS`` says.
+(``refused_<key>``, spelled out in the case: the keys users count) and in the report's
+record, the reason naming the cause in the record and in the log, and loss and every
+gradient bit for bit those of stock compile (aot_eager; a few under Inductor too). The
+guard's reason is of the case's kind; where the matcher stopped, the guard worded the
+stop as its own kind (an ``OPAQUE`` stop: as it or a kind of ``OPAQUE_NAMED``).
+``test_every_refusal_kind_has_a_case`` reads the enum: a new kind without a case fails.
 
 Keys no Dynamo graph produces are shown on the FX graphs that do have them:
 ``call_module`` and ``target`` on ``torch.fx.symbolic_trace`` graphs (Dynamo inlines
@@ -19,8 +19,9 @@ injected into the matcher.
 
 from __future__ import annotations
 
-import ast
 import fnmatch
+import re
+import string
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,12 +40,13 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils.checkpoint import checkpoint
 
 import compile_pass
-from compile_pass.graph import guard, sites
+from compile_pass.graph import guard, refusals, sites
 from compile_pass.graph.driver import fuse_linear_cross_entropy
+from compile_pass.graph.refusals import OPAQUE_NAMED, STOPS, Refusal
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
-GUARD = Path(guard.__file__)
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 class RefusedHead(Head):
@@ -107,7 +109,8 @@ class Case:
     inputs: Callable[[], tuple] = lambda: (hidden(), labels())
     dynamic: bool | None = None
     inner: str = "aot_eager"
-    key: str = ""  # the refusal key; "": the case's name
+    key: str = ""  # the refusal (counter) key; "": the case's name
+    kind: Refusal | None = None  # the guard's reason's kind; None: the one named as the key
 
 
 def int_inputs():
@@ -121,10 +124,10 @@ CASES = {
                               "soft-capped logits: `tanh` between projection and loss", inner="inductor",
                               key="soft_cap"),
     "op_clamp": Case(lambda m, h, y: flat(m.lm_head(h).clamp(-1.0, 1.0), y),
-                     "`clamp` between projection and loss is not shape/dtype-only (logit clipping)"),
+                     "`clamp` between projection and loss is not shape/dtype-only (logit clipping)", kind=Refusal.OPAQUE),
     "op_add": Case(lambda m, h, y: flat(m.lm_head(h) + m.lora_b(m.lora_a(h)) * 2.0, y),
                    "`add` between projection and loss is not shape/dtype-only (an added tensor, e.g. LoRA",
-                   inner="inductor"),
+                   inner="inductor", kind=Refusal.OPAQUE),
     "scale_requires_grad": Case(lambda m, h, y, s: flat(m.lm_head(h) * s, y),
                                 "which requires grad: the op does not differentiate the scale. Fix: detach it",
                                 inputs=lambda: (hidden(), labels(), torch.tensor(0.5, requires_grad=True))),
@@ -154,7 +157,8 @@ CASES = {
                                inputs=lambda: (hidden(), torch.softmax(torch.randn(B, T, V), -1))),
     "argument": Case(ignore_index_loss, "ignore_index", dynamic=True,  # a symbolic int
                      inputs=lambda: (hidden(), labels(), 3)),
-    "graph_break": Case(graph_break_loss, "logits enter this graph as an input (`L_logits_`): the graph broke"),
+    "graph_break": Case(graph_break_loss, "logits enter this graph as an input (`L_logits_`): the graph broke",
+                        kind=Refusal.GRAPH_INPUT),
     "subgraph_input": Case(checkpointed_loss, "logits enter this higher-order op's body"),
     "class_dim_1": Case(lambda m, h, y: F.cross_entropy(m.lm_head(h).permute(0, 2, 1).contiguous(), y),
                         "logits of shape (2, 23, 5) with the class dim at 1 that are not a transpose"),
@@ -176,63 +180,59 @@ CASES = {
                               "float32 -> bfloat16 -> float32", key="lossy_cast"),
     "mutation": Case(in_place_loss, "in-place `mul_` between projection and loss"),
     "mutation_scale": Case(lambda m, h, y: flat(m.lm_head(h).mul_(2.0), y),
-                           "in-place `mul_` between projection and loss (logits scaled in place", key="mutation"),
+                           "in-place `mul_` between projection and loss (logits scaled in place", key="mutation",
+                           kind=Refusal.IN_PLACE_SCALE),
     "mode_switch": Case(autocast_loss, "`_exit_autocast` (autocast / grad mode change) between projection and loss"),
     "loss_spelling": Case(lambda m, h, y: F.nll_loss(torch.log(torch.softmax(m.lm_head(h), -1)).reshape(-1, V),
                                                      y.reshape(-1)),
                           "nll_loss: log(softmax(logits)) is not torch's log_softmax"),
 }
-# Keys no Dynamo graph has (shown on other FX graphs below) or that only a bug produces.
-NOT_FROM_DYNAMO = ("call_module", "target", "unreadable", "internal_error")
-
-
-def guard_keys() -> set[str]:
-    """Every key guard.py can give a Reason: string literals, the strings a variable passed as
-    the key is assigned, and f-string keys as patterns (``op_*``)."""
-    tree = ast.parse(GUARD.read_text())
-    assigned: dict[str, set[str]] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Name):
-                    assigned.setdefault(target.id, set()).update(_values(node.value))
-    keys = set()
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Reason"):
-            continue
-        key = node.args[0]
-        if isinstance(key, ast.Constant):
-            keys.add(key.value)
-        elif isinstance(key, ast.JoinedStr):
-            keys.add("".join(p.value if isinstance(p, ast.Constant) else "*" for p in key.values))
-        elif isinstance(key, ast.Name):
-            keys |= assigned[key.id]
-        else:
-            pytest.fail(f"guard.py line {node.lineno}: a Reason key this test cannot read")
-    return keys
-
-
-def _values(expr: ast.expr) -> set[str]:
-    """The strings ``expr`` can evaluate to: a literal, or either branch of ``a if cond else b``."""
-    if isinstance(expr, ast.Constant) and isinstance(expr.value, str):
-        return {expr.value}
-    if isinstance(expr, ast.IfExp):
-        return _values(expr.body) | _values(expr.orelse)
-    return set()
+# Kinds no Dynamo graph has (shown on other FX graphs below) or that only a bug produces.
+NOT_FROM_DYNAMO = (Refusal.CALL_MODULE, Refusal.TARGET, Refusal.UNREADABLE, Refusal.INTERNAL_ERROR)
+# The counter keys users count (docs/api.md, docs/design.md): a change here is a change of the docs.
+USER_KEYS = {
+    "op_{op}", "graph_break", "subgraph_input", "class_dim_1", "vocab_dim", "advanced_index", "symbolic_reshape",
+    "unreadable", "call_module", "internal_error", "scale_operand", "scale_requires_grad", "scale_twice",
+    "mutation", "soft_cap", "producer", "no_projection", "loss_spelling", "target", "probability_target",
+    "argument", "class_weight", "weight_dtype", "subclass", "lossy_cast", "mode_switch",
+}
 
 
 def case_key(name: str) -> str:
     return CASES[name].key or name
 
 
-def test_every_key_of_the_guard_has_a_case():
-    keys = guard_keys()
-    assert {"soft_cap", "lossy_cast", "op_*", "weight_dtype", "subclass"} <= keys  # the parser reads them
-    covered = {case_key(name) for name in CASES} | set(NOT_FROM_DYNAMO)
-    uncovered = {key for key in keys if not any(fnmatch.fnmatch(case, key) for case in covered)}
-    assert uncovered == set(), f"refusal keys without a case in tests/test_refusals.py: {uncovered}"
-    stale = {case for case in covered if not any(fnmatch.fnmatch(case, key) for key in keys)}
-    assert stale == set(), f"cases for keys guard.py no longer has: {stale}"
+def case_kind(name: str) -> Refusal:
+    return CASES[name].kind or Refusal[case_key(name).upper()]
+
+
+def key_pattern(kind: Refusal) -> str:
+    """``kind``'s counter key with each field as ``*`` (``op_{op}`` -> ``op_*``)."""
+    return re.sub(r"\{[^}]*\}", "*", kind.key)
+
+
+def test_every_refusal_kind_has_a_case():
+    covered = {case_kind(name) for name in CASES} | set(NOT_FROM_DYNAMO)
+    assert set(Refusal) - covered == set(), "refusal kinds without a case in tests/test_refusals.py"
+    for name in CASES:  # each case's key is its kind's (the table's mapping, spelled out in the cases)
+        assert fnmatch.fnmatch(case_key(name), key_pattern(case_kind(name))), (name, case_kind(name).key)
+
+
+def test_the_counter_keys_are_the_documented_ones():
+    assert {kind.key for kind in Refusal} == USER_KEYS
+    documented = (DOCS / "design.md").read_text() + (DOCS / "api.md").read_text()
+    for kind in Refusal:
+        assert f"`{key_pattern(kind).replace('*', '<name>')}`" in documented, kind
+
+
+def test_every_kind_is_worded_from_its_fields():
+    """Each message and key formats from the fields its templates name, and each stop kind is a kind."""
+    assert STOPS <= set(Refusal) and not set(OPAQUE_NAMED) & STOPS
+    for kind in Refusal:
+        fields = {name for template in (kind.key, kind.message)
+                  for _, name, _, _ in string.Formatter().parse(template) if name}
+        reason = refusals.Reason(kind, **dict.fromkeys(fields, "x"))
+        assert (reason.kind, reason.fix) == (kind, kind.fix) and str(reason) and "{" not in reason.key
 
 
 def assert_refused(key, words, logs, records=None):
@@ -247,38 +247,56 @@ def assert_refused(key, words, logs, records=None):
 
 
 @pytest.fixture
-def stops(monkeypatch):
-    """Every (stop kind of a site, key of the reason the guard words for that stop)."""
-    seen = []
-    real = guard._check_stop
+def reasons(monkeypatch):
+    """What the guard said: ``checked``, every (site, reason) of ``guard.check``; ``stops``,
+    every (stop kind of a site, the reason the guard worded that stop as)."""
+    seen = {"checked": [], "stops": []}
+    real_check, real_stop = guard.check, guard._check_stop
 
-    def check_stop(site):
-        reason = real(site)
-        seen.append((site.stop_kind, reason.key if reason is not None else None))
+    def check(site, order):
+        reason = real_check(site, order)
+        seen["checked"].append((site, reason))
         return reason
 
+    def check_stop(site):
+        reason = real_stop(site)
+        seen["stops"].append((site.stop_kind, reason))
+        return reason
+
+    monkeypatch.setattr(guard, "check", check)
     monkeypatch.setattr(guard, "_check_stop", check_stop)
     return seen
 
 
-def assert_stops_map_as_listed(stops):
-    """Each site the matcher stopped at reached the guard as the key ``_STOP_KINDS`` gives its kind."""
-    for kind, key in stops:
-        if kind is not None:
-            assert kind in _STOP_KINDS, f"stop kind {kind!r} is not in _STOP_KINDS"
-            patterns = _OPAQUE_KEYS if kind == "opaque" else (_STOP_KINDS[kind],)
-            assert any(fnmatch.fnmatch(key, p) for p in patterns), f"stop kind {kind!r} worded as {key!r}"
+def assert_stops_worded_as_their_kind(stops):
+    """Each stop of the matcher is a kind of ``STOPS``, worded by the guard as that kind (an
+    ``OPAQUE`` stop: or as a kind of ``OPAQUE_NAMED``), counted under that kind's key."""
+    for kind, reason in stops:
+        if kind is None:
+            continue
+        assert kind in STOPS, f"stop kind {kind} is not in refusals.STOPS"
+        allowed = (kind, *OPAQUE_NAMED) if kind is Refusal.OPAQUE else (kind,)
+        assert reason.kind in allowed, f"stop {kind} worded as {reason.kind}"
+        assert fnmatch.fnmatch(reason.key, key_pattern(reason.kind)), (reason.key, reason.kind)
 
 
 @pytest.mark.parametrize("name, case", sorted(CASES.items()), ids=sorted(CASES))
-def test_refused_site_is_left_as_stock_compile_leaves_it(name, case, chunkce_logs, stops):
+def test_refused_site_is_left_as_stock_compile_leaves_it(name, case, chunkce_logs, reasons):
     recorder, _ = compare_with_stock(RefusedHead(case.loss), *case.inputs(), inner=case.inner,
                                      dynamic=case.dynamic, exact=True)
     recorder.assert_untouched()
     assert_refused(case_key(name), case.words, chunkce_logs)
-    assert_stops_map_as_listed(stops)
+    kind = case_kind(name)
+    assert {reason.kind for _, reason in reasons["checked"]} == {kind}
+    stopped = {site.stop_kind for site, _ in reasons["checked"]}
+    if kind in STOPS:  # the matcher stopped with the case's kind
+        assert stopped == {kind}
+    elif kind in OPAQUE_NAMED:
+        assert stopped == {Refusal.OPAQUE}
+    assert_stops_worded_as_their_kind(reasons["stops"])
+    assert compile_pass.last_report().records[0].fix == kind.fix
     if name == "graph_break":
-        assert compile_pass.last_report().records[0].fix == compile_pass.graph.report.GRAPH_BREAK_FIX
+        assert compile_pass.last_report().records[0].fix == refusals.GRAPH_BREAK_FIX
 
 
 def test_strict_raises_with_the_reason():
@@ -391,82 +409,3 @@ def test_narrow_then_widen_is_refused_and_exact(narrow, chunkce_logs):
                                      hidden(), labels(), exact=True)
     recorder.assert_untouched()
     assert_refused("lossy_cast", f"(float32 -> {name} -> float32)", chunkce_logs)
-
-
-# sites.py's stop kinds reach the guard as these keys (the rest are opaque: op_* / producer / ...);
-# test_refused_site_is_left_as_stock_compile_leaves_it checks each case's on the guard itself.
-_STOP_KINDS = {"graph_input": "graph_break", "subgraph_input": "subgraph_input",
-               "class_dim_1": "class_dim_1", "vocab_dim": "vocab_dim", "advanced_index": "advanced_index",
-               "symbolic_reshape": "symbolic_reshape", "unreadable": "unreadable", "call_module": "call_module",
-               "internal_error": "internal_error", "opaque": "op_*", "scale_operand": "scale_operand",
-               "scale_requires_grad": "scale_requires_grad", "scale_twice": "scale_twice",
-               "in_place_scale": "mutation"}
-_OPAQUE_KEYS = ("op_*", "producer", "no_projection", "soft_cap")  # how the guard words an opaque node
-_STEP_KINDS = {"reshape", "copy", "cast", "index", "log_softmax", "neg"}  # what the walk passes through
-
-
-def matcher_stop_kinds() -> set[str]:
-    """Every string sites.py can store in a stop kind, read from its source (not from
-    ``_STOP_KINDS``): the values assigned to a ``stop_kind`` attribute or passed as a
-    ``stop_kind`` field (by keyword or by position), followed through local variables,
-    conditional expressions, ``or``, the returns of sites.py's own functions, tuple
-    unpacking and another object's ``stop_kind``; less the kinds of steps the walk passes."""
-    tree = ast.parse(Path(sites.__file__).read_text())
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    fields = {node.name: [item.target.id for item in node.body if isinstance(item, ast.AnnAssign)]
-              for node in tree.body if isinstance(node, ast.ClassDef)}
-    sinks: list[tuple[ast.expr, ast.FunctionDef | None, int | None]] = []  # (expression, its function, element)
-
-    def scope_of(target):
-        return next((f for f in functions.values() if any(n is target for n in ast.walk(f))), None)
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                elements = target.elts if isinstance(target, ast.Tuple) else [target]
-                for i, element in enumerate(elements):
-                    if isinstance(element, ast.Attribute) and element.attr == "stop_kind":
-                        value = node.value.elts[i] if isinstance(target, ast.Tuple) else node.value
-                        sinks.append((value, scope_of(node), None))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and "stop_kind" in fields.get(
-                node.func.id, ()):
-            sinks += [(k.value, scope_of(node), None) for k in node.keywords if k.arg == "stop_kind"]
-            position = fields[node.func.id].index("stop_kind")
-            for i, arg in enumerate(node.args):
-                if isinstance(arg, ast.Starred):  # f(a, *pair): pair's element position - i
-                    sinks.append((arg.value, scope_of(node), position - i))
-                elif i == position:
-                    sinks.append((arg, scope_of(node), None))
-
-    def values(expr, scope, element=None) -> set[str]:
-        if isinstance(expr, ast.Constant):
-            return {expr.value} if isinstance(expr.value, str) and element is None else set()
-        if isinstance(expr, ast.Tuple):
-            return values(expr.elts[element], scope) if element is not None and element < len(expr.elts) else set()
-        if isinstance(expr, ast.IfExp):
-            return values(expr.body, scope, element) | values(expr.orelse, scope, element)
-        if isinstance(expr, ast.BoolOp):
-            return set().union(*(values(v, scope, element) for v in expr.values))
-        if isinstance(expr, ast.Name) and scope is not None:
-            return set().union(*(values(n.value, scope, element) for n in ast.walk(scope)
-                                 if isinstance(n, ast.Assign) and any(
-                                     isinstance(t, ast.Name) and t.id == expr.id for t in n.targets)))
-        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id in functions:
-            function = functions[expr.func.id]
-            return set().union(*(values(n.value, function, element) for n in ast.walk(function)
-                                 if isinstance(n, ast.Return) and n.value is not None))
-        if isinstance(expr, ast.Attribute) and expr.attr == "stop_kind":  # another reading's kind
-            return set().union(*(values(e, f, i) for e, f, i in sinks if e is not expr))
-        return set()
-
-    kinds = set().union(*(values(expr, scope, element) for expr, scope, element in sinks))
-    return kinds - _STEP_KINDS
-
-
-def test_every_stop_kind_of_the_matcher_maps_to_a_covered_key():
-    kinds = matcher_stop_kinds()
-    assert {"graph_input", "opaque", "in_place_scale", "scale_requires_grad"} <= kinds  # the reader follows them
-    assert kinds == set(_STOP_KINDS)
-    covered = {case_key(name) for name in CASES} | set(NOT_FROM_DYNAMO)
-    uncovered = {key for key in _STOP_KINDS.values() if not any(fnmatch.fnmatch(case, key) for case in covered)}
-    assert uncovered == set(), f"stop kinds' keys without a case: {uncovered}"

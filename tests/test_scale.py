@@ -356,6 +356,15 @@ def _step_pair(compiled, stock, h, y, temperature):
         torch.testing.assert_close(got[1][name], expected[1][name], msg=lambda m, name=name: f"{name}: {m}")
 
 
+def _temperature_heads():
+    """``lm_head(h) / temperature`` compiled by chunkce (recording the op's arguments) and by stock."""
+    model = Head(lambda m, z, temperature: z / temperature)
+    reference = copy.deepcopy(model)
+    recorder = ArgsRecorder("aot_eager")
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": recorder})
+    return compiled, torch.compile(reference, backend="aot_eager"), recorder
+
+
 @pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 def test_float_temperature_recompiles_no_more_than_stock():
     """``lm_head(h) / temperature`` with a Python float: stock compile compiles for the first
@@ -363,11 +372,7 @@ def test_float_temperature_recompiles_no_more_than_stock():
     too: once rewritten, the op's scale is the float's tensor, not a specialised number
     (AOTAutograd's tensorify pass would otherwise specialise it: a guard ``temperature ==
     0.9`` and a recompile for every value)."""
-    model = Head(lambda m, z, temperature: z / temperature)
-    reference = copy.deepcopy(model)
-    recorder = ArgsRecorder("aot_eager")
-    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": recorder})
-    stock = torch.compile(reference, backend="aot_eager")
+    compiled, stock, recorder = _temperature_heads()
     h, y = inputs()
     for temperature in (0.5, 0.7):  # the warm-up stock needs: a constant, then dynamic
         _step_pair(compiled, stock, h, y, temperature)
@@ -384,11 +389,7 @@ def test_float_temperature_recompiles_no_more_than_stock():
 
 @pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 def test_0d_tensor_temperature_compiles_once():
-    model = Head(lambda m, z, temperature: z / temperature)
-    reference = copy.deepcopy(model)
-    recorder = ArgsRecorder("aot_eager")
-    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": recorder})
-    stock = torch.compile(reference, backend="aot_eager")
+    compiled, stock, recorder = _temperature_heads()
     h, y = inputs()
     _step_pair(compiled, stock, h, y, torch.tensor(0.5))  # one compile each (they share forward's code)
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -1,12 +1,17 @@
 """The graph pass: find ``linear -> cross_entropy`` sites in a torch-level FX graph and rewrite them.
 
     driver.py       fuse_linear_cross_entropy: every site of a graph (and its subgraphs)
-    forms.py        reading nodes: the spellings of the projection and of the cross-entropy call
-    sites.py        find sites: walk back from each cross-entropy to its projection
-    guard.py        accept a site, or refuse it with a one-line reason
-    rewrite.py      replace an accepted site with the op (:mod:`compile_pass.op`)
+    nodes.py        reading nodes (op names, fake values, sizes) and writing them (create_node, trace_into)
+    forms.py        the two ends of a site: the projection and the cross-entropy call, normalised
+    spellings.py    the older loss spellings: nll_loss(log_softmax), a gather of log_softmax
+    sites.py        find sites: walk back from each loss to its projection, or stop with a kind
+    scale.py        read one scaling of the logits by a constant (absorbed by the op), or a stop
+    refusals.py     every kind of refusal: its counter key, message and fix (one table)
+    guard.py        accept a site, or refuse it with a Reason of one kind
+    diagnostics.py  what a reason says beyond the site: the op upstream of a stop, DDP / FSDP2 state
+    rewrite.py      choose what replaces an accepted site and trace it in (the op, compile_pass.op)
     logits_drop.py  opt-in: returned logits nothing reads are not computed
-    report.py       what was done at each site: log records, counters, a table
+    report.py       what was done at each site: records, log, counters, a table
 
 Imports the op and :mod:`compile_pass.options`; never the entry points above it.
 """

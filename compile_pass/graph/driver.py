@@ -16,10 +16,10 @@ import logging
 from torch.fx import Graph, GraphModule
 
 from compile_pass.graph import guard, logits_drop, report
-from compile_pass.graph.nodes import Edit, example_value, module_attr, size_hint
+from compile_pass.graph.nodes import Edit, module_attr
+from compile_pass.graph.refusals import Reason
 from compile_pass.graph.rewrite import rewrite_site
 from compile_pass.graph.sites import Site, find_sites
-from compile_pass.op.chunking import resolve_chunk_size
 from compile_pass.op.settings import settings
 from compile_pass.options import Options
 
@@ -108,8 +108,7 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
         if options.strict:
             raise
         log.warning("chunkce: could not read the graph's cross-entropy sites; left it unchanged", exc_info=True)
-        reason = guard.internal_error(f"{type(exc).__name__}: {exc}")
-        return [report.SiteRecord("(whole graph)", "", report.REFUSED, str(reason), reason.key)]
+        return [report.failed("(whole graph)", guard.internal_error(f"{type(exc).__name__}: {exc}"))]
     order = {node: i for i, node in enumerate(graph.nodes)}
     decisions = [(site, _check(site, order)) for site in sites]
     refused = [(site, reason) for site, reason in decisions if reason is not None]
@@ -127,8 +126,7 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
             if options.strict:
                 raise
             log.warning("chunkce: rewriting %s failed; left it unfused", site.node.format_node(), exc_info=True)
-            failure = guard.internal_error(f"{type(exc).__name__}: {exc}")
-            records.append(report.SiteRecord(site.node.name, "", report.REFUSED, str(failure), failure.key))
+            records.append(report.failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
     try:
         return [_settle_logits(record, site, in_subgraph) if record.decision == report.REWRITTEN else record
                 for record, (site, _) in zip(records, decisions)]
@@ -140,16 +138,13 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
         return records
 
 
-def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
+def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
     """The record of a refused site, or rewrite an accepted one (and drop its returned
     logits, if asked), all or nothing."""
-    source = report.source_of(site.node)
-    module = report.module_of(site.projection.node if site.projection else site.stop)
-    form = site.call.form if site.call is not None else ""
     if reason is not None:
-        return report.SiteRecord(source, module, report.REFUSED, str(reason), reason.key, form=form)  # fix: its key's
+        return report.refused(site, reason)
+    record = report.rewritten(site, options)  # before the rewrite: it reads the site's nodes
     graph = site.node.graph
-    chunk = _chunk_size(site, options)
     with Edit(graph) as edit:
         done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
                             grads_in_forward=options.grads_in_forward)
@@ -158,8 +153,7 @@ def _decide(site: Site, reason: guard.Reason | None, options: Options, in_subgra
             dropped = logits_drop.drop_if_only_returned(site.projection, edit)
         graph.lint()
     note = report.LOGITS_DROPPED if dropped else ""  # whether the logits are kept: _settle_logits
-    return report.SiteRecord(source, module, report.REWRITTEN, note, chunk_size=chunk,
-                             logits_bytes_avoided=done.logits_bytes_avoided + dropped, form=form)
+    return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped)
 
 
 def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> report.SiteRecord:
@@ -175,19 +169,9 @@ def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> 
     return dataclasses.replace(record, reason=report.LOGITS_KEPT, fix=fix)
 
 
-def _check(site: Site, order: dict) -> guard.Reason | None:
+def _check(site: Site, order: dict) -> Reason | None:
     try:
         return guard.check(site, order)
     except Exception as exc:  # noqa: BLE001 - refusing is always safe; failing the compile is not
         log.warning("chunkce: guard failed on %s", site.node.format_node(), exc_info=True)
         return guard.internal_error(f"{type(exc).__name__}: {exc}")
-
-
-def _chunk_size(site: Site, options: Options) -> int:
-    """The chunk size the op will use at this site for the traced example's size (the
-    op's own rule, :func:`compile_pass.op.chunking.resolve_chunk_size`), for the report."""
-    hidden = example_value(site.projection.hidden)  # [..., H]
-    logits = example_value(site.projection.node)  # [..., V], projection dtype
-    return resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
-                              size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
-                              logits.element_size(), logits.device.type, chunk_bytes=options.chunk_bytes)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from compile_pass.graph.nodes import dims_arg, example_value, is_tensor_node, same_size, tensor_op_name
-from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.graph.nodes import dims_arg, example_value, function_of, is_tensor_node, same_size, tensor_op_name
 
 CROSS_ENTROPY_FUNCTIONS = (F.cross_entropy, torch._C._nn.cross_entropy_loss)
 _LINEAR = (torch._C._nn.linear, F.linear)
 _MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
 _ADD = (operator.add, torch.add, torch.Tensor.add)
 _ADD_IN_PLACE = (operator.iadd, torch.Tensor.add_)  # `logits += bias`: a bias add when nothing else reads `logits`
-_REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.cross_entropy_loss
+REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch's reduction ints (cross_entropy_loss, nll_loss_nd)
 _TRANSPOSE_2D = {"t", "transpose", "swapaxes", "swapdims", "permute", ".T", ".mT"}
 
 
@@ -47,7 +46,8 @@ class CrossEntropyCall:
     The defaults describe ``F.cross_entropy`` itself; an older spelling
     (:mod:`compile_pass.graph.spellings`) says what differs: the nodes the walk back
     to the projection passes that are not shape/dtype-only, what the loss node's
-    value is, and what in it the op cannot reproduce.
+    value is (``gather``), and what in it the op cannot reproduce. What replaces the
+    call is the rewrite's choice (:mod:`compile_pass.graph.rewrite`).
     """
 
     input: Any  # what the loss node reads: logits, or log-probabilities of a spelling
@@ -56,7 +56,6 @@ class CrossEntropyCall:
     ignore_index: Any
     reduction: Any
     label_smoothing: Any
-    legacy: bool = False  # size_average / reduce were given (mapped onto reduction)
     form: str = "cross_entropy"  # the spelling: "cross_entropy", "nll_loss" (of a log_softmax), "gather"
     # nodes between the projection and `input` the walk passes although they are not
     # shape/dtype-only: the log_softmax of a spelling ("log_softmax") and its negations ("neg")
@@ -64,8 +63,16 @@ class CrossEntropyCall:
     class_dim: int = 1  # of an input with 3 or more dims: 1 (torch's losses) or -1 (a gather)
     inner: tuple[Node, ...] = ()  # nodes of the spelling besides the loss node (a gather's index)
     unsupported: str | None = None  # what of this spelling the op cannot reproduce (refused)
-    # the function whose traced nodes replace the loss node (chunked_cross_entropy's signature)
-    emit: Callable[..., Any] = chunked_cross_entropy
+    gather: Gather | None = None  # form "gather": what the gather's value is
+
+
+@dataclass(frozen=True)
+class Gather:
+    """What a gather of log-probabilities reads (``form="gather"``): ``[..., 1]``, one per token."""
+
+    negated: bool  # the log-probabilities were negated before the gather (its value is the loss)
+    flat: bool  # the index was ``labels.reshape(-1, 1)`` of ``[N, V]`` log-probabilities: ``[N, 1]``
+    squeeze: bool  # the call's target is the ``[..., 1]`` index itself, not labels it was made from
 
 
 @dataclass(frozen=True)
@@ -89,17 +96,21 @@ def read_cross_entropy(node: Node) -> CrossEntropyCall | None:
         values = dict(zip(names, (None, None, None, 1, -100, 0.0)))
         values.update(zip(names, node.args))
         values.update(node.kwargs)
-        values["reduction"] = _REDUCTION_ENUM.get(values["reduction"], values["reduction"])
+        values["reduction"] = REDUCTION_ENUM.get(values["reduction"], values["reduction"])
         return CrossEntropyCall(**values)
     bound = inspect.signature(F.cross_entropy).bind(*node.args, **node.kwargs)
     bound.apply_defaults()
     args = bound.arguments
-    legacy = args["size_average"] is not None or args["reduce"] is not None
-    reduction = args["reduction"]
-    if legacy:
-        reduction = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"], emit_warning=False)
     return CrossEntropyCall(args["input"], args["target"], args["weight"], args["ignore_index"],
-                            reduction, args["label_smoothing"], legacy)
+                            legacy_reduction(args), args["label_smoothing"])
+
+
+def legacy_reduction(args: Mapping[str, Any]) -> Any:
+    """``reduction`` of a loss's bound arguments, with the deprecated ``size_average`` /
+    ``reduce`` mapped onto it as torch maps them when either is given."""
+    if args["size_average"] is None and args["reduce"] is None:
+        return args["reduction"]
+    return torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"], emit_warning=False)
 
 
 def _transposed_2d_input(node: Any) -> Node | None:
@@ -121,7 +132,7 @@ def as_projection(node: Any) -> Projection | None:
     """The plain linear / matmul producing ``node``, or None."""
     if not isinstance(node, Node) or node.op not in ("call_function", "call_method"):
         return None
-    target = node.target if node.op == "call_function" else getattr(torch.Tensor, str(node.target), None)
+    target = function_of(node)
     if target in _LINEAR:
         bound = inspect.signature(lambda input, weight, bias=None: None).bind(*node.args, **node.kwargs)
         bound.apply_defaults()

@@ -34,13 +34,15 @@ from torch.utils._pytree import tree_map
 
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import (
+    CASTS,
+    COPIES,
     Edit,
     create_node,
     example_value,
     size_hint,
     tensor_op_name,
 )
-from compile_pass.graph.sites import read_scale
+from compile_pass.graph.scale import read_scale
 
 DROPPED = "chunkce_dropped_logits"  # meta key on the stand-in node of the graph output
 
@@ -104,13 +106,6 @@ def _not_computed(what: Any) -> RuntimeError:
     )
 
 
-# Casts between the projection and the graph output that still leave the logits unread:
-# accelerate's mixed-precision wrapper (``convert_outputs_to_fp32``) ``.float()``s every
-# output, and Dynamo traces that wrapper into the model's graph.
-_CASTS = {"float", "half", "bfloat16", "double", "to", "type"}
-_COPIES = {"contiguous", "clone"}
-
-
 def _returned_chain(node: Node) -> list[Node] | None:
     """``[node, step, ..., returned]``: the projection and the steps of :func:`_is_step_of`
     (each read by nothing but the next) up to the value the graph returns; None when
@@ -127,15 +122,17 @@ def _returned_chain(node: Node) -> list[Node] | None:
 
 def _is_step_of(node: Node, source: Node) -> bool:
     """Whether ``node`` gives logits of ``source``'s shape and device, floating, from
-    ``source`` by a dtype cast, a copy (``.contiguous()``, OPT's head) or a scale the pass
+    ``source`` by a dtype cast (accelerate's mixed-precision wrapper, ``convert_outputs_to_fp32``,
+    ``.float()``s every output inside the traced forward; ``.type_as(other)`` reads only
+    ``other``'s dtype), a copy (``.contiguous()``, OPT's head) or a scale the pass
     absorbs (Cohere's ``* logit_scale``, Granite's ``/ logits_scaling``:
-    :func:`compile_pass.graph.sites.read_scale`)."""
+    :func:`compile_pass.graph.scale.read_scale`)."""
     before, after = example_value(source), example_value(node)
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and after.is_floating_point()
             and after.shape == before.shape and after.device == before.device):
         return False
     name = tensor_op_name(node)
-    if name in _CASTS or name in _COPIES:
+    if name in CASTS or name in COPIES:
         return bool(node.args) and node.args[0] is source
     read = read_scale(node)
     return read is not None and read.scale is not None and read.scale.logits is source

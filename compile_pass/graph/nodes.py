@@ -34,6 +34,10 @@ _TORCH_FUNCTIONS = {
     for name in ("reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "clone", "narrow",
                  "select", "transpose", "swapaxes", "swapdims", "permute", "t", "movedim")
 }
+# Tensor methods on the logits that only cast them (to another floating dtype, same shape and
+# device: checked where read) or copy them; the matcher passes them, the logits drop looks through them.
+CASTS = {"float", "half", "bfloat16", "double", "to", "type", "type_as"}
+COPIES = {"contiguous", "clone"}
 # Metadata an inserted node inherits from the node it replaces (source line, module path).
 _INHERITED_META = ("stack_trace", "nn_module_stack")
 
@@ -67,6 +71,14 @@ def tensor_op_name(node: Node) -> str | None:
     if name and getattr(torch.Tensor, name, None) is node.target:
         return name
     return None
+
+
+def function_of(node: Node) -> Any:
+    """The torch function a call_function / call_method node runs (a method as
+    ``torch.Tensor.<name>``); None for other nodes."""
+    if node.op == "call_method":
+        return getattr(torch.Tensor, str(node.target), None)
+    return node.target if node.op == "call_function" else None
 
 
 def example_value(arg: Any) -> Any:

@@ -20,6 +20,12 @@ from dataclasses import dataclass, field
 from torch._dynamo.utils import counters
 from torch.fx import Node
 
+from compile_pass.graph.nodes import example_value, size_hint
+from compile_pass.graph.refusals import Reason, fix_for
+from compile_pass.graph.sites import Site
+from compile_pass.op.chunking import resolve_chunk_size
+from compile_pass.options import Options
+
 log = logging.getLogger(__name__)
 
 REWRITTEN, REFUSED = "rewritten", "refused"
@@ -29,69 +35,6 @@ DROP_LOGITS_FIX = (
     "fix: the only other user is the graph output (e.g. HF's outputs.logits); a training step that never "
     "reads it can skip it: options={'drop_unused_logits': True}"
 )
-GRAPH_BREAK_FIX = (
-    "fix: remove the graph break between the lm_head and the loss (a print, .item(), "
-    "data-dependent Python control flow, or an unsupported call; `torch._dynamo.explain(model)(...)` "
-    "names it), or compute the loss inside the compiled region; under DDP's graph split or FSDP2 the reason "
-    "names the cause and its fix (docs/distributed.md)"
-)
-
-# How to make a site refused with a reason key rewritable, or that there is no way and the site
-# stays unfused (exact, as stock compile): every refused record carries one (SiteRecord.fix).
-_FIXES = {
-    "graph_break": GRAPH_BREAK_FIX,
-    "subgraph_input": "fix: compute the lm_head inside the same checkpoint region (higher-order op body) as the "
-                      "loss, or the loss outside it",
-    "call_module": "fix: call F.cross_entropy, or let Dynamo inline nn.CrossEntropyLoss (do not register it as "
-                   "a leaf module)",
-    "loss_spelling": "fix: write the loss as F.cross_entropy(logits.view(-1, V), labels.view(-1), ...) or as "
-                     "the reason says",
-    "target": "fix: pass int64 class indices computed in the compiled region, shaped like the logits without "
-              "their class dim",
-    "probability_target": "fix: none for soft targets (the op takes class indices); the site stays unfused, "
-                          "exact",
-    "argument": "fix: pass reduction, ignore_index and label_smoothing as Python constants, class weights as a "
-                "tensor of the compiled region",
-    "class_weight": "fix: pass class weights as a plain floating tensor (float16, bfloat16, float32 or float64)",
-    "class_dim_1": "fix: compute the [B, T, V] logits, then move the class dim for the loss with "
-                   ".transpose(1, 2), or flatten to [B * T, V]",
-    "vocab_dim": "fix: slice or select token dims only; keep the vocabulary dim whole from the lm_head to the "
-                 "loss",
-    "advanced_index": "fix: select the tokens on the hidden states before the lm_head (h[mask]), or with "
-                      "slices on the logits",
-    "symbolic_reshape": "fix: flatten the logits with .view(-1, V) before indexing their tokens, or mark one "
-                        "token dim dynamic",
-    "unreadable": "fix: compute the loss's input from the lm_head's output inside the compiled region",
-    "no_projection": "fix: compute the logits with nn.Linear / F.linear / a matmul by a [V, H] (or [H, V]) "
-                     "weight inside the compiled region",
-    "producer": "fix: project with a plain nn.Linear / F.linear / matmul by a 2-D weight",
-    "weight_dtype": "fix: none for quantized heads (the op takes float16, bfloat16, float32 or float64 "
-                    "weights); the site stays unfused, exact",
-    "subclass": "fix: none for tensor-subclass heads (quantized, float8, DTensor); keep the head a plain "
-                "tensor (e.g. FSDP2: the head in the root group) or the site stays unfused, exact",
-    "lossy_cast": "fix: cast the logits once, to the dtype the loss needs (a narrowing cast on the way is not "
-                  "reproduced)",
-    "mode_switch": "fix: keep grad mode and autocast unchanged from the lm_head to the loss",
-    "mutation": "fix: compute the logits out of place (logits = logits * s, not logits *= s)",
-    "soft_cap": "fix: none for soft-capped heads (tanh); the site stays unfused, exact",
-    "scale_operand": "fix: scale by one Python number or 0-d tensor, before the log_softmax: logits * s or "
-                     "logits / s",
-    "scale_requires_grad": "fix: detach the scale (logits * s.detach()) or freeze it (s.requires_grad_(False))",
-    "scale_twice": "fix: fold the scalings into one constant, e.g. logits * (a / b)",
-    "internal_error": "fix: none on your side (the site stays unfused, exact); please report it, with the "
-                      "graph (TORCH_LOGS=graph_code)",
-}
-_OP_FIX = ("fix: compute only shape, dtype or one scaling between the lm_head and the loss; anything else "
-           "there stays unfused, exact")
-
-
-def fix_for(reason_key: str) -> str:
-    """What to do about a site refused with ``reason_key``, or that nothing can be done;
-    never empty (``op_<name>``: an op between projection and loss)."""
-    if reason_key.startswith("op_"):
-        return _OP_FIX
-    return _FIXES.get(reason_key, "fix: write the loss as F.cross_entropy(lm_head(h).view(-1, V), labels.view(-1)) "
-                                  "inside the compiled region (docs/design.md, The guard)")
 
 
 @dataclass(frozen=True)
@@ -103,9 +46,9 @@ class SiteRecord:
     decision: str  # REWRITTEN or REFUSED
     reason: str  # why refused; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
     reason_key: str = ""
-    chunk_size: int | str | None = None  # tokens per chunk: given, the automatic choice, or "auto"
+    chunk_size: int | None = None  # tokens per chunk of a rewritten site: given, or the automatic choice
     logits_bytes_avoided: int = 0
-    fix: str = ""  # how to make a refused site rewritable (or a kept logits droppable), where known
+    fix: str = ""  # how to make a refused site rewritable (never empty then), or a kept logits droppable
     # how the loss is spelled: "cross_entropy", "nll_loss" (of a log_softmax), "gather" (of a
     # log_softmax: the per-token log-probabilities); "" when unknown
     form: str = ""
@@ -113,6 +56,35 @@ class SiteRecord:
     def __post_init__(self) -> None:
         if self.decision == REFUSED and not self.fix:  # every refusal says what to do about it
             object.__setattr__(self, "fix", fix_for(self.reason_key))
+
+
+def refused(site: Site, reason: Reason) -> SiteRecord:
+    """The record of a site the guard refused with ``reason``."""
+    return SiteRecord(source_of(site.node), module_of(site.projection.node if site.projection else site.stop),
+                      REFUSED, str(reason), reason.key, fix=reason.fix, form=_form(site))
+
+
+def failed(where: str, reason: Reason) -> SiteRecord:
+    """The record of a site (``where``: its node's name, or ``"(whole graph)"``) the pass
+    failed on (``reason``: ``internal_error``)."""
+    return SiteRecord(where, "", REFUSED, str(reason), reason.key, fix=reason.fix)
+
+
+def rewritten(site: Site, options: Options, *, note: str = "", logits_bytes_avoided: int = 0) -> SiteRecord:
+    """The record of a site rewritten with ``options``: its chunk size is the op's own
+    rule (:func:`compile_pass.op.chunking.resolve_chunk_size`) at the traced example's
+    size (the graph passes ``chunk_size=0``, resolved at run time)."""
+    hidden = example_value(site.projection.hidden)  # [..., H]
+    logits = example_value(site.projection.node)  # [..., V], projection dtype
+    chunk = resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
+                               size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
+                               logits.element_size(), logits.device.type, chunk_bytes=options.chunk_bytes)
+    return SiteRecord(source_of(site.node), module_of(site.projection.node), REWRITTEN, note, chunk_size=chunk,
+                      logits_bytes_avoided=logits_bytes_avoided, form=_form(site))
+
+
+def _form(site: Site) -> str:
+    return site.call.form if site.call is not None else ""
 
 
 @dataclass
@@ -158,11 +130,12 @@ def _shorten(text: str, width: int) -> str:
 def format_bytes(n: int) -> str:
     if not n:
         return "0"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    unit = "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if n < 1024:
+            break
+        n, unit = n / 1024, larger
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
 
 
 def source_of(node: Node) -> str:

@@ -12,16 +12,25 @@ becomes
 The scaling is passed to the op (``logit_scale``, ``scale_divides``, ``scale_dtype``: the
 dtype the graph scaled in) and its node erased with the casts when nothing else uses it.
 Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone.
+
+What replaces the loss node is chosen here from what the reader read (:func:`replacement`):
+:func:`compile_pass.op.function.chunked_cross_entropy` for a loss, :func:`gathered_log_probs`
+for a gather of log-probabilities (``CrossEntropyCall.gather``).
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
+from torch import Tensor
 from torch.fx import Graph, Node
 
+from compile_pass.graph.forms import CrossEntropyCall
 from compile_pass.graph.nodes import (
     Edit,
     create_node,
@@ -31,6 +40,7 @@ from compile_pass.graph.nodes import (
     trace_into,
 )
 from compile_pass.graph.sites import Site, cast_chains
+from compile_pass.op.function import chunked_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,7 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
         if scale is not None and scale.item is not None:
             scale_value = _scale_from_item(graph, scale.value, scale.item, meta)
         new = trace_into(
-            graph, call.emit, hidden, weight, call.target, projection.bias, call.weight,
+            graph, replacement(call), hidden, weight, call.target, projection.bias, call.weight,
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
@@ -88,6 +98,40 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
         scaled = example_value(scale.node)
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
     return Rewritten(bool(projection.node.users), bytes_avoided)
+
+
+def replacement(call: CrossEntropyCall) -> Callable[..., Any]:
+    """The function whose traced nodes replace the loss node of ``call``, with
+    :func:`compile_pass.op.function.chunked_cross_entropy`'s signature."""
+    if call.gather is None:
+        return chunked_cross_entropy
+    gather = call.gather
+    return partial(gathered_log_probs, negated=gather.negated, flat=gather.flat, squeeze=gather.squeeze)
+
+
+def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                       class_weight: Tensor | None, *, negated: bool, flat: bool, ignore_index: int,
+                       squeeze: bool = False, **options: Any) -> Tensor:
+    """``log_softmax(hidden_states @ weight.T + bias, -1).gather(-1, target[..., None])``
+    through the op: ``[..., 1]`` in the call's ``logits_dtype`` (negated when ``negated``;
+    ``[N, 1]`` when ``flat``: the index was ``labels.reshape(-1, 1)``).
+
+    Traced into the graph by the rewrite (:func:`compile_pass.graph.nodes.trace_into`);
+    the arguments and ``options`` are :func:`compile_pass.op.function.chunked_cross_entropy`'s
+    (the call gives ``reduction="none"``, ``ignore_index=NO_IGNORE_INDEX``, no class
+    weight: :mod:`compile_pass.graph.spellings`). A label equal to ``ignore_index`` is mapped
+    to -1 first, so that the op raises for it as for every other label outside ``[0, V)``,
+    as ``gather`` does (``take_along_dim``, which does not check its indices, raises too).
+    ``squeeze``: ``target`` is the gather index itself, ``[..., 1]`` (e.g. ``labels[:, 1:, None]``),
+    whose last dim is dropped.
+    """
+    if squeeze:
+        target = target.squeeze(-1)  # [..., 1] -> [...]
+    target = target.masked_fill(target == ignore_index, -1)  # [...]
+    nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
+                                **options)  # [...] = -log p(target)
+    log_p = nll if negated else nll.neg()  # shaped like target
+    return log_p.reshape(-1, 1) if flat else log_p.unsqueeze(-1)
 
 
 def _scale_from_item(graph: Graph, tensor: Node, item: Node, meta: dict) -> Node:

@@ -14,13 +14,11 @@ class-index targets and no label smoothing (``cross_entropy_loss`` in ATen's
 ``LossNLL.cpp`` calls ``nll_loss_nd(log_softmax(z, 1), ...)``), every reduction,
 class weight and ignore_index included: the site is read as that cross-entropy.
 
-A gather reads one log-probability per token, ``[..., 1]``: the op's
-``reduction="none"`` output, negated and unsqueezed, replaces the gather node, and
-everything after it (squeeze, negation, ``mean`` / ``sum`` / a mask) stays as graph
-ops, so every reduction is the user's own. A gather has no ignore_index: the op gets
-one no label can equal (:data:`NO_IGNORE_INDEX`, a label of that value is first
-mapped to -1), so every label outside ``[0, V)`` makes the op raise, as ``gather``
-does. (``take_along_dim`` does not check its indices; the op still raises.)
+A gather reads one log-probability per token, ``[..., 1]`` (:class:`compile_pass.graph.forms.Gather`
+says how): the rewrite replaces the gather node by the op's ``reduction="none"`` output,
+negated and unsqueezed, and everything after it (squeeze, negation, ``mean`` / ``sum`` /
+a mask) stays as graph ops, so every reduction is the user's own. A gather has no
+ignore_index: the call gets one no label can equal (:data:`NO_IGNORE_INDEX`).
 
 Each reader returns None for a node that is not such a loss. A spelling the op
 cannot reproduce exactly is still read, with ``unsupported`` saying why (the guard
@@ -31,17 +29,21 @@ from __future__ import annotations
 
 import inspect
 import operator
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
 from torch.fx import Node
 
-from compile_pass.graph.forms import CrossEntropyCall, as_projection, read_cross_entropy
-from compile_pass.graph.nodes import example_value, is_tensor_node, same_size, tensor_op_name
-from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.graph.forms import (
+    REDUCTION_ENUM,
+    CrossEntropyCall,
+    Gather,
+    as_projection,
+    legacy_reduction,
+    read_cross_entropy,
+)
+from compile_pass.graph.nodes import example_value, function_of, is_tensor_node, same_size, tensor_op_name
 
 NLL_LOSS_FUNCTIONS = (F.nll_loss, torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss)
 _LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, torch.Tensor.log_softmax)
@@ -50,7 +52,6 @@ _LOG = (torch.log, torch.Tensor.log)
 _NEG = (operator.neg, torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.negative)
 _GATHER = (torch.gather, torch.Tensor.gather)
 _TAKE_ALONG_DIM = (torch.take_along_dim, torch.Tensor.take_along_dim)
-_REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch._C._nn.nll_loss_nd / nll_loss
 _UNSQUEEZE_LAST = {"unsqueeze", "getitem", "view", "reshape"}
 _MAX_DEPTH = 16  # nodes between a loss and its log_softmax the reader looks through
 
@@ -67,13 +68,6 @@ def read_loss(node: Node) -> CrossEntropyCall | None:
     if node.op not in ("call_function", "call_method"):
         return None
     return read_cross_entropy(node) or read_nll_loss(node) or read_gathered_log_probs(node)
-
-
-def _target(node: Node) -> Any:
-    """The torch function a call_function / call_method node runs (a method as ``torch.Tensor.<name>``)."""
-    if node.op == "call_method":
-        return getattr(torch.Tensor, str(node.target), None)
-    return node.target
 
 
 class _LogProbs(NamedTuple):
@@ -102,13 +96,13 @@ def _find_log_softmax(start: Node, negations: bool) -> _LogProbs | None:
     for _ in range(_MAX_DEPTH):
         if node.op not in ("call_function", "call_method") or not is_tensor_node(node):
             return None
-        target = _target(node)
+        target = function_of(node)
         if not node.args or not is_tensor_node(node.args[0]):  # e.g. input= as a keyword: not read
             return None
         if target in _LOG_SOFTMAX:
             return _LogProbs({node: "log_softmax", **dict.fromkeys(negs, "neg")}, len(negs) % 2 == 1,
                              _log_softmax_problem(node, path))
-        if target in _LOG and isinstance(node.args[0], Node) and _target(node.args[0]) in _SOFTMAX:
+        if target in _LOG and isinstance(node.args[0], Node) and function_of(node.args[0]) in _SOFTMAX:
             return _LogProbs({}, False, "log(softmax(logits)) is not torch's log_softmax (it rounds differently "
                                         "and overflows to -inf): write F.log_softmax(logits, dim=-1) or "
                                         "F.cross_entropy")
@@ -151,28 +145,24 @@ def read_nll_loss(node: Node) -> CrossEntropyCall | None:
     """
     if node.op != "call_function" or node.target not in NLL_LOSS_FUNCTIONS:
         return None
-    legacy = False
     if node.target is F.nll_loss:
         bound = inspect.signature(F.nll_loss).bind(*node.args, **node.kwargs)
         bound.apply_defaults()
         args = dict(bound.arguments)
-        legacy = args["size_average"] is not None or args["reduce"] is not None
-        if legacy:
-            args["reduction"] = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"],
-                                                                      emit_warning=False)
+        args["reduction"] = legacy_reduction(args)
     else:  # (input, target, weight, reduction: int, ignore_index)
         names = ("input", "target", "weight", "reduction", "ignore_index")
         args = dict(zip(names, (None, None, None, 1, -100)))
         args.update(zip(names, node.args))
         args.update(node.kwargs)
-        args["reduction"] = _REDUCTION_ENUM.get(args["reduction"], args["reduction"])
+        args["reduction"] = REDUCTION_ENUM.get(args["reduction"], args["reduction"])
     if not is_tensor_node(args["input"]):
         return None
     found = _find_log_softmax(args["input"], negations=False)
     if found is None:
         return None
     return CrossEntropyCall(args["input"], args["target"], args["weight"], args["ignore_index"],
-                            args["reduction"], 0.0, legacy, form="nll_loss", passes=found.passes,
+                            args["reduction"], 0.0, form="nll_loss", passes=found.passes,
                             unsupported=found.unsupported)
 
 
@@ -181,7 +171,7 @@ def read_gathered_log_probs(node: Node) -> CrossEntropyCall | None:
 
     The call reads as a ``reduction="none"`` cross-entropy of ``z`` and ``labels``
     whose per-token loss, negated unless the log-probabilities were, and unsqueezed
-    to ``[..., 1]``, is the gather's value (:func:`gathered_log_probs`). The index
+    to ``[..., 1]``, is the gather's value (``gather``: :class:`compile_pass.graph.forms.Gather`). The index
     must be shaped ``[..., 1]``, exactly as large as the log-probabilities in every
     other dim (a smaller gather index reads a corner of them: ``unsupported``). The
     labels are what the index was made from when it is ``labels.unsqueeze(-1)`` /
@@ -189,7 +179,7 @@ def read_gathered_log_probs(node: Node) -> CrossEntropyCall | None:
     for ``[N, V]`` log-probabilities; any other index (``labels[:, 1:, None]``, a
     permute) is squeezed: ``gather(-1, index)`` reads class ``index[..., 0]`` of each row.
     """
-    target = _target(node) if node.op in ("call_function", "call_method") else None
+    target = function_of(node) if node.op in ("call_function", "call_method") else None
     if target in _GATHER:
         signature = inspect.signature(lambda input, dim, index, *, sparse_grad=False: None)
     elif target in _TAKE_ALONG_DIM:
@@ -221,8 +211,7 @@ def read_gathered_log_probs(node: Node) -> CrossEntropyCall | None:
     return CrossEntropyCall(source, index if labels is None else labels, None, NO_IGNORE_INDEX, "none", 0.0,
                             form="gather", passes=found.passes, class_dim=-1,
                             inner=(index,) if labels is not None else (), unsupported=unsupported,
-                            emit=partial(gathered_log_probs, negated=found.negated, flat=flat,
-                                         squeeze=labels is None))
+                            gather=Gather(negated=found.negated, flat=flat, squeeze=labels is None))
 
 
 def _squeezed_labels(index: Node) -> tuple[Node | None, bool]:
@@ -239,26 +228,3 @@ def _squeezed_labels(index: Node) -> tuple[Node | None, bool]:
     if after.dim() == 2 and tensor_op_name(index) in ("view", "reshape") and same_size(after.numel(), before.numel()):
         return labels, True
     return None, False
-
-
-def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                       class_weight: Tensor | None, *, negated: bool, flat: bool, ignore_index: int,
-                       squeeze: bool = False, **options: Any) -> Tensor:
-    """``log_softmax(hidden_states @ weight.T + bias, -1).gather(-1, target[..., None])``
-    through the op: ``[..., 1]`` in the call's ``logits_dtype`` (negated when ``negated``;
-    ``[N, 1]`` when ``flat``: the index was ``labels.reshape(-1, 1)``).
-
-    Traced into the graph by the rewrite (:func:`compile_pass.graph.nodes.trace_into`);
-    the arguments and ``options`` are :func:`compile_pass.op.function.chunked_cross_entropy`'s
-    (the call gives ``reduction="none"``, ``ignore_index=NO_IGNORE_INDEX``, no class
-    weight). A label equal to ``ignore_index`` is mapped to -1 first, so that the op
-    raises for it as for every other label outside ``[0, V)``. ``squeeze``: ``target`` is the
-    gather index itself, ``[..., 1]`` (e.g. ``labels[:, 1:, None]``), whose last dim is dropped.
-    """
-    if squeeze:
-        target = target.squeeze(-1)  # [..., 1] -> [...]
-    target = target.masked_fill(target == ignore_index, -1)  # [...]
-    nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
-                                **options)  # [...] = -log p(target)
-    log_p = nll if negated else nll.neg()  # shaped like target
-    return log_p.reshape(-1, 1) if flat else log_p.unsqueeze(-1)
