@@ -276,6 +276,21 @@ def test_gather_label_out_of_range_raises_as_stock_does(bad):
     assert counters["chunkce"]["sites_rewritten"] == 1
 
 
+@pytest.mark.parametrize("bad", [-1, -100, V, 3 * V + 2], ids=["minus_1", "minus_100", "V", "3V_plus_2"])
+def test_take_along_dim_wraps_labels_as_stock_does(bad):
+    """take_along_dim checks no index: it reads class ``index % V`` (torch._refs), so labels such as
+    -100 left in the index and masked out after the gather give stock's loss and gradients (they
+    raised in the op before), and an unmasked one reads the wrapped class, as stock."""
+    def loss(m, h, y):
+        log_p = torch.take_along_dim(F.log_softmax(m.lm_head(h), -1), y[..., None], dim=-1).squeeze(-1)
+        mask = y != bad
+        return -(log_p * mask).sum() / mask.sum() - 0.5 * log_p[0, 0]  # token (0, 0) read unmasked
+
+    y = labels()
+    y[0, 0] = y[1, 2] = bad
+    rewritten(Head(loss, bias=True), hidden(), y, form="gather")
+
+
 # -- refused spellings ------------------------------------------------------------------------------------------
 
 

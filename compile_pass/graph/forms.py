@@ -73,6 +73,7 @@ class Gather:
     negated: bool  # the log-probabilities were negated before the gather (its value is the loss)
     flat: bool  # the index was ``labels.reshape(-1, 1)`` of ``[N, V]`` log-probabilities: ``[N, 1]``
     squeeze: bool  # the call's target is the ``[..., 1]`` index itself, not labels it was made from
+    wraps: bool = False  # take_along_dim: it reads class ``index % V`` (its reference wraps, checks nothing)
 
 
 @dataclass(frozen=True)

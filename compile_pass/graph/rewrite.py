@@ -106,12 +106,13 @@ def replacement(call: CrossEntropyCall) -> Callable[..., Any]:
     if call.gather is None:
         return chunked_cross_entropy
     gather = call.gather
-    return partial(gathered_log_probs, negated=gather.negated, flat=gather.flat, squeeze=gather.squeeze)
+    return partial(gathered_log_probs, negated=gather.negated, flat=gather.flat, squeeze=gather.squeeze,
+                   wraps=gather.wraps)
 
 
 def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                        class_weight: Tensor | None, *, negated: bool, flat: bool, ignore_index: int,
-                       squeeze: bool = False, **options: Any) -> Tensor:
+                       squeeze: bool = False, wraps: bool = False, **options: Any) -> Tensor:
     """``log_softmax(hidden_states @ weight.T + bias, -1).gather(-1, target[..., None])``
     through the op: ``[..., 1]`` in the call's ``logits_dtype`` (negated when ``negated``;
     ``[N, 1]`` when ``flat``: the index was ``labels.reshape(-1, 1)``).
@@ -121,12 +122,17 @@ def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bi
     (the call gives ``reduction="none"``, ``ignore_index=NO_IGNORE_INDEX``, no class
     weight: :mod:`compile_pass.graph.spellings`). A label equal to ``ignore_index`` is mapped
     to -1 first, so that the op raises for it as for every other label outside ``[0, V)``,
-    as ``gather`` does (``take_along_dim``, which does not check its indices, raises too).
+    as ``gather`` does. ``wraps`` (``take_along_dim``): the label is taken modulo ``V`` first,
+    as torch's ``take_along_dim`` does (``indices % V`` in ``torch._refs``: ``-1`` reads class
+    ``V - 1``, ``-100`` class ``-100 % V``; it raises for none), so that labels such as
+    ``-100`` masked out after the gather give what stock gives.
     ``squeeze``: ``target`` is the gather index itself, ``[..., 1]`` (e.g. ``labels[:, 1:, None]``),
     whose last dim is dropped.
     """
     if squeeze:
         target = target.squeeze(-1)  # [..., 1] -> [...]
+    if wraps:
+        target = target.remainder(weight.shape[0])  # [...] in [0, V)
     target = target.masked_fill(target == ignore_index, -1)  # [...]
     nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
                                 **options)  # [...] = -log p(target)

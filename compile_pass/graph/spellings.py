@@ -211,7 +211,8 @@ def read_gathered_log_probs(node: Node) -> CrossEntropyCall | None:
     return CrossEntropyCall(source, index if labels is None else labels, None, NO_IGNORE_INDEX, "none", 0.0,
                             form="gather", passes=found.passes, class_dim=-1,
                             inner=(index,) if labels is not None else (), unsupported=unsupported,
-                            gather=Gather(negated=found.negated, flat=flat, squeeze=labels is None))
+                            gather=Gather(negated=found.negated, flat=flat, squeeze=labels is None,
+                                          wraps=target in _TAKE_ALONG_DIM))
 
 
 def _squeezed_labels(index: Node) -> tuple[Node | None, bool]:
