@@ -32,7 +32,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass.op import custom_ops as op_module
+from compile_pass.op import loops
 from compile_pass import linear_cross_entropy
 
 B, T, H, V = 2, 19, 16, 96  # N = 38 tokens
@@ -655,15 +655,15 @@ def test_autocast_bf16_projection_fp32_loss(form):
 
 @pytest.fixture
 def cache_spy(monkeypatch):
-    """Records every _release_cache decision and every torch.accelerator.empty_cache call."""
+    """Records every loops.release_cache decision and every torch.accelerator.empty_cache call."""
     decisions, emptied = [], []
-    real = op_module._release_cache
+    real = loops.release_cache
 
     def spy(device, enabled):
         decisions.append((device.type, enabled))
         real(device, enabled)
 
-    monkeypatch.setattr(op_module, "_release_cache", spy)
+    monkeypatch.setattr(loops, "release_cache", spy)
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: emptied.append(True))
     monkeypatch.delenv("CHUNKCE_RELEASE_CACHE", raising=False)
     return decisions, emptied
@@ -686,10 +686,10 @@ def test_release_cache_is_resolved_per_call(cache_spy, monkeypatch):
 def test_release_cache_empties_an_accelerator(cache_spy, monkeypatch):
     _, emptied = cache_spy
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    op_module._release_cache(torch.device("cpu"), True)
-    op_module._release_cache(torch.device("meta"), False)
+    loops.release_cache(torch.device("cpu"), True)
+    loops.release_cache(torch.device("meta"), False)
     assert emptied == []
-    op_module._release_cache(torch.device("meta"), True)  # any non-CPU device
+    loops.release_cache(torch.device("meta"), True)  # any non-CPU device
     assert emptied == [True]
 
 
@@ -711,8 +711,8 @@ def test_release_cache_on_device(monkeypatch):
 def test_release_cache_env_is_read_per_call(form, monkeypatch):
     """Compiled, the variable is read at run time: no recompile when it changes."""
     decisions = []
-    real = op_module._release_cache
-    monkeypatch.setattr(op_module, "_release_cache",
+    real = loops.release_cache
+    monkeypatch.setattr(loops, "release_cache",
                         lambda device, enabled: (decisions.append(enabled), real(device, enabled)))
     monkeypatch.delenv("CHUNKCE_RELEASE_CACHE", raising=False)
     inputs = make_inputs()

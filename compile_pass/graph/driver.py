@@ -186,8 +186,7 @@ def _check(site: Site, order: dict) -> guard.Reason | None:
 def _chunk_size(site: Site, options: Options) -> int:
     """The chunk size the op will use at this site for the traced example's size (the
     op's own rule, :func:`compile_pass.op.chunking.resolve_chunk_size`), for the report."""
-    hidden = example_value(site.projection.hidden)  # [..., H]
     logits = example_value(site.projection.node)  # [..., V], projection dtype
     return resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
-                              size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
-                              logits.element_size(), logits.device.type, chunk_bytes=options.chunk_bytes)
+                              size_hint(logits.shape[-1]), logits.element_size(), logits.device.type,
+                              chunk_bytes=options.chunk_bytes)

@@ -101,8 +101,8 @@ def choose_chunk_size(
     return max(1, min(tokens, num_tokens))
 
 
-def resolve_chunk_size(chunk_size: int | None, num_tokens: int, hidden_size: int, vocab_size: int,
-                       itemsize: int, device_type: str, *, chunk_bytes: int | None = None) -> int:
+def resolve_chunk_size(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
+                       device_type: str, *, chunk_bytes: int | None = None) -> int:
     """The tokens per chunk the op uses for one call.
 
     In order, the first given wins: the arguments ``chunk_size``, then ``chunk_bytes``;
@@ -113,7 +113,6 @@ def resolve_chunk_size(chunk_size: int | None, num_tokens: int, hidden_size: int
         chunk_size: tokens per chunk, or None / 0 for automatic (any value below 1
             is automatic).
         num_tokens: N, the number of (flattened) tokens.
-        hidden_size: H (not used by the rule; kept for callers).
         vocab_size: V.
         itemsize: bytes per element of the logits (the projection runs in the hidden
             states' dtype).
