@@ -4,7 +4,7 @@ Two functions of one chunk of logits ``[n, V]`` (``n`` = tokens in the chunk):
 
 * :func:`chunk_forward` -> the per-token loss and the fp32 log-sum-exp (in two parts);
 * :func:`chunk_backward` -> the gradient of the per-token loss with respect to
-  the chunk's logits, given the upstream per-token gradient.
+  the chunk's logits, given the upstream per-token gradient, written over the logits.
 
 The matmuls around them (projection, ``grad @ weight``, ``grad.T @ hidden``) run
 outside, so their outputs can be written in place into preallocated buffers; what
@@ -208,8 +208,8 @@ def chunk_backward(
       half ulp is 128x that at an lse of 1e3 (bf16; 16x for fp16).
 
     The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``.
-    Returns ``logits`` itself, overwritten with the gradient ``[n, Vb]`` in the
-    projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
+    Returns nothing: ``logits`` is overwritten in place with the gradient ``[n, Vb]`` in
+    the projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
     through the graph's cast; with a scale, then through the scaling's backward
     (``grad * s`` or ``grad / s`` in ``scale_dtype``). The caller's chunk of logits is
     consumed.
