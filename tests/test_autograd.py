@@ -209,8 +209,8 @@ def expected_saved(inputs, reduction):
         if inputs[name] is not None:
             saved.append((V,))
             dtypes.append(torch.float32)
-    saved.append((N,))  # lse [N] fp32
-    dtypes.append(torch.float32)
+    saved += [(N,), (N,)]  # the log-sum-exp in two parts: row max [N] and row log-sum [N], fp32
+    dtypes += [torch.float32, torch.float32]
     if reduction == "mean":  # the 0-d denominator, saved by the division
         saved.append(())
         dtypes.append(torch.int64 if inputs["weight"] is None else torch.float32)
@@ -301,7 +301,7 @@ def test_pack_hooks_see_only_long_lived_tensors(form, hooks, bias, class_weight,
     form.assert_rewritten()
     assert recorder.unpacked == len(recorder.packed)  # backward read every one back
     assert_no_logits_saved(recorder.packed, long_lived(inputs))
-    assert (N,) in [s.shape for s in recorder.packed if s.dtype == torch.float32]  # the fp32 lse
+    assert [s.shape for s in recorder.packed if s.dtype == torch.float32].count((N,)) == 2  # row max, log-sum
     ref_recorder = hooks()
     with ref_recorder:
         unfused(**inputs, reduction=reduction)
@@ -316,8 +316,8 @@ def test_pack_hooks_see_only_long_lived_tensors(form, hooks, bias, class_weight,
     storages = {s.storage for s in recorder.packed}
     for tensor in (inputs["input"], inputs["target"], *long_lived(inputs)):
         assert tensor.untyped_storage().data_ptr() in storages
-    # hidden + weight + target + bias + class weight + lse, + the 0-d denominator for mean
-    expected_bytes = 4 * N * H + 4 * V * H + 8 * N + 4 * V * (bias + class_weight) + 4 * N
+    # hidden + weight + target + bias + class weight + row max + row log-sum, + the 0-d denominator for mean
+    expected_bytes = 4 * N * H + 4 * V * H + 8 * N + 4 * V * (bias + class_weight) + 2 * 4 * N
     assert recorder.packed_bytes() == expected_bytes + {"mean": 8 - 4 * class_weight}.get(reduction, 0)
 
 

@@ -156,16 +156,17 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.chunkce.linear_cross_entropy.default, args)
 
 
-# The registered schemas, as they were written by hand before compile_pass.op.schema generated
-# them: a graph, a cache entry or a caller that passes the arguments by position relies on them.
+# The registered schemas, written out: a graph, a cache entry or a caller that passes the arguments
+# by position relies on them. (compile_pass.op.schema generates them; the forward op returns the
+# row max and log-sum that backward takes, where it returned and took one lse before.)
 _OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt chunk_size, bool? release_cache"
 _DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
               "ScalarType? scale_dtype=None, SymInt chunk_bytes=0")
 _INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
 SCHEMAS = {
-    "linear_cross_entropy": f"({_INPUTS}, {_OPTIONS}, {_DEFAULTED}) -> (Tensor, Tensor)",
-    "linear_cross_entropy_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor lse, {_OPTIONS}, bool[] output_mask, "
-                                     f"{_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+    "linear_cross_entropy": f"({_INPUTS}, {_OPTIONS}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+    "linear_cross_entropy_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, "
+                                     f"{_OPTIONS}, bool[] output_mask, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
     "linear_cross_entropy_grads_in_forward": f"({_INPUTS}, {_OPTIONS}, bool[] output_mask, {_DEFAULTED}) "
                                              "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }

@@ -8,8 +8,9 @@ with ``OpOptions.parse``, and the backward is called with ``OpOptions.args``.
 (:func:`compile_pass.op.loops.chunked_forward`): project one chunk (``[n, V]``
 logits, freed before the next), then the per-chunk kernel of
 :mod:`compile_pass.op.kernels` gives its per-token loss and fp32 log-sum-exp. It
-returns ``loss [N]`` and ``lse [N]``. Autograd saves only its tensor inputs (the
-scale's 0-d tensor among them) and ``lse``; ``ctx.options`` keeps the other options.
+returns ``loss [N]`` and the log-sum-exp in two parts, ``row_max [N]`` and
+``row_log_sum [N]``. Autograd saves only its tensor inputs (the scale's 0-d tensor
+among them) and those two; ``ctx.options`` keeps the other options.
 
 ``chunkce::linear_cross_entropy_backward`` recomputes each chunk's logits and
 applies the analytic gradient (:func:`compile_pass.op.loops.chunked_backward`,
@@ -30,15 +31,18 @@ from torch import Tensor
 from compile_pass.op import kernels, loops
 from compile_pass.op.schema import INPUTS, NAME, OpOptions, op_schema
 
-FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor)")
-BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor lse", "(Tensor, Tensor, Tensor)",
+FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
+BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
+                            "(Tensor, Tensor, Tensor)",
                             extras="bool[] output_mask")
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=(), schema=FORWARD_SCHEMA)
 def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                class_weight: Tensor | None, *options) -> tuple[Tensor, Tensor]:
-    """Per-token ``loss [N]`` and ``lse [N]``, fp32 (fp64 for fp64 logits); 0 loss where ignored.
+                class_weight: Tensor | None, *options) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``loss [N]`` (0 where ignored), ``row_max [N]`` and ``row_log_sum [N]`` (the
+    log-sum-exp is their sum, kept in two parts so that backward's probabilities round as
+    torch's log-softmax does, with no row reduction), fp32 (fp64 for fp64 logits).
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
     ``class_weight [V]`` or None, then the :class:`~compile_pass.op.schema.OpOptions`. At
@@ -55,18 +59,17 @@ def _(hidden_states, weight, target, bias, class_weight, *options):
     _, options = OpOptions.parse(options)
     accumulate = kernels.accumulate_dtype(options.logits_dtype)
     num_tokens = hidden_states.shape[0]
-    return (hidden_states.new_empty(num_tokens, dtype=accumulate),
-            hidden_states.new_empty(num_tokens, dtype=accumulate))
+    return tuple(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
-                 bias: Tensor | None, class_weight: Tensor | None, lse: Tensor,
+                 bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
                  *options_and_mask) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
 
-    ``grad_loss [N]`` fp32 (fp64 for fp64), the forward op's tensors, its ``lse [N]``,
-    then the forward op's options with ``output_mask`` (``[grad_hidden_states,
+    ``grad_loss [N]`` fp32 (fp64 for fp64), the forward op's tensors, its ``row_max [N]``
+    and ``row_log_sum [N]``, then the forward op's options with ``output_mask`` (``[grad_hidden_states,
     grad_weight, grad_bias]`` wanted) after those without a default, so that the
     defaults of the others leave an older call as it was. A gradient that
     ``output_mask`` does not ask for comes back as an empty tensor and costs no work.
@@ -78,11 +81,11 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
     (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
     with loops.op_body(hidden_states, weight, options) as plan:
         return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
-                                      class_weight, lse, output_mask)
+                                      class_weight, row_max, row_log_sum, output_mask)
 
 
 @_backward_op.register_fake
-def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, *options_and_mask):
+def _(grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *options_and_mask):
     (output_mask,), _ = OpOptions.parse(options_and_mask, extras=1)
     want_hidden, want_weight, want_bias = output_mask
     return (
@@ -97,21 +100,21 @@ def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, *option
 def _setup_context(ctx, inputs, output):
     # inputs: every argument, defaults filled in
     _, options = OpOptions.parse(inputs[5:])
-    _, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(*inputs[:5], lse, *options.tensors())
+    _, row_max, row_log_sum = output
+    ctx.mark_non_differentiable(row_max, row_log_sum)
+    ctx.save_for_backward(*inputs[:5], row_max, row_log_sum, *options.tensors())
     ctx.options = options.without_tensors()  # its tensors are saved above
     ctx.num_inputs = len(inputs)
 
 
-def _backward(ctx, grad_loss, _grad_lse):
-    hidden_states, weight, target, bias, class_weight, lse, *option_tensors = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
+    hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *option_tensors = ctx.saved_tensors
     options = ctx.options.with_tensors(option_tensors)
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
     backward_op = (FunctorchBackward.apply if torch._C._are_functorch_transforms_active()
                    else torch.ops.chunkce.linear_cross_entropy_backward)
     grad_hidden, grad_weight, grad_bias = backward_op(
-        grad_loss, hidden_states, weight, target, bias, class_weight, lse,
+        grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum,
         *options.args([want_hidden, want_weight, want_bias]),
     )
     grads = [None] * ctx.num_inputs

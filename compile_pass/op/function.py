@@ -325,7 +325,7 @@ def chunked_cross_entropy(
     else:
         loss = forward_op(
             hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight, *op_options.args(),
-        )[0]  # [N] fp32 (fp64 for fp64 logits); [1] is the lse
+        )[0]  # [N] fp32 (fp64 for fp64 logits); [1], [2] are the row statistics backward takes
         if reduction == "none":
             return loss.view_as(target).to(logits_dtype)
         total = loss.sum()

@@ -101,31 +101,30 @@ def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor,
     )
 
 
-def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor | None,
-                     row_log_sum: Tensor | None, target: Tensor, class_weight: Tensor | None,
-                     grad_loss: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
+def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
+                     target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int,
+                     vocab_size: int) -> Tensor:
     """``kernels.chunk_backward`` of one block: the gradient ``[n, Vb]`` (projection dtype)
     w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``
-    of ``vocab_size``; ``grad_loss [n]`` fp32 (fp64 for fp64). The row statistics, ``[n]``
-    fp32 (fp64 for fp64): ``row_max`` and ``row_log_sum`` of the forward kernel; None and
-    None for a block that is the whole row (the kernel recomputes them); or the saved lse
-    and None for a vocabulary block (``kernels.chunk_backward``).
+    of ``vocab_size``; ``grad_loss [n]``, and the forward kernel's ``row_max [n]`` and
+    ``row_log_sum [n]`` of the whole rows, fp32 (fp64 for fp64).
 
     The gradient is written into ``logits_chunk`` (which is returned): the chunk's
     logits are consumed, and a chunk costs one ``[n, Vb]`` buffer, not two."""
-    row_stats = "recompute" if row_max is None else "lse" if row_log_sum is None else "given"
     kernels.run(
-        "chunk_backward", plan.variant(logits_chunk, class_weight, row_stats), plan.eager_kernels,
+        "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
         logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss,
-        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype, vocab_start, vocab_size,
-        *plan.kernel_scale,
+        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype, vocab_start,
+        vocab_size, *plan.kernel_scale,
     )
     return logits_chunk
 
 
 def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
-                    bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-token ``loss [N]`` and ``lse [N]``, in ``kernels.accumulate_dtype(plan.options.logits_dtype)``.
+                    bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``loss [N]``, and ``row_max [N]`` and ``row_log_sum [N]`` (the log-sum-exp in
+    two parts, :func:`compile_pass.op.kernels._row_stats`: what backward needs), in
+    ``kernels.accumulate_dtype(plan.options.logits_dtype)``.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]``
     and ``class_weight [V]`` (or None), as the op takes them.
@@ -133,16 +132,14 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
     num_tokens = hidden_states.shape[0]
     target, class_weight = _dense(target), _dense(class_weight)
     accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
-    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
-    lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    loss, row_max, row_log_sum = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))  # [N]
     weight_t = weight.t()  # [H, V]
     for start, end in spans(num_tokens, plan.chunk_size):
         logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
-        loss[start:end], row_max, row_log_sum = _forward_kernel(plan, logits_chunk, target[start:end],
-                                                                class_weight)
-        torch.add(row_max, row_log_sum, out=lse[start:end])
+        loss[start:end], row_max[start:end], row_log_sum[start:end] = _forward_kernel(
+            plan, logits_chunk, target[start:end], class_weight)
         del logits_chunk
-    return loss, lse
+    return loss, row_max, row_log_sum
 
 
 _MIXED_ADDMM_DTYPES = (torch.float16, torch.bfloat16)
@@ -205,14 +202,14 @@ def _gradient_buffer(wanted: bool, like: Tensor, shape: tuple[int, ...], dtype: 
 
 
 def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
-                     target: Tensor, bias: Tensor | None, class_weight: Tensor | None, lse: Tensor,
-                     output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                     target: Tensor, bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor,
+                     row_log_sum: Tensor, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]``, each in
     its parameter's dtype; one that ``output_mask`` (``[hidden, weight, bias]``) does
     not ask for is an empty tensor and costs no work.
 
-    ``grad_loss [N]`` and ``lse [N]`` are fp32 (fp64 for fp64); the other tensors
-    are as :func:`chunked_forward` takes them.
+    ``grad_loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` (:func:`chunked_forward`'s)
+    are fp32 (fp64 for fp64); the other tensors are as :func:`chunked_forward` takes them.
     """
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
@@ -224,11 +221,8 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
                                    weight.dtype, walk.zero_grad_weight)  # [V, H]
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
-    # A full-precision head is never walked in vocabulary blocks: its kernel recomputes each
-    # row's statistics, rounding as torch does. A half-precision head may be, and always takes
-    # the saved lse (one compiled variant whatever the walk; its gradient is then rounded to
-    # half precision, whose half ulp is 128x (bf16; fp16 16x) the lse's fp32 rounding at an lse of 1e3).
-    whole_rows = walk.accumulate_dtype == weight.dtype
+    # The forward's row statistics are of whole rows, so a vocabulary block's probabilities
+    # round as torch's log-softmax does, and no row is reduced again here.
     for vocab_start, vocab_end in walk.vocab_blocks:
         weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
@@ -240,10 +234,9 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
         for start, end in walk.token_chunks:
             hidden_chunk = hidden_states[start:end]  # [n, H]
             logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
-            grad_logits = _backward_kernel(plan, logits_chunk, None if whole_rows else lse[start:end],
-                                           None, target[start:end], class_weight,
-                                           grad_loss[start:end], vocab_start,
-                                           vocab_size)  # [n, Vb] projection dtype, in place
+            grad_logits = _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
+                                           target[start:end], class_weight, grad_loss[start:end],
+                                           vocab_start, vocab_size)  # [n, Vb] projection dtype, in place
             del logits_chunk
             if walk.want_hidden:
                 _matmul_into(grad_hidden[start:end], grad_logits, weight_block, walk.hidden_sums)

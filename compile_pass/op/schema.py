@@ -42,7 +42,7 @@ from compile_pass.op.chunking import resolve_chunk_size
 from compile_pass.op.settings import settings
 
 NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
-# the leading arguments of the forward ops (the backward op's, between grad_loss and lse)
+# the leading arguments of the forward ops (the backward op's, between grad_loss and the row statistics)
 INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
 
 
@@ -177,17 +177,14 @@ class ChunkPlan:
         """The kernels' scaling arguments: ``(logit_scale, scale_divides, scale_dtype)``."""
         return self.options.scale, self.options.scale_divides, self.scale_dtype
 
-    def variant(self, logits: Tensor, class_weight: Tensor | None, row_stats: str = "") -> tuple:
+    def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
         """The kernels' compile key: device type, projection dtype (``logits``: a chunk's
         projection, or the hidden states), logits dtype, class weights present, label
         smoothing present, the scaling's form (none, or multiply / divide, by a
-        Python number or a tensor, in which dtype), never its value; then, for the
-        backward kernel, which row statistics it is given (``row_stats``:
-        :func:`compile_pass.op.loops._backward_kernel`)."""
+        Python number or a tensor, in which dtype), never its value."""
         scale = self.options.scale
         form = None if scale is None else ("div" if self.options.scale_divides else "mul",
                                            "tensor" if isinstance(scale, Tensor) else "number",
                                            self.scale_dtype)
-        key = (logits.device.type, logits.dtype, self.options.logits_dtype,
-               class_weight is not None, self.kernel_label_smoothing is not None, form)
-        return key + (row_stats,) if row_stats else key
+        return (logits.device.type, logits.dtype, self.options.logits_dtype,
+                class_weight is not None, self.kernel_label_smoothing is not None, form)
