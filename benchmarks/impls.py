@@ -267,9 +267,8 @@ def chunkce_chunk_size(inputs: OpInputs) -> int:
     """
     from compile_pass.op.chunking import resolve_chunk_size
 
-    n, h = inputs.hidden.shape
-    v = inputs.weight.shape[0]
-    return int(resolve_chunk_size(inputs.chunk_size, n, h, v, inputs.hidden.element_size(),
+    n, v = inputs.hidden.shape[0], inputs.weight.shape[0]
+    return int(resolve_chunk_size(inputs.chunk_size, n, v, inputs.hidden.element_size(),
                                   inputs.hidden.device.type))
 
 

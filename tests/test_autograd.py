@@ -32,7 +32,7 @@ from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass.op import custom_ops as op_module
+from compile_pass.op import loops
 from compile_pass import linear_cross_entropy
 
 B, T, H, V = 2, 19, 16, 96  # N = 38 tokens
@@ -209,8 +209,8 @@ def expected_saved(inputs, reduction):
         if inputs[name] is not None:
             saved.append((V,))
             dtypes.append(torch.float32)
-    saved.append((N,))  # lse [N] fp32
-    dtypes.append(torch.float32)
+    saved += [(N,), (N,)]  # the log-sum-exp in two parts: row max [N] and row log-sum [N], fp32
+    dtypes += [torch.float32, torch.float32]
     if reduction == "mean":  # the 0-d denominator, saved by the division
         saved.append(())
         dtypes.append(torch.int64 if inputs["weight"] is None else torch.float32)
@@ -301,7 +301,7 @@ def test_pack_hooks_see_only_long_lived_tensors(form, hooks, bias, class_weight,
     form.assert_rewritten()
     assert recorder.unpacked == len(recorder.packed)  # backward read every one back
     assert_no_logits_saved(recorder.packed, long_lived(inputs))
-    assert (N,) in [s.shape for s in recorder.packed if s.dtype == torch.float32]  # the fp32 lse
+    assert [s.shape for s in recorder.packed if s.dtype == torch.float32].count((N,)) == 2  # row max, log-sum
     ref_recorder = hooks()
     with ref_recorder:
         unfused(**inputs, reduction=reduction)
@@ -316,8 +316,8 @@ def test_pack_hooks_see_only_long_lived_tensors(form, hooks, bias, class_weight,
     storages = {s.storage for s in recorder.packed}
     for tensor in (inputs["input"], inputs["target"], *long_lived(inputs)):
         assert tensor.untyped_storage().data_ptr() in storages
-    # hidden + weight + target + bias + class weight + lse, + the 0-d denominator for mean
-    expected_bytes = 4 * N * H + 4 * V * H + 8 * N + 4 * V * (bias + class_weight) + 4 * N
+    # hidden + weight + target + bias + class weight + row max + row log-sum, + the 0-d denominator for mean
+    expected_bytes = 4 * N * H + 4 * V * H + 8 * N + 4 * V * (bias + class_weight) + 2 * 4 * N
     assert recorder.packed_bytes() == expected_bytes + {"mean": 8 - 4 * class_weight}.get(reduction, 0)
 
 
@@ -655,15 +655,15 @@ def test_autocast_bf16_projection_fp32_loss(form):
 
 @pytest.fixture
 def cache_spy(monkeypatch):
-    """Records every _release_cache decision and every torch.accelerator.empty_cache call."""
+    """Records every loops.release_cache decision and every torch.accelerator.empty_cache call."""
     decisions, emptied = [], []
-    real = op_module._release_cache
+    real = loops.release_cache
 
     def spy(device, enabled):
         decisions.append((device.type, enabled))
         real(device, enabled)
 
-    monkeypatch.setattr(op_module, "_release_cache", spy)
+    monkeypatch.setattr(loops, "release_cache", spy)
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: emptied.append(True))
     monkeypatch.delenv("CHUNKCE_RELEASE_CACHE", raising=False)
     return decisions, emptied
@@ -686,10 +686,10 @@ def test_release_cache_is_resolved_per_call(cache_spy, monkeypatch):
 def test_release_cache_empties_an_accelerator(cache_spy, monkeypatch):
     _, emptied = cache_spy
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    op_module._release_cache(torch.device("cpu"), True)
-    op_module._release_cache(torch.device("meta"), False)
+    loops.release_cache(torch.device("cpu"), True)
+    loops.release_cache(torch.device("meta"), False)
     assert emptied == []
-    op_module._release_cache(torch.device("meta"), True)  # any non-CPU device
+    loops.release_cache(torch.device("meta"), True)  # any non-CPU device
     assert emptied == [True]
 
 
@@ -711,8 +711,8 @@ def test_release_cache_on_device(monkeypatch):
 def test_release_cache_env_is_read_per_call(form, monkeypatch):
     """Compiled, the variable is read at run time: no recompile when it changes."""
     decisions = []
-    real = op_module._release_cache
-    monkeypatch.setattr(op_module, "_release_cache",
+    real = loops.release_cache
+    monkeypatch.setattr(loops, "release_cache",
                         lambda device, enabled: (decisions.append(enabled), real(device, enabled)))
     monkeypatch.delenv("CHUNKCE_RELEASE_CACHE", raising=False)
     inputs = make_inputs()

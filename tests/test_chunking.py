@@ -31,14 +31,14 @@ def no_chunk_environment(monkeypatch):
     monkeypatch.delenv("CHUNKCE_CHUNK_BYTES", raising=False)
 
 
-# (N, H, V, itemsize, device) -> tokens a chunk: the issue's shapes, and the H200 shape
+# (N, V, itemsize, device) -> tokens a chunk: the issue's shapes, and the H200 shape
 @pytest.mark.parametrize("shape, expected", [
-    ((4096, 1024, 32768, 4, "cpu"), 256),  # 32 MiB a chunk: the full-speed floor, above the 16 MiB budget
-    ((4096, 2048, 128256, 4, "cpu"), 256),
-    ((8192, 256, 128256, 4, "cpu"), 256),
-    ((4096, 1024, 4096, 4, "cpu"), 1024),  # a small vocabulary: the budget, 16 MiB / (4096 * 4)
-    ((100, 64, 1000, 4, "cpu"), 100),  # capped at the tokens there are
-    ((8192, 4096, 128256, 2, "cuda"), 2048),  # the H200's measured best
+    ((4096, 32768, 4, "cpu"), 256),  # 32 MiB a chunk: the full-speed floor, above the 16 MiB budget
+    ((4096, 128256, 4, "cpu"), 256),
+    ((8192, 128256, 4, "cpu"), 256),
+    ((4096, 4096, 4, "cpu"), 1024),  # a small vocabulary: the budget, 16 MiB / (4096 * 4)
+    ((100, 1000, 4, "cpu"), 100),  # capped at the tokens there are
+    ((8192, 128256, 2, "cuda"), 2048),  # the H200's measured best
 ])
 def test_rule_values(shape, expected):
     assert resolve_chunk_size(None, *shape) == expected
@@ -57,13 +57,13 @@ def test_rule_bounds():
 
 def test_explicit_budget_is_not_raised_to_the_floor():
     # 4 MiB of fp32 logits at V 32768: 32 tokens, below the CPU's full-speed floor
-    assert resolve_chunk_size(None, 4096, 1024, 32768, 4, "cpu", chunk_bytes=4 * MiB) == 32
-    assert resolve_chunk_size(None, 4096, 1024, 32768, 4, "cpu", chunk_bytes=1) == ALIGN  # at least ALIGN
-    assert resolve_chunk_size(None, 4096, 1024, 32768, 4, "cpu", chunk_bytes=0) == 256  # 0: default
+    assert resolve_chunk_size(None, 4096, 32768, 4, "cpu", chunk_bytes=4 * MiB) == 32
+    assert resolve_chunk_size(None, 4096, 32768, 4, "cpu", chunk_bytes=1) == ALIGN  # at least ALIGN
+    assert resolve_chunk_size(None, 4096, 32768, 4, "cpu", chunk_bytes=0) == 256  # 0: default
 
 
 def test_who_wins(monkeypatch):
-    shape = (4096, 1024, 32768, 4, "cpu")
+    shape = (4096, 32768, 4, "cpu")
     monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", str(8 * MiB))
     assert resolve_chunk_size(None, *shape) == 64  # the environment's budget
     assert resolve_chunk_size(None, *shape, chunk_bytes=4 * MiB) == 32  # the argument's
@@ -77,7 +77,7 @@ def test_who_wins(monkeypatch):
 def test_bad_environment_budget(monkeypatch, value):
     monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", value)
     with pytest.raises(ValueError, match=f"CHUNKCE_CHUNK_BYTES to be a positive integer, got '{value}'"):
-        resolve_chunk_size(None, 4096, 1024, 32768, 4, "cpu")
+        resolve_chunk_size(None, 4096, 32768, 4, "cpu")
 
 
 def count_kernel_calls(monkeypatch):
@@ -160,7 +160,7 @@ def test_working_set_is_one_chunk(grads_in_forward):
     # the 16 MiB budget's 512 tokens, and the op holds one chunk of logits, which the compiled
     # kernel overwrites with their gradient (no second [n, V] buffer).
     n, h, v = 4096, 32, 8192
-    chunk = resolve_chunk_size(None, n, h, v, 4, "cpu")
+    chunk = resolve_chunk_size(None, n, v, 4, "cpu")
     assert chunk == DEFAULT_CHUNK_BYTES // (v * 4) == 512
     measured = working_set(n, h, v, grads_in_forward=grads_in_forward)
     chunk_bytes = chunk * v * 4

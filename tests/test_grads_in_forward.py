@@ -19,7 +19,7 @@ from rewrite_proof import compare_with_stock
 from torch.testing import assert_close
 
 from compile_pass import linear_cross_entropy
-from compile_pass.op import grads_in_forward as gif_module
+from compile_pass.op import loops
 
 GIF_OP = torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default
 N, H, V = 37, 24, 123  # odd sizes: ragged last chunk with chunk_size 8
@@ -52,17 +52,17 @@ def loss_and_grads(fn, hidden, lm_weight, target, bias, grad_scale=0.7, **kwargs
 
 
 class gif_calls:
-    """Counts the grads-in-forward loop's runs (the op's body calls the module's function)."""
+    """Counts the grads-in-forward loop's runs (the op's body calls loops' function)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
-        real = gif_module.chunked_grads_in_forward
+        real = loops.chunked_grads_in_forward
 
         def counting(*args, **kwargs):
             self.count += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(gif_module, "chunked_grads_in_forward", counting)
+        monkeypatch.setattr(loops, "chunked_grads_in_forward", counting)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

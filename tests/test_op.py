@@ -156,6 +156,49 @@ def test_opcheck(case):
     torch.library.opcheck(torch.ops.chunkce.linear_cross_entropy.default, args)
 
 
+# The registered schemas, written out: a graph, a cache entry or a caller that passes the arguments
+# by position relies on them. (compile_pass.op.schema generates them; the forward op returns the
+# row max and log-sum that backward takes, where it returned and took one lse before.)
+_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt chunk_size, bool? release_cache"
+_DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
+              "ScalarType? scale_dtype=None, SymInt chunk_bytes=0")
+_INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
+SCHEMAS = {
+    "linear_cross_entropy": f"({_INPUTS}, {_OPTIONS}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+    "linear_cross_entropy_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, "
+                                     f"{_OPTIONS}, bool[] output_mask, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+    "linear_cross_entropy_grads_in_forward": f"({_INPUTS}, {_OPTIONS}, bool[] output_mask, {_DEFAULTED}) "
+                                             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_registered_schemas_are_unchanged(name):
+    assert str(getattr(torch.ops.chunkce, name).default._schema) == f"chunkce::{name}{SCHEMAS[name]}"
+
+
+def test_options_parse_and_args_round_trip():
+    """OpOptions.args puts an op's own arguments after the options without a default, and
+    parse reads them back, the defaults of a call that leaves the trailing ones out included."""
+    from compile_pass.op.schema import OpOptions
+
+    scale = torch.tensor(2.0)
+    options = OpOptions(-1, 0.1, torch.float32, 8, None, logit_scale_tensor=scale, scale_divides=True)
+    args = options.args([True, False, True])
+    assert args[:6] == (-1, 0.1, torch.float32, 8, None, [True, False, True])
+    (mask,), parsed = OpOptions.parse(args, extras=1)
+    assert mask == [True, False, True]
+    assert [getattr(parsed, name) for name in ("ignore_index", "label_smoothing", "chunk_size", "scale_divides",
+                                               "chunk_bytes")] == [-1, 0.1, 8, True, 0]
+    assert parsed.scale is scale and parsed.tensors() == (scale,)
+    assert parsed.without_tensors().scale is None and parsed.without_tensors().with_tensors((scale,)).scale is scale
+    (), short = OpOptions.parse((-100, 0.0, torch.float16, 0, True))  # trailing defaults left out
+    assert (short.logit_scale, short.logit_scale_tensor, short.scale_divides, short.scale_dtype,
+            short.chunk_bytes) == (None, None, False, None, 0)
+    assert OpOptions.of(logit_scale=3, ignore_index=0, label_smoothing=0.0, logits_dtype=torch.float32,
+                        chunk_size=0, release_cache=None).args()[5:7] == (3.0, None)  # a number: the float one
+
+
 def test_inputs_not_modified():
     hidden, weight, target, bias = make_inputs(bias=True)
     class_weight = CLASS_WEIGHT.clone()

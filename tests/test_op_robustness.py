@@ -41,7 +41,7 @@ def _step(dtype, n, reduction="mean", strided_target=False, chunk_size=8):
 # several, ragged tails (37 = 4 x 8 + 5; 81's one-token tail joins its chunk), the
 # one-token call, new N in either order, every reduction, a strided target. For a
 # half-precision head, one chunk walks the whole vocabulary and several chunks walk
-# it in blocks (N = 64: one 64-token backward chunk per block, the lse's length).
+# it in blocks (N = 64: one 64-token backward chunk per block, the row statistics' length).
 RECOMPILE_CASES = [
     (torch.float32, 1),
     (torch.float32, 80),
@@ -337,12 +337,12 @@ def test_opcheck_forward_and_backward(case):
     forward = torch.ops.chunkce.linear_cross_entropy.default
     torch.library.opcheck(forward, (hidden, weight, target, b, class_weight, *options))
     with torch.no_grad():
-        _, lse = forward(hidden, weight, target, b, class_weight, *options)
-    grad_loss = torch.randn(n, generator=torch.Generator().manual_seed(2), dtype=lse.dtype)
+        _, row_max, row_log_sum = forward(hidden, weight, target, b, class_weight, *options)
+    grad_loss = torch.randn(n, generator=torch.Generator().manual_seed(2), dtype=row_max.dtype)
     backward = torch.ops.chunkce.linear_cross_entropy_backward.default
     for mask in ([True, True, True], [True, False, False], [False, True, bias]):
         args = (grad_loss, hidden.detach(), weight.detach(), target,
-                None if b is None else b.detach(), class_weight, lse, *options, mask)
+                None if b is None else b.detach(), class_weight, row_max, row_log_sum, *options, mask)
         # the backward op's autograd only refuses double backward: no autograd check
         torch.library.opcheck(backward, args, test_utils=("test_schema", "test_faketensor",
                                                           "test_aot_dispatch_static",

@@ -221,10 +221,10 @@ def test_opcheck_with_a_scale():
         scaling = (scale, tensor, divides, torch.float32, 0)
         options = (-100, 0.1, torch.float32, 3, None)
         torch.library.opcheck(forward, (hidden, weight, target, bias, None, *options, *scaling))
-        _, lse = forward(hidden, weight, target, bias, None, *options, *scaling)
+        _, row_max, row_log_sum = forward(hidden, weight, target, bias, None, *options, *scaling)
         grad_loss = torch.rand(7, generator=torch.Generator().manual_seed(0))
-        torch.library.opcheck(backward, (grad_loss, hidden, weight, target, bias, None, lse, *options,
-                                         [True, True, True], *scaling),
+        torch.library.opcheck(backward, (grad_loss, hidden, weight, target, bias, None, row_max, row_log_sum,
+                                         *options, [True, True, True], *scaling),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

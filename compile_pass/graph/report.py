@@ -74,10 +74,9 @@ def rewritten(site: Site, options: Options, *, note: str = "", logits_bytes_avoi
     """The record of a site rewritten with ``options``: its chunk size is the op's own
     rule (:func:`compile_pass.op.chunking.resolve_chunk_size`) at the traced example's
     size (the graph passes ``chunk_size=0``, resolved at run time)."""
-    hidden = example_value(site.projection.hidden)  # [..., H]
     logits = example_value(site.projection.node)  # [..., V], projection dtype
     chunk = resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
-                               size_hint(hidden.shape[-1]), size_hint(logits.shape[-1]),
+                               size_hint(logits.shape[-1]),
                                logits.element_size(), logits.device.type, chunk_bytes=options.chunk_bytes)
     return SiteRecord(source_of(site.node), module_of(site.projection.node), REWRITTEN, note, chunk_size=chunk,
                       logits_bytes_avoided=logits_bytes_avoided, form=_form(site))

@@ -41,6 +41,7 @@ from compile_pass.graph.nodes import (
 )
 from compile_pass.graph.sites import Site, cast_chains
 from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.op.grads_in_forward import grads_wanted
 
 
 @dataclass(frozen=True)
@@ -78,16 +79,21 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
         scale_value = None if scale is None else scale.value
         if scale is not None and scale.item is not None:
             scale_value = _scale_from_item(graph, scale.value, scale.item, meta)
+        wanted = None  # the grads-in-forward op's output_mask, from the fake values; None: recompute
+        if grads_in_forward:
+            wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
+                                    for node in (hidden, weight, projection.bias)),
+                                  grad_enabled=example_value(site.node).requires_grad)
         new = trace_into(
             graph, replacement(call), hidden, weight, call.target, projection.bias, call.weight,
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
-            chunk_size=chunk_size or 0, chunk_bytes=chunk_bytes or 0,
+            chunk_size=chunk_size or 0, release_cache=None, chunk_bytes=chunk_bytes or 0,
             logit_scale=scale_value,
             scale_divides=scale is not None and scale.divides,
             scale_dtype=None if scale is None else scale.dtype,
-            grads_in_forward=_grads_wanted(site, hidden, weight) if grads_in_forward else None, meta=meta,
+            grads_in_forward=wanted, meta=meta,
         )
     loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
@@ -197,13 +203,3 @@ def _erase_dead(site: Site, edit: Edit) -> int:
             bytes_avoided += size_hint(value.numel()) * value.element_size()
         edit.erase(node)
     return bytes_avoided
-
-
-def _grads_wanted(site: Site, hidden: Node, weight: Node) -> list[bool] | None:
-    """``[hidden, weight, bias]`` need a gradient (their fake values' ``requires_grad``), for
-    the grads-in-forward op; None (the recompute op) when the loss needs none (no_grad)."""
-    if not example_value(site.node).requires_grad:
-        return None
-    mask = [is_tensor_node(node) and example_value(node).requires_grad
-            for node in (hidden, weight, site.projection.bias)]
-    return mask if any(mask) else None

@@ -1,9 +1,12 @@
 """The op: chunked linear + cross-entropy that never materializes the ``[N, V]`` logits.
 
     function.py    the public function: argument checks, flatten, the custom op, the reduction
+    schema.py      the ops' options, defined once (``OpOptions``: schemas, parsing, calls), and
+                   ``ChunkPlan``: the options resolved for one call
     custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func
     grads_in_forward.py  opt-in ``chunkce::linear_cross_entropy_grads_in_forward``: gradients computed in forward
-    loops.py       the ops' chunk loops: project a chunk, run its kernel, write its share of the outputs
+    loops.py       the ops' chunk loops (the three of them): project a chunk, run its kernel, write its
+                   share of the outputs; ``op_body``, what every op's body runs around its loop
     kernels.py     the per-chunk math, compiled by Inductor for the device
     chunking.py    how a call is cut: tokens per chunk (``resolve_chunk_size``: a byte budget and
                    the smallest chunk at full matmul speed), the backward's block walk

@@ -16,19 +16,18 @@ its inputs and their gradients is one chunk.
   is bound by memory bandwidth, not by the arithmetic units. The default budget
   never goes below it; an explicit budget does (the user's trade).
 
-Tuned on (fp32 unless said, weight std 0.02):
+Tuned on (the full tables and the trade-offs: ``docs/op.md``, "Chunk size"; these
+are the same measurements):
 
-* CPU, the project's 2-core AMD EPYC (32 MiB L3), torch 2.13 + MKL, with other jobs
-  on the machine (throughputs are noisy): per-chunk matmul throughput at H 1024,
-  V 32768 of 43 / 61 / 109 / 115 GFLOP/s (projection) and 84 / 86 / 154 / 132 GFLOP/s
-  (weight gradient) at 128 / 256 / 512 / 1024 tokens; single-threaded at H 1024,
-  V 8192, 15.6 / 11.5 / 13.6 / 14.8 / 19.8 GFLOP/s (projection) at 64 / 128 / 256 /
-  512 / 1024 tokens. Hence a CPU floor of 256 tokens (a compromise: 512 runs the
-  projection nearer full speed at twice the working set) and a 16 MiB budget, which
-  decides only for small vocabularies (V < 16384 in fp32).
-* CUDA, H200, H 4096, V 128256, bf16, 8192 tokens, forward + backward: 97 ms with
-  256-token chunks, 63 ms with 1024, 59 ms with 2048. Hence an accelerator floor of
-  2048 tokens.
+* CPU, the project's 2-core AMD EPYC (32 MiB L3), torch 2.13 + MKL, fp32, weight std
+  0.02, on an otherwise idle machine: the projection and the weight-gradient product
+  of one chunk together at H 1024, V 32768 ran at 75 / 99 / 107 / 129 / 123 GFLOP/s
+  with 64 / 128 / 256 / 512 / 1024 tokens. Hence a CPU floor of 256 tokens (a
+  compromise: 512 runs the matmuls at full speed at twice the working set) and a
+  16 MiB budget, which decides only for small vocabularies (V < 16384 in fp32).
+* CUDA, H200 (torch 2.11), H 4096, V 128256, bf16 with fp32 logits, 8192 tokens,
+  forward + backward: 97 ms with 256-token chunks, 63 ms with 1024, 59 ms with 2048.
+  Hence an accelerator floor of 2048 tokens.
 
 Then rounded down to a multiple of :data:`ALIGN` tokens (at least ``ALIGN``) and
 capped at the number of tokens. :func:`resolve_chunk_size` is the one place the op
@@ -101,8 +100,8 @@ def choose_chunk_size(
     return max(1, min(tokens, num_tokens))
 
 
-def resolve_chunk_size(chunk_size: int | None, num_tokens: int, hidden_size: int, vocab_size: int,
-                       itemsize: int, device_type: str, *, chunk_bytes: int | None = None) -> int:
+def resolve_chunk_size(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
+                       device_type: str, *, chunk_bytes: int | None = None) -> int:
     """The tokens per chunk the op uses for one call.
 
     In order, the first given wins: the arguments ``chunk_size``, then ``chunk_bytes``;
@@ -113,7 +112,6 @@ def resolve_chunk_size(chunk_size: int | None, num_tokens: int, hidden_size: int
         chunk_size: tokens per chunk, or None / 0 for automatic (any value below 1
             is automatic).
         num_tokens: N, the number of (flattened) tokens.
-        hidden_size: H (not used by the rule; kept for callers).
         vocab_size: V.
         itemsize: bytes per element of the logits (the projection runs in the hidden
             states' dtype).

@@ -1,10 +1,16 @@
 """The two custom ops behind :func:`compile_pass.linear_cross_entropy`, and their autograd.
 
+Their schemas are generated from :class:`compile_pass.op.schema.OpOptions` (the
+options, defined once): the bodies, fakes and ``setup_context`` read the options
+with ``OpOptions.parse``, and the backward is called with ``OpOptions.args``.
+
 ``chunkce::linear_cross_entropy`` loops over token chunks
 (:func:`compile_pass.op.loops.chunked_forward`): project one chunk (``[n, V]``
 logits, freed before the next), then the per-chunk kernel of
 :mod:`compile_pass.op.kernels` gives its per-token loss and fp32 log-sum-exp. It
-returns ``loss [N]`` and ``lse [N]``. Autograd saves only its inputs and ``lse``.
+returns ``loss [N]`` and the log-sum-exp in two parts, ``row_max [N]`` and
+``row_log_sum [N]``. Autograd saves only its tensor inputs (the scale's 0-d tensor
+among them) and those two; ``ctx.options`` keeps the other options.
 
 ``chunkce::linear_cross_entropy_backward`` recomputes each chunk's logits and
 applies the analytic gradient (:func:`compile_pass.op.loops.chunked_backward`,
@@ -23,147 +29,64 @@ import torch
 from torch import Tensor
 
 from compile_pass.op import kernels, loops
-from compile_pass.op.loops import ChunkPlan
+from compile_pass.op.schema import INPUTS, NAME, OpOptions, op_schema
 
-NAME = "chunkce.linear_cross_entropy"
-
-
-def _release_cache(device: torch.device, enabled: bool) -> None:
-    """Return cached allocator blocks to the device (no-op on CPU or when disabled)."""
-    if enabled and device.type != "cpu" and torch.accelerator.is_available():
-        torch.accelerator.empty_cache()
+FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
+BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
+                            "(Tensor, Tensor, Tensor)",
+                            extras="bool[] output_mask")
 
 
-def autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled`` for device types that have autocast (not e.g. meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+@torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=(), schema=FORWARD_SCHEMA)
+def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                class_weight: Tensor | None, *options) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``loss [N]`` (0 where ignored), ``row_max [N]`` and ``row_log_sum [N]`` (the
+    log-sum-exp is their sum, kept in two parts so that backward's probabilities round as
+    torch's log-softmax does, with no row reduction), fp32 (fp64 for fp64 logits).
 
-
-class _AutocastOff:
-    """Run the op's body with autocast off: its inputs are already in the right dtypes."""
-
-    def __init__(self, device: torch.device):
-        self._ctx = None
-        if autocast_enabled(device.type):
-            self._ctx = torch.autocast(device.type, enabled=False)
-
-    def __enter__(self):
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
-
-
-def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raise (CPU) or device-assert (accelerators: no host sync) on a target outside
-    ``[0, V)`` that is not ``ignore_index``, before any kernel indexes with it."""
-    in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
-    ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
-    # (int64's minimum: no target is ignored, the graph pass's gather spelling)
-    torch._assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}){ignored}")
-
-
-def _plan(hidden_states: Tensor, weight: Tensor, ignore_index: int, label_smoothing: float,
-          logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None,
-          logit_scale: float | None, logit_scale_tensor: Tensor | None, scale_divides: bool,
-          scale_dtype: torch.dtype | None, chunk_bytes: int) -> ChunkPlan:
-    """The :class:`ChunkPlan` of either op's arguments (the scale: whichever of the two is given)."""
-    return ChunkPlan.resolve(
-        hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache,
-        logit_scale=logit_scale if logit_scale_tensor is None else logit_scale_tensor,
-        scale_divides=scale_divides, scale_dtype=scale_dtype, chunk_bytes=chunk_bytes,
-    )
-
-
-@torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=())
-def _forward_op(
-    hidden_states: Tensor,  # [N, H]
-    weight: Tensor,  # [V, H]
-    target: Tensor,  # [N] int64
-    bias: Tensor | None,  # [V]
-    class_weight: Tensor | None,  # [V]
-    ignore_index: int,
-    label_smoothing: float,
-    logits_dtype: torch.dtype,
-    chunk_size: int,  # 0 = automatic
-    release_cache: bool | None,
-    logit_scale: float | None = None,  # a Python number's scale
-    logit_scale_tensor: Tensor | None = None,  # [] a 0-d tensor's scale (not differentiated)
-    scale_divides: bool = False,  # logits / scale, else logits * scale
-    scale_dtype: torch.dtype | None = None,  # the dtype it scales in; None = the projection's
-    chunk_bytes: int = 0,  # the chunk budget in bytes; 0 = the default
-) -> tuple[Tensor, Tensor]:
-    """Per-token ``loss [N]`` and ``lse [N]``, fp32 (fp64 for fp64 logits); 0 loss where ignored.
-
-    At most one of ``logit_scale`` and ``logit_scale_tensor`` is given: the logits are
-    scaled by it (:func:`compile_pass.op.kernels.scale_logits`) before the loss.
+    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
+    ``class_weight [V]`` or None, then the :class:`~compile_pass.op.schema.OpOptions`. At
+    most one of ``logit_scale`` and ``logit_scale_tensor`` is given: the logits are scaled
+    by it (:func:`compile_pass.op.kernels.scale_logits`) before the loss.
     """
-    plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
-                 release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
-    _assert_targets_in_range(target, weight.shape[0], ignore_index)
-    with _AutocastOff(hidden_states.device):
-        loss, lse = loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
-    _release_cache(hidden_states.device, plan.release_cache)
-    return loss, lse
+    _, options = OpOptions.parse(options)
+    with loops.op_body(hidden_states, weight, options, target) as plan:
+        return loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
 
 
 @_forward_op.register_fake
-def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
-      logits_dtype, chunk_size, release_cache, logit_scale=None, logit_scale_tensor=None,
-      scale_divides=False, scale_dtype=None, chunk_bytes=0):
+def _(hidden_states, weight, target, bias, class_weight, *options):
+    _, options = OpOptions.parse(options)
+    accumulate = kernels.accumulate_dtype(options.logits_dtype)
     num_tokens = hidden_states.shape[0]
-    accumulate = kernels.accumulate_dtype(logits_dtype)
-    return (hidden_states.new_empty(num_tokens, dtype=accumulate),
-            hidden_states.new_empty(num_tokens, dtype=accumulate))
+    return tuple(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
 
 
-@torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=())
-def _backward_op(
-    grad_loss: Tensor,  # [N] fp32
-    hidden_states: Tensor,  # [N, H]
-    weight: Tensor,  # [V, H]
-    target: Tensor,  # [N]
-    bias: Tensor | None,  # [V]
-    class_weight: Tensor | None,  # [V]
-    lse: Tensor,  # [N] fp32
-    ignore_index: int,
-    label_smoothing: float,
-    logits_dtype: torch.dtype,
-    chunk_size: int,
-    release_cache: bool | None,
-    output_mask: list[bool],  # [grad_hidden_states, grad_weight, grad_bias] wanted
-    logit_scale: float | None = None,  # the forward op's scaling arguments
-    logit_scale_tensor: Tensor | None = None,
-    scale_divides: bool = False,
-    scale_dtype: torch.dtype | None = None,
-    chunk_bytes: int = 0,
-) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                 bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
+                 *options_and_mask) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
 
-    A gradient that ``output_mask`` does not ask for comes back as an empty
-    tensor and costs no work. Sums over chunks accumulate in fp32 (fp64 for fp64)
-    and are cast to the parameter's dtype once. A half-precision weight over
-    several token chunks is walked in ``VOCAB_BLOCKS`` vocabulary blocks, so its
-    fp32 accumulator holds one block; the hidden-state gradient then sums over
-    blocks in an fp32 ``[N, H]`` accumulator. The scaling arguments (after
-    ``output_mask``, so that their defaults leave the unscaled call as it was) are
-    the forward op's.
+    ``grad_loss [N]`` fp32 (fp64 for fp64), the forward op's tensors, its ``row_max [N]``
+    and ``row_log_sum [N]``, then the forward op's options with ``output_mask`` (``[grad_hidden_states,
+    grad_weight, grad_bias]`` wanted) after those without a default, so that the
+    defaults of the others leave an older call as it was. A gradient that
+    ``output_mask`` does not ask for comes back as an empty tensor and costs no work.
+    Sums over chunks accumulate in fp32 (fp64 for fp64) and are cast to the parameter's
+    dtype once. A half-precision weight over several token chunks is walked in
+    ``VOCAB_BLOCKS`` vocabulary blocks, so its fp32 accumulator holds one block; the
+    hidden-state gradient then sums over blocks in an fp32 ``[N, H]`` accumulator.
     """
-    plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
-                 release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
-    with _AutocastOff(hidden_states.device):
-        grads = loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
-                                       class_weight, lse, output_mask)
-    _release_cache(hidden_states.device, plan.release_cache)
-    return grads
+    (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
+    with loops.op_body(hidden_states, weight, options) as plan:
+        return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
+                                      class_weight, row_max, row_log_sum, output_mask)
 
 
 @_backward_op.register_fake
-def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, ignore_index,
-      label_smoothing, logits_dtype, chunk_size, release_cache, output_mask, logit_scale=None,
-      logit_scale_tensor=None, scale_divides=False, scale_dtype=None, chunk_bytes=0):
+def _(grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *options_and_mask):
+    (output_mask,), _ = OpOptions.parse(options_and_mask, extras=1)
     want_hidden, want_weight, want_bias = output_mask
     return (
         torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
@@ -174,30 +97,25 @@ def _(grad_loss, hidden_states, weight, target, bias, class_weight, lse, ignore_
     )
 
 
-_OPTIONS = 5  # ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache
-
-
 def _setup_context(ctx, inputs, output):
     # inputs: every argument, defaults filled in
-    hidden_states, weight, target, bias, class_weight, *rest = inputs
-    options, (logit_scale, logit_scale_tensor, *scaling) = rest[:_OPTIONS], rest[_OPTIONS:]
-    _, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(hidden_states, weight, target, bias, class_weight, lse, logit_scale_tensor)
-    ctx.options = options
-    ctx.scaling = (logit_scale, *scaling)  # logit_scale, scale_divides, scale_dtype, chunk_bytes
+    _, options = OpOptions.parse(inputs[5:])
+    _, row_max, row_log_sum = output
+    ctx.mark_non_differentiable(row_max, row_log_sum)
+    ctx.save_for_backward(*inputs[:5], row_max, row_log_sum, *options.tensors())
+    ctx.options = options.without_tensors()  # its tensors are saved above
     ctx.num_inputs = len(inputs)
 
 
-def _backward(ctx, grad_loss, _grad_lse):
-    hidden_states, weight, target, bias, class_weight, lse, logit_scale_tensor = ctx.saved_tensors
+def _backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
+    hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *option_tensors = ctx.saved_tensors
+    options = ctx.options.with_tensors(option_tensors)
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
     backward_op = (FunctorchBackward.apply if torch._C._are_functorch_transforms_active()
                    else torch.ops.chunkce.linear_cross_entropy_backward)
-    logit_scale, *scaling = ctx.scaling
     grad_hidden, grad_weight, grad_bias = backward_op(
-        grad_loss, hidden_states, weight, target, bias, class_weight, lse,
-        *ctx.options, [want_hidden, want_weight, want_bias], logit_scale, logit_scale_tensor, *scaling,
+        grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum,
+        *options.args([want_hidden, want_weight, want_bias]),
     )
     grads = [None] * ctx.num_inputs
     grads[0] = grad_hidden if want_hidden else None

@@ -11,21 +11,26 @@ loss, stays visible to the compiler. The graph pass emits a rewritten site by
 tracing :func:`chunked_cross_entropy` into the graph, so a rewritten site and an
 eager call run the same code.
 
-The custom ops, their chunk loop and autograd are in :mod:`compile_pass.op.custom_ops`;
-the per-chunk math in :mod:`compile_pass.op.kernels`.
+The custom ops and their autograd are in :mod:`compile_pass.op.custom_ops` (and
+:mod:`compile_pass.op.grads_in_forward`), their options in :mod:`compile_pass.op.schema`,
+their chunk loops in :mod:`compile_pass.op.loops`, the per-chunk math in
+:mod:`compile_pass.op.kernels`.
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from compile_pass.op.custom_ops import NAME as _NAME
-from compile_pass.op.custom_ops import FunctorchForward, autocast_enabled
-from compile_pass.op.grads_in_forward import summed_loss
+from compile_pass.op.custom_ops import FunctorchForward
+from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
 from compile_pass.op.kernels import accumulate_dtype
+from compile_pass.op.loops import autocast_enabled
+from compile_pass.op.schema import NAME as _NAME
+from compile_pass.op.schema import OpOptions
 
 _REDUCTIONS = ("mean", "sum", "none")
 _TARGET_DTYPES = (torch.int64, torch.uint8)  # what F.cross_entropy accepts for class indices
@@ -133,17 +138,9 @@ def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk
         _fail(ValueError, f"expected chunk_bytes to be a positive int or None, got {chunk_bytes!r}")
 
 
-def _grads_wanted(grads_in_forward: bool, input: Tensor, linear_weight: Tensor,
-                  linear_bias: Tensor | None) -> list[bool] | None:
-    """``[input, linear_weight, linear_bias]`` need a gradient, for the grads-in-forward op;
-    None (the recompute op) unless asked for and some gradient is wanted."""
+def _check_grads_in_forward(grads_in_forward) -> None:
     if not isinstance(grads_in_forward, bool):
         _fail(TypeError, f"expected grads_in_forward to be a bool, got {type(grads_in_forward).__name__}")
-    if not grads_in_forward or not torch.is_grad_enabled():
-        return None
-    mask = [input.requires_grad, linear_weight.requires_grad,
-            linear_bias is not None and linear_bias.requires_grad]
-    return mask if any(mask) else None
 
 
 def linear_cross_entropy(
@@ -248,6 +245,7 @@ def linear_cross_entropy(
     _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size, chunk_bytes)
     _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)
     _check_scale(input, logit_scale, logit_divisor, scale_dtype)
+    _check_grads_in_forward(grads_in_forward)
     if target.dtype != torch.int64:
         target = target.long()  # uint8 class indices: a new tensor, the caller's is untouched
     if input.dim() == 1:  # unbatched, as F.cross_entropy takes it: logits [V], a 0-d target
@@ -263,8 +261,9 @@ def linear_cross_entropy(
         chunk_size=chunk_size or 0, release_cache=release_cache,
         logit_scale=logit_divisor if logit_scale is None else logit_scale,
         scale_divides=logit_divisor is not None, scale_dtype=scale_dtype,
-        chunk_bytes=chunk_bytes or 0, grads_in_forward=_grads_wanted(
-            grads_in_forward, input, linear_weight, linear_bias),
+        chunk_bytes=chunk_bytes or 0,
+        grads_in_forward=grads_wanted(input, linear_weight, linear_bias, torch.is_grad_enabled())
+        if grads_in_forward else None,
     )
 
 
@@ -276,17 +275,9 @@ def chunked_cross_entropy(
     class_weight: Tensor | None,
     *,
     reduction: str,
-    ignore_index: int,
-    label_smoothing: float,
-    logits_dtype: torch.dtype,
     projection_dtype: torch.dtype | None = None,
-    chunk_size: int = 0,
-    release_cache: bool | None = None,
-    logit_scale: float | Tensor | None = None,
-    scale_divides: bool = False,
-    scale_dtype: torch.dtype | None = None,
-    chunk_bytes: int = 0,
     grads_in_forward: list[bool] | None = None,
+    **options: Any,
 ) -> Tensor:
     """:func:`linear_cross_entropy` after its checks, with every decision made by the caller.
 
@@ -299,42 +290,42 @@ def chunked_cross_entropy(
     Args:
         hidden_states: ``[..., H]``; weight ``[V, H]``; target ``hidden_states.shape[:-1]``
             int64; bias, class_weight ``[V]`` or None.
-        logits_dtype: the dtype the loss is computed in (resolved, not None).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
         projection_dtype: cast hidden_states, weight and bias to it first (the
             autocast dtype); None = no cast.
-        chunk_size: tokens per chunk; 0 = automatic.
-        logit_scale: the logits' scale (a Python number or a 0-d tensor), or None;
-            they are divided by it when ``scale_divides``, else multiplied, in
-            ``scale_dtype`` (None = the projection dtype):
-            :func:`compile_pass.op.kernels.scale_logits`.
-        chunk_bytes: the budget of one chunk's logits in bytes; 0 = the default.
         grads_in_forward: None = the recompute op; else which of ``[hidden_states, weight,
-            bias]`` need a gradient, computed during forward by
-            :mod:`compile_pass.op.grads_in_forward` for ``"mean"`` / ``"sum"`` (``"none"``
-            keeps the recompute op).
+            bias]`` need a gradient (:func:`compile_pass.op.grads_in_forward.grads_wanted`),
+            computed during forward by :mod:`compile_pass.op.grads_in_forward` for
+            ``"mean"`` / ``"sum"`` (``"none"`` keeps the recompute op).
+        options: the op's options by name (:class:`compile_pass.op.schema.OpOptions`:
+            ``ignore_index``, ``label_smoothing``, ``logits_dtype`` (resolved, not None),
+            ``chunk_size`` (0 = automatic), ...), where ``logit_scale`` is the logits'
+            scale as a Python number or a 0-d tensor (:meth:`OpOptions.of`): they are
+            divided by it when ``scale_divides``, else multiplied, in ``scale_dtype``
+            (None = the projection dtype): :func:`compile_pass.op.kernels.scale_logits`.
 
     Returns:
         The loss in ``logits_dtype``: 0-d, or shaped like ``target`` for ``"none"``.
+
+    Raises:
+        TypeError: a keyword in ``options`` that is not an option's name.
     """
+    op_options = OpOptions.of(**options)
+    ignore_index, logits_dtype = op_options.ignore_index, op_options.logits_dtype
+    label_smoothing = op_options.label_smoothing
     if projection_dtype is not None:
         hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
         bias = None if bias is None else bias.to(projection_dtype)
     flat_target = target.reshape(-1)  # [N]
     forward_op = (FunctorchForward.apply if torch._C._are_functorch_transforms_active()
                   else torch.ops.chunkce.linear_cross_entropy.default)
-    # a Python number goes to the op's float argument, a 0-d tensor (or its FX proxy) to its Tensor one
-    scale_is_number = isinstance(logit_scale, numbers.Real)
-    scale_and_budget = (float(logit_scale) if scale_is_number else None,
-                        None if scale_is_number else logit_scale, scale_divides, scale_dtype, chunk_bytes)
     if grads_in_forward is not None and reduction != "none":  # the gradients now: grads_in_forward.py
         total = summed_loss(hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
-                            ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache,
-                            list(grads_in_forward), *scale_and_budget)  # 0-d fp32 (fp64 for fp64)
+                            grads_in_forward, op_options)  # 0-d fp32 (fp64 for fp64)
     else:
         loss = forward_op(
-            hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
-            ignore_index, label_smoothing, logits_dtype, chunk_size, release_cache, *scale_and_budget,
-        )[0]  # [N] fp32 (fp64 for fp64 logits); [1] is the lse
+            hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight, *op_options.args(),
+        )[0]  # [N] fp32 (fp64 for fp64 logits); [1], [2] are the row statistics backward takes
         if reduction == "none":
             return loss.view_as(target).to(logits_dtype)
         total = loss.sum()

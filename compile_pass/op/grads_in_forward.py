@@ -1,7 +1,7 @@
 """Opt-in grads-in-forward mode: the gradients computed during forward, for scalar losses.
 
-``chunkce::linear_cross_entropy_grads_in_forward`` walks the token chunks once.
-Per chunk: the projection (``[n, V]`` logits), the per-chunk forward kernel (loss
+``chunkce::linear_cross_entropy_grads_in_forward`` walks the token chunks once
+(:func:`compile_pass.op.loops.chunked_grads_in_forward`). Per chunk: the projection (``[n, V]`` logits), the per-chunk forward kernel (loss
 and log-sum-exp), the per-chunk backward kernel with an upstream gradient of one
 per token, then ``grad_logits @ weight`` into ``grad_hidden_states[start:end]``
 and ``grad_logits.T @ hidden_chunk`` (and ``grad_logits.sum(0)``) added into the
@@ -21,8 +21,8 @@ so ``torch.autograd.graph.saved_tensors_hooks`` see them; nothing is kept in
 ctx attributes): ``grad_hidden_states [N, H]``, ``grad_weight [V, H]`` and
 ``grad_bias [V]`` of the inputs that require grad (the hidden states' in its dtype,
 the weight's and bias's in fp32 for a half-precision head: the forward's accumulator,
-rounded to the parameter's dtype once, in backward, after the upstream gradient), and ``counted [N]`` bool, the tokens that are not ignored (an ignored token's
-gradient is 0 for any upstream gradient, even the inf of a ``"mean"`` over no
+rounded to the parameter's dtype once, in backward, after the upstream gradient), and
+``counted [N]`` bool, the tokens that are not ignored (an ignored token's is 0 for any upstream gradient, even the inf of a ``"mean"`` over no
 counted token). Their inputs are not saved. Backward never writes into them (a second
 ``backward(retain_graph=True)`` sees the same values): it returns new tensors,
 ``grad_total * saved``, so backward briefly holds both (one gradient-sized
@@ -46,11 +46,10 @@ import torch
 from torch import Tensor
 
 from compile_pass.op import kernels, loops
-from compile_pass.op.chunking import spans
-from compile_pass.op.custom_ops import NAME, _assert_targets_in_range, _AutocastOff, _plan, _release_cache
-from compile_pass.op.loops import ChunkPlan
+from compile_pass.op.schema import INPUTS, NAME, OpOptions, op_schema
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
+SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", extras="bool[] output_mask")
 
 
 def _refuse_under_transforms() -> None:
@@ -62,108 +61,43 @@ def _refuse_under_transforms() -> None:
         )
 
 
-def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
-                             bias: Tensor | None, class_weight: Tensor | None,
-                             output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The chunk loop: ``total`` (0-d), ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``,
-    ``grad_bias [V]`` of ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens
-    that are not ignored.
-
-    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
-    ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
-    them. ``total`` is in ``kernels.accumulate_dtype(plan.logits_dtype)``, summed as the
-    recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
-    ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
-    tensor and costs no work; ``grad_hidden_states`` is in its dtype, ``grad_weight`` and
-    ``grad_bias`` in ``kernels.accumulate_dtype(weight.dtype)`` (fp32 for a half-precision
-    head: backward rounds them to the parameter's dtype once, after the upstream gradient).
-    """
-    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
-    want_hidden, want_weight, want_bias = output_mask
-    want_bias = want_bias and bias is not None
-    target, class_weight = loops._dense(target), loops._dense(class_weight)
-    accumulate = kernels.accumulate_dtype(plan.logits_dtype)
-    weight_accumulate = kernels.accumulate_dtype(weight.dtype)
-    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
-    ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
-    chunks = spans(num_tokens, plan.chunk_size)
-    # the weight gradient sums one product per chunk, or is a half-precision weight's: then it
-    # sums in (and is returned in) an fp32 accumulator, rounded once in backward, after the
-    # upstream gradient (rounded now and again then, it had 1.7x the unfused path's bf16 error)
-    sums = len(chunks) > 1 or weight_accumulate != weight.dtype
-    grad_hidden = hidden_states.new_empty((num_tokens, hidden_size) if want_hidden else 0)  # [N, H]
-    grad_weight = weight.new_empty(0)  # [V, H] in weight_accumulate: fp32 for a half weight
-    if want_weight:  # one product of a full-precision weight: written by out=
-        grad_weight = (weight.new_zeros if sums or not chunks else weight.new_empty)(
-            (vocab_size, hidden_size), dtype=weight_accumulate)
-    grad_bias = (weight.new_zeros(vocab_size, dtype=weight_accumulate) if want_bias
-                 else weight.new_empty(0))  # [V] summed over chunks
-    weight_t = weight.t()  # [H, V]
-    for start, end in chunks:
-        hidden_chunk = hidden_states[start:end]  # [n, H]
-        logits_chunk = loops._project(hidden_chunk, weight_t, bias)  # [n, V]
-        loss[start:end], row_max, row_log_sum = loops._forward_kernel(plan, logits_chunk, target[start:end],
-                                                                      class_weight)
-        if want_hidden or want_weight or want_bias:
-            grad_logits = loops._backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
-                                                 class_weight, ones[start:end], 0, vocab_size)  # [n, V]
-            del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
-            if want_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
-            if want_weight:  # as F.linear's backward
-                if sums:
-                    loops._add_matmul(grad_weight, grad_logits.t(), hidden_chunk)
-                else:
-                    torch.mm(grad_logits.t(), hidden_chunk, out=grad_weight)
-            if want_bias:
-                grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
-            del grad_logits
-    counted = target != plan.ignore_index  # [N] bool
-    return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
+def grads_wanted(hidden_states: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+                 grad_enabled: bool) -> list[bool] | None:
+    """The op's ``output_mask``: ``[hidden_states, weight, bias]`` need a gradient (their
+    ``requires_grad``: real tensors, or the fake values of a traced graph's nodes; None
+    for an absent one); None, meaning the recompute op, when ``grad_enabled`` is False (the
+    loss needs no gradient) or none of them needs one. The public function and the graph
+    pass's rewrite both ask it."""
+    if not grad_enabled:
+        return None
+    mask = [tensor is not None and tensor.requires_grad for tensor in (hidden_states, weight, bias)]
+    return mask if any(mask) else None
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def _grads_in_forward_op(
-    hidden_states: Tensor,  # [N, H]
-    weight: Tensor,  # [V, H]
-    target: Tensor,  # [N] int64
-    bias: Tensor | None,  # [V]
-    class_weight: Tensor | None,  # [V]
-    ignore_index: int,
-    label_smoothing: float,
-    logits_dtype: torch.dtype,
-    chunk_size: int,  # 0 = automatic
-    release_cache: bool | None,
-    output_mask: list[bool],  # [grad_hidden_states, grad_weight, grad_bias] wanted
-    logit_scale: float | None = None,  # the recompute op's scaling arguments
-    logit_scale_tensor: Tensor | None = None,
-    scale_divides: bool = False,
-    scale_dtype: torch.dtype | None = None,
-    chunk_bytes: int = 0,  # the chunk budget in bytes; 0 = the default
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@torch.library.custom_op(OP_NAME, mutates_args=(), schema=SCHEMA)
+def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                         class_weight: Tensor | None,
+                         *options_and_mask) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``total`` (0-d, fp32; fp64 for fp64 logits): the per-token losses summed, 0 where
     ignored; its gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias
     ``[V]`` (an empty tensor where ``output_mask`` does not ask; the weight's and bias's
     in fp32 for a half-precision head); and ``counted [N]``
     bool: the tokens that are not ignored (backward's zero gradient for the others). The
-    other arguments are those of ``chunkce::linear_cross_entropy``."""
-    plan = _plan(hidden_states, weight, ignore_index, label_smoothing, logits_dtype, chunk_size,
-                 release_cache, logit_scale, logit_scale_tensor, scale_divides, scale_dtype, chunk_bytes)
-    _assert_targets_in_range(target, weight.shape[0], ignore_index)
-    with _AutocastOff(hidden_states.device):
-        outputs = chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight,
-                                           output_mask)
-    _release_cache(hidden_states.device, plan.release_cache)
-    return outputs
+    arguments are those of ``chunkce::linear_cross_entropy``, with ``output_mask``
+    (``[grad_hidden_states, grad_weight, grad_bias]`` wanted) after the options without a
+    default, as the recompute backward op takes it."""
+    (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
+    with loops.op_body(hidden_states, weight, options, target) as plan:
+        return loops.chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight,
+                                              output_mask)
 
 
 @_grads_in_forward_op.register_fake
-def _(hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
-      logits_dtype, chunk_size, release_cache, output_mask, logit_scale=None, logit_scale_tensor=None,
-      scale_divides=False, scale_dtype=None, chunk_bytes=0):
+def _(hidden_states, weight, target, bias, class_weight, *options_and_mask):
+    (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
     want_hidden, want_weight, want_bias = output_mask
     return (
-        hidden_states.new_empty((), dtype=kernels.accumulate_dtype(logits_dtype)),
+        hidden_states.new_empty((), dtype=kernels.accumulate_dtype(options.logits_dtype)),
         torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         if want_hidden else hidden_states.new_empty(0),
         weight.new_empty(weight.shape, dtype=kernels.accumulate_dtype(weight.dtype))
@@ -217,10 +151,8 @@ _grads_in_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                class_weight: Tensor | None, ignore_index: int, label_smoothing: float,
-                logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None,
-                output_mask: list[bool], *scale_and_budget) -> Tensor:
-    """The per-token losses summed (0-d, ``kernels.accumulate_dtype(logits_dtype)``),
+                class_weight: Tensor | None, output_mask: list[bool], options: OpOptions) -> Tensor:
+    """The per-token losses summed (0-d, ``kernels.accumulate_dtype(options.logits_dtype)``),
     gradients computed now, through ``chunkce::linear_cross_entropy_grads_in_forward``.
 
     Traceable (reads no tensor value or metadata):
@@ -229,17 +161,14 @@ def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
 
     Args:
         hidden_states: ``[N, H]``; weight ``[V, H]``; target ``[N]`` int64; bias,
-            class_weight ``[V]`` or None; the options as ``chunkce::linear_cross_entropy``
-            takes them.
-        output_mask: ``[hidden_states, weight, bias]`` need a gradient.
-        scale_and_budget: ``logit_scale, logit_scale_tensor, scale_divides, scale_dtype,
-            chunk_bytes``, as the recompute op takes them.
+            class_weight ``[V]`` or None.
+        output_mask: ``[hidden_states, weight, bias]`` need a gradient (:func:`grads_wanted`).
+        options: the op's options.
 
     Raises:
         NotImplementedError: under a ``torch.func`` transform.
     """
     _refuse_under_transforms()
     return torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default(
-        hidden_states, weight, target, bias, class_weight, ignore_index, label_smoothing,
-        logits_dtype, chunk_size, release_cache, list(output_mask), *scale_and_budget,
+        hidden_states, weight, target, bias, class_weight, *options.args(list(output_mask)),
     )[0]

@@ -4,7 +4,7 @@ Two functions of one chunk of logits ``[n, V]`` (``n`` = tokens in the chunk):
 
 * :func:`chunk_forward` -> the per-token loss and the fp32 log-sum-exp (in two parts);
 * :func:`chunk_backward` -> the gradient of the per-token loss with respect to
-  the chunk's logits, given the upstream per-token gradient.
+  the chunk's logits, given the upstream per-token gradient, written over the logits.
 
 The matmuls around them (projection, ``grad @ weight``, ``grad.T @ hidden``) run
 outside, so their outputs can be written in place into preallocated buffers; what
@@ -176,8 +176,8 @@ def _gradient_coefficients(
 
 def chunk_backward(
     logits: Tensor,  # [n, Vb] projection dtype: vocabulary columns [vocab_start, vocab_start + Vb)
-    row_max: Tensor | None,  # [n] fp32: the shift (the whole lse without row_log_sum); None: recompute
-    row_log_sum: Tensor | None,  # [n] fp32, or None
+    row_max: Tensor,  # [n] fp32: the forward kernel's row maximum of the whole row
+    row_log_sum: Tensor,  # [n] fp32: and its log-sum of the shifted row
     target: Tensor,  # [n] int64
     class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
     grad_loss: Tensor,  # [n] fp32
@@ -189,27 +189,21 @@ def chunk_backward(
     logit_scale: float | Tensor | None = None,  # None: no scaling
     scale_divides: bool = False,
     scale_dtype: torch.dtype | None = None,
-) -> Tensor:
+) -> None:
     """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits::
 
         grad_ic = coef_probs_i * p_ic - coef_target_i * [c == y_i] - coef_uniform_i * w_c
 
     (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`),
-    with ``p = exp((z - row_max) - row_log_sum)``, torch's ``exp(log_softmax(z))``:
-
-    * ``row_max`` and ``row_log_sum`` given (grads-in-forward, from the forward kernel):
-      as torch rounds it;
-    * both None (the whole row, ``Vb = V``: a full-precision head's recompute): both
-      recomputed from the chunk (:func:`_row_stats`), as torch rounds it;
-    * ``row_log_sum`` None: ``row_max`` is the saved full-row log-sum-exp, rounded to
-      fp32 (a half-precision head's recompute, which may walk vocabulary blocks that
-      cannot see the whole row): ``p = exp(z - lse)``, whose error is half an ulp of the
-      lse in every exponent; the gradient is then rounded to half precision, whose
-      half ulp is 128x that at an lse of 1e3 (bf16; 16x for fp16).
+    with ``p = exp((z - row_max) - row_log_sum)``, torch's ``exp(log_softmax(z))``, rounded
+    as torch rounds it. ``row_max`` and ``row_log_sum`` are the forward kernel's
+    (:func:`_row_stats` of the whole row, which a vocabulary block cannot see): the
+    grads-in-forward op hands them over, the recompute op saves them for backward, so
+    no row is reduced here and every walk, blocked or not, takes the same variant.
 
     The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``.
-    Returns ``logits`` itself, overwritten with the gradient ``[n, Vb]`` in the
-    projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
+    Returns nothing: ``logits`` is overwritten in place with the gradient ``[n, Vb]`` in
+    the projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
     through the graph's cast; with a scale, then through the scaling's backward
     (``grad * s`` or ``grad / s`` in ``scale_dtype``). The caller's chunk of logits is
     consumed.
@@ -217,10 +211,7 @@ def chunk_backward(
     block = logits.shape[-1]
     z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
-    if row_max is None:
-        row_max, row_log_sum = _row_stats(z)  # [n] each: the whole row is in the chunk
-    shifted = z - row_max.unsqueeze(1)  # [n, Vb]
-    probs = torch.exp(shifted if row_log_sum is None else shifted - row_log_sum.unsqueeze(1))  # p_ic
+    probs = torch.exp((z - row_max.unsqueeze(1)) - row_log_sum.unsqueeze(1))  # [n, Vb] p_ic
     valid, safe_target = _safe_target(target, ignore_index)
     grad = torch.where(valid, grad_loss.to(z.dtype), 0.0)  # [n]
     w = None if class_weight is None else class_weight.to(z.dtype)  # [V]

@@ -1,97 +1,73 @@
-"""The chunk loops of the two custom ops, and what one call of them needs.
+"""The chunk loops of the three custom ops, and what each op's body runs around them.
 
 :func:`chunked_forward` projects one token chunk at a time (``[n, V]`` logits,
 freed before the next) and runs the per-chunk kernel of
 :mod:`compile_pass.op.kernels` on it. :func:`chunked_backward` walks the plan of
 :func:`compile_pass.op.chunking.plan_backward`: it recomputes each chunk's logits,
 turns them into their gradient and multiplies that into the gradient buffers.
-Both run inside the ops' bodies (no autograd graph is built here).
+:func:`chunked_grads_in_forward` does both in one walk (the grads-in-forward op).
+They run inside the ops' bodies (no autograd graph is built here), within
+:func:`op_body`: the call's :class:`~compile_pass.op.schema.ChunkPlan`, the target
+check, autocast off, the allocator cache released after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from compile_pass.op import kernels
-from compile_pass.op.chunking import plan_backward, resolve_chunk_size, spans
-from compile_pass.op.settings import settings
+from compile_pass.op.chunking import plan_backward, spans
+from compile_pass.op.schema import NAME, ChunkPlan, OpOptions
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
-    """What one call of either op needs besides its tensors."""
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled`` for device types that have autocast (not e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
-    ignore_index: int
-    label_smoothing: float
-    logits_dtype: torch.dtype
-    chunk_size: int  # tokens per chunk, resolved
-    eager_kernels: bool
-    release_cache: bool
-    # The logits' scaling (kernels.scale_logits): ``logits * logit_scale`` or, with
-    # ``scale_divides``, ``logits / logit_scale``, in ``scale_dtype``; None: no scaling.
-    logit_scale: float | Tensor | None = field(default=None, compare=False)
-    scale_divides: bool = False
-    scale_dtype: torch.dtype | None = None
 
-    @staticmethod
-    def resolve(hidden_states: Tensor, weight: Tensor, ignore_index: int, label_smoothing: float,
-                logits_dtype: torch.dtype, chunk_size: int, release_cache: bool | None, *,
-                logit_scale: float | Tensor | None = None, scale_divides: bool = False,
-                scale_dtype: torch.dtype | None = None, chunk_bytes: int = 0) -> ChunkPlan:
-        """The plan of a call: ``chunk_size`` 0 and ``release_cache`` None are resolved
-        (:func:`~compile_pass.op.chunking.resolve_chunk_size`, with ``chunk_bytes``
-        0 for its default budget; ``CHUNKCE_*``). ``scale_dtype`` None with a scale is
-        the projection dtype.
+def release_cache(device: torch.device, enabled: bool) -> None:
+    """Return cached allocator blocks to the device (no-op on CPU or when disabled)."""
+    if enabled and device.type != "cpu" and torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
 
-        Raises:
-            ValueError: a ``CHUNKCE_*`` variable holds a bad value.
-        """
-        env = settings()
-        num_tokens, hidden_size = hidden_states.shape
-        return ChunkPlan(
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            logits_dtype=logits_dtype,
-            chunk_size=resolve_chunk_size(chunk_size, num_tokens, hidden_size, weight.shape[0],
-                                          hidden_states.element_size(), hidden_states.device.type,
-                                          chunk_bytes=chunk_bytes or None),
-            eager_kernels=env.eager_kernels,
-            release_cache=env.release_cache if release_cache is None else release_cache,
-            logit_scale=logit_scale,
-            scale_divides=scale_divides,
-            scale_dtype=None if logit_scale is None else (scale_dtype or hidden_states.dtype),
-        )
 
-    @property
-    def kernel_label_smoothing(self) -> float | None:
-        """What the kernels take: the value, or None when there is no smoothing (a variant
-        whose graph has no smoothing terms)."""
-        return self.label_smoothing if self.label_smoothing > 0.0 else None
+def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise (CPU) or device-assert (accelerators: no host sync) on a target outside
+    ``[0, V)`` that is not ``ignore_index``, before any kernel indexes with it."""
+    in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
+    ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
+    # (int64's minimum: no target is ignored, the graph pass's gather spelling)
+    torch._assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}){ignored}")
 
-    @property
-    def kernel_scale(self) -> tuple:
-        """The kernels' scaling arguments: ``(logit_scale, scale_divides, scale_dtype)``."""
-        return self.logit_scale, self.scale_divides, self.scale_dtype
 
-    def variant(self, logits: Tensor, class_weight: Tensor | None, row_stats: str = "") -> tuple:
-        """The kernels' compile key: device type, projection dtype (``logits``: a chunk's
-        projection, or the hidden states), logits dtype, class weights present, label
-        smoothing present, the scaling's form (none, or multiply / divide, by a
-        Python number or a tensor, in which dtype), never its value; then, for the
-        backward kernel, which row statistics it is given (``row_stats``:
-        :func:`_backward_kernel`)."""
-        if self.logit_scale is None:
-            scale = None
-        else:
-            scale = ("div" if self.scale_divides else "mul",
-                     "tensor" if isinstance(self.logit_scale, Tensor) else "number", self.scale_dtype)
-        key = (logits.device.type, logits.dtype, self.logits_dtype,
-               class_weight is not None, self.kernel_label_smoothing is not None, scale)
-        return key + (row_stats,) if row_stats else key
+@contextlib.contextmanager
+def op_body(hidden_states: Tensor, weight: Tensor, options: OpOptions,
+            target: Tensor | None = None) -> Iterator[ChunkPlan]:
+    """What every op's body runs around its chunk loop: yields the call's plan
+    (:meth:`ChunkPlan.resolve` of ``hidden_states [N, H]``, ``weight [V, H]`` and the
+    options); first checks ``target [N]`` when given (the forward ops: every target in
+    ``[0, V)`` or ignored); runs the loop with autocast off (the inputs are already in
+    the dtypes the op computes in); then, when the loop returned, releases the
+    allocator's cache if the plan says so (:func:`release_cache`).
+
+    Raises:
+        ValueError: a ``CHUNKCE_*`` variable holds a bad value.
+        RuntimeError: (CPU) a target outside ``[0, V)`` that is not ``ignore_index``.
+    """
+    plan = ChunkPlan.resolve(hidden_states, weight, options)
+    if target is not None:
+        _assert_targets_in_range(target, weight.shape[0], options.ignore_index)
+    device = hidden_states.device
+    autocast_off = (torch.autocast(device.type, enabled=False) if autocast_enabled(device.type)
+                    else contextlib.nullcontext())
+    with autocast_off:
+        yield plan
+    release_cache(device, plan.release_cache)
 
 
 def _dense(tensor: Tensor | None) -> Tensor | None:
@@ -115,58 +91,55 @@ def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor,
                     class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``kernels.chunk_forward`` of one chunk: per-token ``loss [n]``, ``row_max [n]`` and
     ``row_log_sum [n]`` (their sum is the lse) in
-    ``kernels.accumulate_dtype(plan.logits_dtype)``, from ``logits_chunk [n, V]`` (projection
+    ``kernels.accumulate_dtype(plan.options.logits_dtype)``, from ``logits_chunk [n, V]`` (projection
     dtype), ``target [n]`` int64 and ``class_weight [V]`` or None; the plan's options
     (smoothing, scaling, dtypes) are passed as the kernel takes them."""
     return kernels.run(
         "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
         logits_chunk, target, class_weight,
-        plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, *plan.kernel_scale,
+        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype, *plan.kernel_scale,
     )
 
 
-def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor | None,
-                     row_log_sum: Tensor | None, target: Tensor, class_weight: Tensor | None,
-                     grad_loss: Tensor, vocab_start: int, vocab_size: int) -> Tensor:
+def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
+                     target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int,
+                     vocab_size: int) -> Tensor:
     """``kernels.chunk_backward`` of one block: the gradient ``[n, Vb]`` (projection dtype)
     w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``
-    of ``vocab_size``; ``grad_loss [n]`` fp32 (fp64 for fp64). The row statistics, ``[n]``
-    fp32 (fp64 for fp64): ``row_max`` and ``row_log_sum`` of the forward kernel; None and
-    None for a block that is the whole row (the kernel recomputes them); or the saved lse
-    and None for a vocabulary block (``kernels.chunk_backward``).
+    of ``vocab_size``; ``grad_loss [n]``, and the forward kernel's ``row_max [n]`` and
+    ``row_log_sum [n]`` of the whole rows, fp32 (fp64 for fp64).
 
     The gradient is written into ``logits_chunk`` (which is returned): the chunk's
     logits are consumed, and a chunk costs one ``[n, Vb]`` buffer, not two."""
-    row_stats = "recompute" if row_max is None else "lse" if row_log_sum is None else "given"
     kernels.run(
-        "chunk_backward", plan.variant(logits_chunk, class_weight, row_stats), plan.eager_kernels,
+        "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
         logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss,
-        plan.ignore_index, plan.kernel_label_smoothing, plan.logits_dtype, vocab_start, vocab_size,
-        *plan.kernel_scale,
+        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype, vocab_start,
+        vocab_size, *plan.kernel_scale,
     )
     return logits_chunk
 
 
 def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
-                    bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-token ``loss [N]`` and ``lse [N]``, in ``kernels.accumulate_dtype(plan.logits_dtype)``.
+                    bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``loss [N]``, and ``row_max [N]`` and ``row_log_sum [N]`` (the log-sum-exp in
+    two parts, :func:`compile_pass.op.kernels._row_stats`: what backward needs), in
+    ``kernels.accumulate_dtype(plan.options.logits_dtype)``.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]``
     and ``class_weight [V]`` (or None), as the op takes them.
     """
     num_tokens = hidden_states.shape[0]
     target, class_weight = _dense(target), _dense(class_weight)
-    accumulate = kernels.accumulate_dtype(plan.logits_dtype)
-    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
-    lse = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    loss, row_max, row_log_sum = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))  # [N]
     weight_t = weight.t()  # [H, V]
     for start, end in spans(num_tokens, plan.chunk_size):
         logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
-        loss[start:end], row_max, row_log_sum = _forward_kernel(plan, logits_chunk, target[start:end],
-                                                                class_weight)
-        torch.add(row_max, row_log_sum, out=lse[start:end])
+        loss[start:end], row_max[start:end], row_log_sum[start:end] = _forward_kernel(
+            plan, logits_chunk, target[start:end], class_weight)
         del logits_chunk
-    return loss, lse
+    return loss, row_max, row_log_sum
 
 
 _MIXED_ADDMM_DTYPES = (torch.float16, torch.bfloat16)
@@ -229,14 +202,14 @@ def _gradient_buffer(wanted: bool, like: Tensor, shape: tuple[int, ...], dtype: 
 
 
 def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
-                     target: Tensor, bias: Tensor | None, class_weight: Tensor | None, lse: Tensor,
-                     output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+                     target: Tensor, bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor,
+                     row_log_sum: Tensor, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]``, each in
     its parameter's dtype; one that ``output_mask`` (``[hidden, weight, bias]``) does
     not ask for is an empty tensor and costs no work.
 
-    ``grad_loss [N]`` and ``lse [N]`` are fp32 (fp64 for fp64); the other tensors
-    are as :func:`chunked_forward` takes them.
+    ``grad_loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` (:func:`chunked_forward`'s)
+    are fp32 (fp64 for fp64); the other tensors are as :func:`chunked_forward` takes them.
     """
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
@@ -248,11 +221,8 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
                                    weight.dtype, walk.zero_grad_weight)  # [V, H]
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
-    # A full-precision head is never walked in vocabulary blocks: its kernel recomputes each
-    # row's statistics, rounding as torch does. A half-precision head may be, and always takes
-    # the saved lse (one compiled variant whatever the walk; its gradient is then rounded to
-    # half precision, whose half ulp is 128x (bf16; fp16 16x) the lse's fp32 rounding at an lse of 1e3).
-    whole_rows = walk.accumulate_dtype == weight.dtype
+    # The forward's row statistics are of whole rows, so a vocabulary block's probabilities
+    # round as torch's log-softmax does, and no row is reduced again here.
     for vocab_start, vocab_end in walk.vocab_blocks:
         weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
@@ -264,10 +234,9 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
         for start, end in walk.token_chunks:
             hidden_chunk = hidden_states[start:end]  # [n, H]
             logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
-            grad_logits = _backward_kernel(plan, logits_chunk, None if whole_rows else lse[start:end],
-                                           None, target[start:end], class_weight,
-                                           grad_loss[start:end], vocab_start,
-                                           vocab_size)  # [n, Vb] projection dtype, in place
+            grad_logits = _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
+                                           target[start:end], class_weight, grad_loss[start:end],
+                                           vocab_start, vocab_size)  # [n, Vb] projection dtype, in place
             del logits_chunk
             if walk.want_hidden:
                 _matmul_into(grad_hidden[start:end], grad_logits, weight_block, walk.hidden_sums)
@@ -284,3 +253,58 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
     if walk.want_bias:
         grad_bias = grad_bias.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                             bias: Tensor | None, class_weight: Tensor | None,
+                             output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The chunk loop: ``total`` (0-d), ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``,
+    ``grad_bias [V]`` of ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens
+    that are not ignored.
+
+    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
+    ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
+    them. ``total`` is in ``kernels.accumulate_dtype(plan.options.logits_dtype)``, summed as the
+    recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
+    ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
+    tensor and costs no work; ``grad_hidden_states`` is in its dtype, ``grad_weight`` and
+    ``grad_bias`` in ``kernels.accumulate_dtype(weight.dtype)`` (fp32 for a half-precision
+    head: backward rounds them to the parameter's dtype once, after the upstream gradient).
+    """
+    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
+    want_hidden, want_weight, want_bias = output_mask
+    want_bias = want_bias and bias is not None
+    target, class_weight = _dense(target), _dense(class_weight)
+    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    weight_accumulate = kernels.accumulate_dtype(weight.dtype)
+    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
+    chunks = spans(num_tokens, plan.chunk_size)
+    # the weight gradient sums one product per chunk, or is a half-precision weight's: then it
+    # sums in (and is returned in) an fp32 accumulator, rounded once in backward, after the
+    # upstream gradient (rounded now and again then, it had 1.7x the unfused path's bf16 error)
+    sums = len(chunks) > 1 or weight_accumulate != weight.dtype
+    grad_hidden = _gradient_buffer(want_hidden, hidden_states, (num_tokens, hidden_size),
+                                   hidden_states.dtype, zeroed=False)  # [N, H]: out= fills each chunk
+    grad_weight = _gradient_buffer(want_weight, weight, (vocab_size, hidden_size), weight_accumulate,
+                                   zeroed=sums or not chunks)  # [V, H]: one product is written by out=
+    grad_bias = _gradient_buffer(want_bias, weight, (vocab_size,), weight_accumulate, zeroed=True)  # [V]
+    weight_t = weight.t()  # [H, V]
+    for start, end in chunks:
+        hidden_chunk = hidden_states[start:end]  # [n, H]
+        logits_chunk = _project(hidden_chunk, weight_t, bias)  # [n, V]
+        loss[start:end], row_max, row_log_sum = _forward_kernel(plan, logits_chunk, target[start:end],
+                                                                class_weight)
+        if want_hidden or want_weight or want_bias:
+            grad_logits = _backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
+                                           class_weight, ones[start:end], 0, vocab_size)  # [n, V]
+            del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
+            if want_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+            if want_weight:  # as F.linear's backward
+                _matmul_into(grad_weight, grad_logits.t(), hidden_chunk, sums)
+            if want_bias:
+                grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
+            del grad_logits
+    counted = target != plan.options.ignore_index  # [N] bool
+    return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
