@@ -86,3 +86,4 @@ def test_other_in_place_adds_stay_refused(loss, key):
     recorder.assert_untouched()
     (record,) = compile_pass.last_report().records
     assert (record.decision, record.reason_key) == ("refused", key), record.reason
+    assert "F.linear(h, W, b)" in record.fix and "logits += b" in record.fix, record.fix  # how to get it taken

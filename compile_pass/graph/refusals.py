@@ -29,9 +29,11 @@ GRAPH_BREAK_FIX = (
     "names it), or compute the loss inside the compiled region; under DDP's graph split or FSDP2 the reason "
     "names the cause and its fix (docs/distributed.md)"
 )
-_MUTATION_FIX = "fix: compute the logits out of place (logits = logits * s, not logits *= s)"
+_BIAS_FIX = ("; a bias is taken when passed to the projection (F.linear(h, W, b)) or added to its own "
+             "output before any view (logits = h @ W.T; logits += b)")
+_MUTATION_FIX = "fix: compute the logits out of place (logits = logits * s, not logits *= s)" + _BIAS_FIX
 _OP_FIX = ("fix: compute only shape, dtype or one scaling between the lm_head and the loss; anything else "
-           "there stays unfused, exact")
+           "there stays unfused, exact" + _BIAS_FIX)
 _SCALE_TAKEN = ("it takes `logits * s` or `logits / s` with s a Python number or a 0-d tensor that does not "
                 "require grad")
 
