@@ -25,7 +25,7 @@ from torch._dynamo.backends import registry
 from torch._dynamo.exc import RestartAnalysis
 
 from compile_pass import cache_key, dynamo_scope
-from compile_pass.graph import logits_drop
+from compile_pass.graph import lazy_logits
 from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.graph.driver import publish_report
 from compile_pass.options import Options
@@ -71,7 +71,9 @@ def chunkce_backend(
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
     report = fuse_linear_cross_entropy(gm.graph, opts, publish=False)
     gm.recompile()
-    dropped = logits_drop.dropped_positions(gm.graph)  # only with drop_unused_logits
+    plan = lazy_logits.add_outputs(gm.graph)  # returned logits taken out of the graph: lazy, or dropped
+    if plan is not None:
+        gm.recompile()
     retried = False
     try:
         compiled = _compile_inner(gm, example_inputs, opts, mode)
@@ -81,7 +83,7 @@ def chunkce_backend(
     finally:
         if not retried:  # a site is logged and counted once, by the attempt that compiles
             publish_report(report, opts.strict)
-    return logits_drop.wrap(compiled, dropped) if dropped else compiled
+    return lazy_logits.wrap(compiled, plan) if plan is not None else compiled
 
 
 def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,

@@ -2,6 +2,7 @@
 
     torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "strict": True})
     torch.compile(model, backend="chunkce", options={"chunk_bytes": 8 << 20, "grads_in_forward": True})
+    torch.compile(model, backend="chunkce", options={"returned_logits": "keep"})  # logits computed in the step
     torch.compile(model, backend="chunkce", options=Options(chunk_size=1024))  # checked here, not at the first call
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+RETURNED_LOGITS = ("lazy", "keep", "drop")
 
 
 @dataclass(frozen=True)
@@ -38,14 +40,26 @@ class Options:
             registered with Dynamo, or a backend callable.
         inductor_config: Inductor config patches, forwarded to ``compile_fx`` as
             ``config_patches`` when the inner backend is Inductor.
-        drop_unused_logits: backend only, opt-in. In a training graph (logits
-            require grad) whose loss was rewritten, logits that are returned but
-            read by nothing else in the graph (HF's ``outputs.logits``, also
-            through dtype casts, copies and absorbed scales that only the output
-            reads, as accelerate's mixed-precision ``.float()`` on outputs) are not
-            computed; the step returns a :class:`compile_pass.graph.logits_drop.DroppedLogits`
-            in their place, which has their shape, dtype and device and raises on
-            any read of values. See ``docs/models.md``.
+        returned_logits: backend only: what a training step does with logits that fed a
+            rewritten loss and that nothing in the graph reads but its output (HF's
+            ``outputs.logits``, also through dtype casts, copies and an absorbed scale that
+            only the output reads, as accelerate's mixed-precision ``.float()``):
+
+            * ``"lazy"`` (the default; None means it): not computed in the step; the step
+              returns a :class:`compile_pass.graph.lazy_logits.LazyLogits`, which computes
+              them exactly (with autograd) when first read, and raises
+              ``StaleLogitsError`` if the head or the hidden states changed since;
+            * ``"keep"``: computed in the step and returned, as stock compile does (the
+              ``[N, V]`` logits, and their zero gradient in backward);
+            * ``"drop"``: not computed; the step returns a
+              :class:`compile_pass.graph.logits_drop.DroppedLogits`, which raises on any
+              read of values.
+
+            Eval and generation graphs (no grad) always keep their logits. The pre-grad
+            pass cannot wrap the compiled graph: there ``"lazy"`` means ``"keep"``, and
+            ``"drop"`` is refused. See ``docs/models.md``.
+        drop_unused_logits: the older spelling of ``returned_logits="drop"`` (True); kept
+            working. Asking for both with different meanings raises ``ValueError``.
     """
 
     chunk_size: int | None = None
@@ -53,6 +67,7 @@ class Options:
     inner_backend: str | Callable[..., Any] = "inductor"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
     drop_unused_logits: bool = False
+    returned_logits: str | None = None
     chunk_bytes: int | None = None
     grads_in_forward: bool = False
 
@@ -65,6 +80,12 @@ class Options:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"chunkce: expected option {name} to be a bool, got {type(value).__name__}")
+        if self.returned_logits not in RETURNED_LOGITS + (None,):
+            raise ValueError(f"chunkce: expected option returned_logits to be one of "
+                             f"{', '.join(map(repr, RETURNED_LOGITS))}, got {self.returned_logits!r}")
+        if self.drop_unused_logits and self.returned_logits not in (None, "drop"):
+            raise ValueError(f"chunkce: drop_unused_logits=True asks for returned_logits='drop', but "
+                             f"returned_logits={self.returned_logits!r} was given too; pass only returned_logits")
         if self.inner_backend == "chunkce":
             raise ValueError("chunkce: expected option inner_backend to be another backend, got 'chunkce' itself; "
                              "use 'inductor', 'aot_eager' or 'eager'")
@@ -77,6 +98,11 @@ class Options:
             raise TypeError(
                 f"chunkce: expected option inductor_config to be a mapping, got {type(self.inductor_config).__name__}"
             )
+
+    @property
+    def logits(self) -> str:
+        """What is done with returned logits: ``"lazy"``, ``"keep"`` or ``"drop"`` (see ``returned_logits``)."""
+        return "drop" if self.drop_unused_logits else (self.returned_logits or "lazy")
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | Options | None) -> Options:
@@ -110,5 +136,5 @@ class Options:
         )
         config = ",".join(f"{k}={self.inductor_config[k]!r}" for k in sorted(self.inductor_config))
         return (f"chunk_size={self.chunk_size};strict={self.strict};inner={inner};inductor_config={config};"
-                f"drop_unused_logits={self.drop_unused_logits};chunk_bytes={self.chunk_bytes};"
+                f"returned_logits={self.logits};chunk_bytes={self.chunk_bytes};"
                 f"grads_in_forward={self.grads_in_forward}")

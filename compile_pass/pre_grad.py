@@ -12,6 +12,7 @@ never serve a graph compiled without the pass, by another version of it, or with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,16 +32,22 @@ class ChunkcePreGradPass(CustomGraphPass):
             (``chunk_size``, ``strict``; ``inner_backend`` and ``inductor_config``
             are ignored).
 
+    Returned logits stay computed in the step (``returned_logits="lazy"``, the default,
+    means ``"keep"`` here): lazy logits need the backend's wrapper around the compiled
+    graph, which a pre-grad pass cannot add.
+
     Raises:
-        ValueError: ``drop_unused_logits=True``: it needs the backend's wrapper
-            around the compiled graph, which a pre-grad pass cannot add.
+        ValueError: ``returned_logits="drop"`` (or ``drop_unused_logits=True``): it needs
+            that wrapper too.
     """
 
     def __init__(self, options: Mapping[str, Any] | Options | None = None) -> None:
-        self.options = Options.from_mapping(options)
-        if self.options.drop_unused_logits:
-            raise ValueError("chunkce: drop_unused_logits needs the chunkce backend (torch.compile(model, "
-                             "backend='chunkce', options=...)); the pre-grad pass cannot drop logits")
+        options = Options.from_mapping(options)
+        if options.logits == "drop":
+            raise ValueError("chunkce: returned_logits='drop' (drop_unused_logits) needs the chunkce backend "
+                             "(torch.compile(model, backend='chunkce', options=...)); the pre-grad pass cannot "
+                             "drop logits")
+        self.options = dataclasses.replace(options, returned_logits="keep")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_linear_cross_entropy(graph, self.options, subgraphs=False)  # Inductor visits each subgraph itself

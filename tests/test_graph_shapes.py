@@ -106,11 +106,23 @@ def test_same_logits_feeding_two_losses_are_not_reported_kept():
     assert stats["logits_bytes_avoided"] == logits_bytes + 2 * (2 * logits_bytes)  # + each loss's two buffers
 
 
-def test_same_logits_feeding_two_losses_and_returned():
-    recorder, _ = compare_with_stock(SharedLogits(returns_logits=True), *inputs())
+def test_same_logits_feeding_two_losses_and_returned_kept():
+    """returned_logits='keep': the projection stays in the graph for the output."""
+    recorder, _ = compare_with_stock(SharedLogits(returns_logits=True), *inputs(),
+                                     options={"returned_logits": "keep"})
     assert recorder.op_count() == 2 and recorder.logits_like(N, V) != []
     assert [(r.reason, r.fix) for r in records()] == [(report.LOGITS_KEPT, report.DROP_LOGITS_FIX)] * 2
-    assert (counters["chunkce"]["logits_kept"], counters["chunkce"]["logits_dropped"]) == (2, 0)
+    assert (counters["chunkce"]["logits_kept"], counters["chunkce"]["logits_lazy"]) == (2, 0)
+
+
+def test_same_logits_feeding_two_losses_and_returned_are_lazy_by_default():
+    """The default: the second rewrite leaves the output as the logits' only user, so the
+    projection leaves the graph; the step's outputs and every gradient (the returned
+    logits summed into the loss, as train_step does) equal stock's."""
+    recorder, _ = compare_with_stock(SharedLogits(returns_logits=True), *inputs())
+    recorder.assert_rewritten(N, V, sites=2)
+    assert [r.reason for r in records()] == ["", report.LOGITS_LAZY]
+    assert (counters["chunkce"]["logits_kept"], counters["chunkce"]["logits_lazy"]) == (0, 1)
 
 
 def test_same_logits_feeding_two_losses_and_returned_then_dropped():
@@ -163,7 +175,7 @@ class ExtraUser(nn.Module):
         return self.loss(self.lm_head(h), labels)
 
 
-@pytest.mark.parametrize("loss", [z_loss, accuracy, returned], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("loss", [z_loss, accuracy], ids=lambda f: f.__name__)
 def test_other_users_of_the_logits_see_them_exact(loss):
     h, labels = inputs()
     model = ExtraUser(loss)
@@ -171,12 +183,28 @@ def test_other_users_of_the_logits_see_them_exact(loss):
     assert recorder.op_count() == 1
     assert recorder.logits_like(N, V) != []  # the projection stays for its other user
     (record,) = records()
-    assert (record.decision, record.reason) == (report.REWRITTEN, report.LOGITS_KEPT)
-    assert record.fix == (report.DROP_LOGITS_FIX if loss is returned else "")
+    assert (record.decision, record.reason, record.fix) == (report.REWRITTEN, report.LOGITS_KEPT, "")
     assert counters["chunkce"]["logits_kept"] == 1
     if loss is accuracy:  # the metric reads the logits' values: the exact argmax, not a close one
         compiled = torch.compile(ExtraUser(loss), backend="chunkce", options={"inner_backend": "aot_eager"})
         assert compiled(h, labels)[1] == accuracy(ExtraUser(loss).lm_head(h), labels)[1]
+
+
+@pytest.mark.parametrize("mode", ["lazy", "keep"])
+def test_returned_logits_see_them_exact(mode):
+    """Logits the graph only returns: lazy (the default) or kept; either way the step's
+    outputs and gradients, with the returned logits summed into the loss, are stock's."""
+    h, labels = inputs()
+    recorder, _ = compare_with_stock(ExtraUser(returned), h, labels, options={"returned_logits": mode})
+    (record,) = records()
+    if mode == "keep":
+        assert recorder.op_count() == 1 and recorder.logits_like(N, V) != []
+        assert (record.reason, record.fix) == (report.LOGITS_KEPT, report.DROP_LOGITS_FIX)
+    else:
+        recorder.assert_rewritten(N, V)
+        assert (record.reason, record.fix) == (report.LOGITS_LAZY, "")
+    assert counters["chunkce"]["logits_kept"] == (mode == "keep")
+    assert counters["chunkce"]["logits_lazy"] == (mode == "lazy")
 
 
 def test_a_fault_while_settling_kept_logits_keeps_the_rewrite(monkeypatch, caplog):

@@ -32,6 +32,7 @@ from torch._inductor.utils import run_and_get_code
 
 import compile_pass
 from compile_pass.graph.logits_drop import DROPPED, DroppedLogits
+from compile_pass.graph.report import LOGITS_DROPPED
 from conftest import OP, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -327,7 +328,7 @@ def test_dropped_logits_are_not_computed_and_the_step_matches_stock(backend):
     stats = counters["chunkce"]
     assert (stats["sites_rewritten"], stats["logits_dropped"], stats["logits_kept"]) == (2, 2, 0)
     record = compile_pass.last_report().records[0]
-    assert record.reason == "returned logits not computed (drop_unused_logits)"
+    assert record.reason == LOGITS_DROPPED
     assert record.logits_bytes_avoided >= B * T * V * 4
     for graph in graphs:  # no projection left: only the op reads the lm_head weight
         readers = [n for n in graph.nodes if any("lm_head" in a.name for a in n.all_input_nodes)]
@@ -443,15 +444,19 @@ def test_logits_are_kept_without_grad_when_read_in_graph_and_by_default():
     assert type(logits) is torch.Tensor and counters["chunkce"]["logits_dropped"] == 0
     torch.testing.assert_close(predicted, eager_logits.argmax(-1))
     counters.clear()
-    default = torch.compile(ReturnsLogits(), backend="chunkce", options={"inner_backend": "aot_eager"})
-    _, logits = default(h, labels)  # off by default; the report says how to turn it on
+    kept = torch.compile(ReturnsLogits(), backend="chunkce",
+                         options={"inner_backend": "aot_eager", "returned_logits": "keep"})
+    _, logits = kept(h, labels)  # computed in the step; the report says how to have them lazy
     assert type(logits) is torch.Tensor and counters["chunkce"]["logits_kept"] == 1
-    assert "drop_unused_logits" in compile_pass.last_report().records[0].fix
+    assert "'returned_logits': 'lazy'" in compile_pass.last_report().records[0].fix
 
 
 def test_pre_grad_pass_refuses_drop_unused_logits():
-    with pytest.raises(ValueError, match="drop_unused_logits needs the chunkce backend"):
+    with pytest.raises(ValueError, match="returned_logits='drop' .drop_unused_logits. needs the chunkce backend"):
         compile_pass.ChunkcePreGradPass(DROP)
+    with pytest.raises(ValueError, match="returned_logits='drop' .drop_unused_logits. needs the chunkce backend"):
+        compile_pass.ChunkcePreGradPass({"returned_logits": "drop"})
+    assert compile_pass.ChunkcePreGradPass().options.logits == "keep"  # lazy needs the backend's wrapper
     with pytest.raises(TypeError, match="drop_unused_logits to be a bool"):
         compile_pass.Options.from_mapping({"drop_unused_logits": "yes"})
 

@@ -10,7 +10,9 @@
     guard.py        accept a site, or refuse it with a Reason of one kind
     diagnostics.py  what a reason says beyond the site: the op upstream of a stop, DDP / FSDP2 state
     rewrite.py      choose what replaces an accepted site and trace it in (the op, compile_pass.op)
-    logits_drop.py  opt-in: returned logits nothing reads are not computed
+    lazy_logits.py  the default: returned logits nothing reads are taken out of the graph, computed on read
+    lazy_tensor.py  LazyLogits, the tensor handed out in their place (exact, checked against changes)
+    logits_drop.py  the returned logits' chain out of the graph; opt-in DroppedLogits (raises on read)
     report.py       what was done at each site: records, log, counters, a table
 
 Imports the op and :mod:`compile_pass.options`; never the entry points above it.

@@ -15,7 +15,7 @@ import logging
 
 from torch.fx import Graph, GraphModule
 
-from compile_pass.graph import guard, logits_drop, report
+from compile_pass.graph import guard, lazy_logits, logits_drop, report
 from compile_pass.graph.nodes import Edit, module_attr
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.rewrite import rewrite_site
@@ -139,8 +139,8 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
 
 
 def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
-    """The record of a refused site, or rewrite an accepted one (and drop its returned
-    logits, if asked), all or nothing."""
+    """The record of a refused site, or rewrite an accepted one (and take its returned
+    logits out of the graph, lazy or dropped, as ``options.logits`` says), all or nothing."""
     if reason is not None:
         return report.refused(site, reason)
     record = report.rewritten(site, options)  # before the rewrite: it reads the site's nodes
@@ -148,11 +148,13 @@ def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bo
     with Edit(graph) as edit:
         done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
                             grads_in_forward=options.grads_in_forward)
-        dropped = 0
-        if done.logits_kept and not in_subgraph and options.drop_unused_logits:
+        dropped, mode = 0, options.logits
+        if done.logits_kept and not in_subgraph and mode == "drop":
             dropped = logits_drop.drop_if_only_returned(site.projection, edit)
+        elif done.logits_kept and not in_subgraph and mode == "lazy":
+            dropped = lazy_logits.defer_if_only_returned(site.projection, edit)
         graph.lint()
-    note = report.LOGITS_DROPPED if dropped else ""  # whether the logits are kept: _settle_logits
+    note = (report.LOGITS_DROPPED if mode == "drop" else report.LOGITS_LAZY) if dropped else ""  # kept: _settle_logits
     return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped)
 
 
@@ -160,7 +162,7 @@ def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> 
     """A rewritten site's record once every site of its graph is done: its logits are
     kept only if the projection still has users (an erased node has none). (Right
     after one site's rewrite, the next site fed by the same logits still reads them.)"""
-    if record.reason == report.LOGITS_DROPPED:
+    if record.reason in (report.LOGITS_DROPPED, report.LOGITS_LAZY):
         return record
     node = site.projection.node
     if not node.users:

@@ -24,8 +24,7 @@ option; it never sees wrong numbers.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,7 +49,7 @@ _aten = torch.ops.aten
 # Ops that only change a tensor's metadata (view, dtype, device): they give another
 # DroppedLogits. accelerate's mixed-precision wrapper calls .float() on every output,
 # callers detach or move outputs: none of that reads a value.
-_METADATA_OPS = {
+METADATA_OPS = {
     _aten.detach.default, _aten.alias.default, _aten._to_copy.default, _aten.clone.default,
     _aten.view.default, _aten._unsafe_view.default, _aten.t.default, _aten.transpose.int,
     _aten.permute.default, _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default,
@@ -88,7 +87,7 @@ class DroppedLogits(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
-        if func not in _METADATA_OPS:
+        if func not in METADATA_OPS:
             raise _not_computed(func)
         source = args[0]
         device = kwargs.pop("device", None) or source.device
@@ -106,7 +105,7 @@ def _not_computed(what: Any) -> RuntimeError:
     )
 
 
-def _returned_chain(node: Node) -> list[Node] | None:
+def returned_chain(node: Node) -> list[Node] | None:
     """``[node, step, ..., returned]``: the projection and the steps of :func:`_is_step_of`
     (each read by nothing but the next) up to the value the graph returns; None when
     anything else reads them."""
@@ -141,7 +140,7 @@ def _is_step_of(node: Node, source: Node) -> bool:
 def droppable(node: Node) -> bool:
     """Whether ``node`` (a kept projection of a top-level graph) is training logits read
     by nothing but the graph output, directly or through dtype casts."""
-    chain = _returned_chain(node) if node.users else None
+    chain = returned_chain(node) if node.users else None
     logits = example_value(chain[-1]) if chain else None
     return isinstance(logits, torch.Tensor) and logits.requires_grad
 
@@ -150,20 +149,16 @@ def drop_if_only_returned(projection: Projection, edit: Edit) -> int:
     """Replace a kept projection (and the casts up to the graph output) by a stand-in if
     it is :func:`droppable`, as part of the site's ``edit``; returns the bytes of logits
     no longer computed (0: left as is)."""
-    node = projection.node
-    if not droppable(node):
-        return 0
-    chain = _returned_chain(node)
-    returned = example_value(chain[-1])
-    graph: Graph = node.graph
-    with graph.inserting_before(node):
-        nan = create_node(graph, "call_method", "new_full", (projection.hidden, (), float("nan")),
-                          {"dtype": returned.dtype})
-        sizes = [size if isinstance(size, int) else create_node(graph, "call_function", _aten.sym_size.int,
-                                                                (projection.hidden, dim))
-                 for dim, size in enumerate(returned.shape[:-1])]
-        stand_in = create_node(graph, "call_method", "expand", (nan, *sizes, returned.shape[-1]))
-    stand_in.meta[DROPPED] = True
+    return take_out(projection, edit, True) if droppable(projection.node) else 0
+
+
+def take_out(projection: Projection, edit: Edit, mark: Any) -> int:
+    """Replace a :func:`droppable` projection and its :func:`returned_chain` by a stand-in
+    (:func:`stand_in_for`) whose ``meta[DROPPED]`` is ``mark``, as part of ``edit``;
+    returns the bytes of the values no longer computed."""
+    chain = returned_chain(projection.node)
+    stand_in = stand_in_for(projection, example_value(chain[-1]))
+    stand_in.meta[DROPPED] = mark
     edit.replace_all_uses_with(chain[-1], stand_in)
     for dead in (*chain[::-1], *projection.inner[::-1]):
         if not dead.users:
@@ -171,25 +166,14 @@ def drop_if_only_returned(projection: Projection, edit: Edit) -> int:
     return sum(size_hint(example_value(n).numel()) * example_value(n).element_size() for n in chain)
 
 
-def dropped_positions(graph: Graph) -> list[int]:
-    """Positions in the graph's (flat) output of the stand-ins :func:`drop_if_only_returned` put there."""
-    (output,) = graph.find_nodes(op="output")
-    values = output.args[0]
-    values = values if isinstance(values, (tuple, list)) else (values,)
-    return [i for i, value in enumerate(values) if isinstance(value, Node) and value.meta.get(DROPPED)]
-
-
-def wrap(compiled: Callable[..., Any], positions: list[int]) -> Callable[..., Any]:
-    """``compiled`` with a :class:`DroppedLogits` handed out at each of ``positions``."""
-
-    @functools.wraps(compiled)  # keeps its attributes (e.g. _boxed_call): called as it would be
-    def run(*args: Any) -> Any:
-        outputs = compiled(*args)
-        swapped = list(outputs)
-        for i in positions:
-            stand_in = swapped[i]
-            swapped[i] = DroppedLogits(stand_in.shape, stand_in.dtype, stand_in.device)
-        return type(outputs)(swapped) if isinstance(outputs, tuple) else swapped
-
-    return run
-
+def stand_in_for(projection: Projection, returned: torch.Tensor) -> Node:
+    """A node giving a NaN scalar expanded to ``returned``'s shape (sizes read from the
+    hidden states, symbolic ones too) and dtype, inserted before the projection."""
+    graph: Graph = projection.node.graph
+    with graph.inserting_before(projection.node):
+        nan = create_node(graph, "call_method", "new_full", (projection.hidden, (), float("nan")),
+                          {"dtype": returned.dtype})
+        sizes = [size if isinstance(size, int) else create_node(graph, "call_function", _aten.sym_size.int,
+                                                                (projection.hidden, dim))
+                 for dim, size in enumerate(returned.shape[:-1])]
+        return create_node(graph, "call_method", "expand", (nan, *sizes, returned.shape[-1]))

@@ -7,8 +7,9 @@ INFO, refused ones at DEBUG, as Inductor's passes do), counted in
 
 Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
 ``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
-sites whose logits other users still need), ``logits_dropped`` (returned logits
-not computed, ``drop_unused_logits``) and ``logits_bytes_avoided``.
+sites whose logits other users still need), ``logits_lazy`` (returned logits
+computed only when read, the default ``returned_logits="lazy"``), ``logits_dropped``
+(returned logits not computed, ``returned_logits="drop"``) and ``logits_bytes_avoided``.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ log = logging.getLogger(__name__)
 
 REWRITTEN, REFUSED = "rewritten", "refused"
 LOGITS_KEPT = "logits still materialized for other users"
-LOGITS_DROPPED = "returned logits not computed (drop_unused_logits)"
+LOGITS_DROPPED = "returned logits not computed (returned_logits='drop')"
+LOGITS_LAZY = "returned logits computed only when read (returned_logits='lazy')"
 DROP_LOGITS_FIX = (
-    "fix: the only other user is the graph output (e.g. HF's outputs.logits); a training step that never "
-    "reads it can skip it: options={'drop_unused_logits': True}"
+    "fix: the only other user is the graph output (e.g. HF's outputs.logits): the chunkce backend's default, "
+    "options={'returned_logits': 'lazy'}, computes them only if something reads them"
 )
 
 
@@ -179,6 +181,7 @@ def publish(report: PassReport) -> None:
             stats["logits_bytes_avoided"] += record.logits_bytes_avoided
             stats["logits_kept"] += record.reason == LOGITS_KEPT
             stats["logits_dropped"] += record.reason == LOGITS_DROPPED
+            stats["logits_lazy"] += record.reason == LOGITS_LAZY
             log.info("chunkce: rewrote %s (%s, module %s, chunk size %s, logits bytes avoided %s)%s",
                      record.source, record.form or "loss", record.module or "?", record.chunk_size,
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")

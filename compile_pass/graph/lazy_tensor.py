@@ -1,0 +1,265 @@
+"""The tensor a compiled step returns for logits it did not compute: :class:`LazyLogits`.
+
+Made by :func:`compile_pass.graph.lazy_logits.wrap` around a compiled graph from which
+:func:`compile_pass.graph.lazy_logits.defer_if_only_returned` took the returned logits
+out (the module docstring there says when, and what the graph returns instead).
+
+A :class:`LazyLogits` has the logits' shape, dtype, device and ``requires_grad``. Views,
+casts, ``detach``, ``clone``, ``.to(device)``, ``.shape`` and ``len()`` give another
+lazy tensor. The first op that reads a value runs the graph's own nodes from the
+projection to the returned value (:class:`Recipe`) eagerly on the tensors the step
+returned, keeps the result, and answers from it; later reads use the kept values.
+Under grad mode the tensor is the output of an autograd node (:class:`_Recompute`) over
+those tensors: a loss built from it backpropagates into the compiled step's hidden
+states (through the step's own backward) and into the head's parameters.
+
+It is never wrong. When the step returns, the version counter and the storage (address,
+size) of every tensor the recipe reads are recorded, and for an FSDP2 unsharded head
+parameter also its sharded parameter's version (FSDP2 all-gathers into the unsharded
+one without bumping its version). The first read, and a backward through it, check
+them (host metadata only, no device sync) and raise :class:`StaleLogitsError` if any
+changed: ``optimizer.step()``, ``zero_()``, ``load_state_dict()``, FSDP2's resharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from compile_pass.graph.logits_drop import METADATA_OPS
+
+KEEP_OPTION = "options={'returned_logits': 'keep'}"
+
+
+class StaleLogitsError(RuntimeError):
+    """A :class:`LazyLogits` read after a tensor it is computed from changed in place."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one returned logits value is made, as the graph made it.
+
+    Attributes:
+        module: the graph's nodes from the projection to the returned value, copied
+            (their inputs are its placeholders, in ``roles``' order).
+        roles: what each input is: ``"hidden states"``, ``"lm_head weight"``,
+            ``"lm_head bias"``, or ``"scale"`` (any other tensor the nodes read).
+        scalars: which inputs the graph gave as a Python number (a symbolic float or
+            int): they reach the recipe as a 0-d CPU tensor and are read with ``.item()``.
+        autocast_dtype: the projection's dtype when it ran under autocast (its output
+            dtype differs from its inputs'); the recipe runs under the same autocast.
+    """
+
+    module: GraphModule
+    roles: tuple[str, ...]
+    scalars: tuple[bool, ...]
+    autocast_dtype: torch.dtype | None
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        device = next(t.device for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0)
+        with torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+            return self.module(*inputs)
+
+
+class _Inputs:
+    """The recipe's inputs as the step returned them, with what must not change before a read."""
+
+    def __init__(self, recipe: Recipe, tensors: Sequence[torch.Tensor]) -> None:
+        self.recipe = recipe
+        self.tensors = tuple(tensors)
+        watched = [(role, t) for role, t in zip(recipe.roles, tensors)]
+        watched += [(f"{role} (its FSDP2 sharded parameter)", sharded) for role, t in zip(recipe.roles, tensors)
+                    if (sharded := _fsdp_sharded_parameter(t)) is not None]
+        self.watched = tuple((role, t, t._version, _storage_of(t)) for role, t in watched)
+
+    def check(self, when: str) -> None:
+        """Raise :class:`StaleLogitsError` if a tensor the recipe reads changed since the step."""
+        for role, tensor, version, storage in self.watched:
+            if tensor._version != version or _storage_of(tensor) != storage:
+                how = "was changed in place" if tensor._version != version else "had its storage freed or resized"
+                raise StaleLogitsError(
+                    f"chunkce: cannot {when} these logits: chunkce did not compute them in the compiled step "
+                    f"(returned logits are computed when first read, from the step's hidden states and lm_head), "
+                    f"and since the step the {role} {how} (optimizer.step(), zero_(), load_state_dict(), "
+                    "FSDP2 resharding after backward), so they can no longer be computed as the step would have. "
+                    "Read them before that (e.g. before optimizer.step(); under FSDP2 before backward), or "
+                    f"compile with {KEEP_OPTION} to have the step compute and return them."
+                )
+
+    def compute(self) -> torch.Tensor:
+        self.check("read")
+        with torch.no_grad():
+            return self.recipe(self.tensors)
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a subclass without storage (e.g. a DTensor)
+        return (0, 0)
+    return (storage.data_ptr(), storage.nbytes())
+
+
+_FSDP_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # unsharded parameter -> its sharded one, or None
+
+
+def _fsdp_sharded_parameter(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The FSDP2 sharded parameter behind ``tensor`` if it is an FSDP2 unsharded parameter.
+
+    FSDP2 all-gathers into the unsharded parameter under
+    ``torch.autograd._unsafe_preserve_version_counter``, so an optimizer step shows only
+    in the sharded parameter's version."""
+    if not isinstance(tensor, torch.nn.Parameter):
+        return None
+    if tensor in _FSDP_SHARDED:
+        return _FSDP_SHARDED[tensor]
+    found = None
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+
+        for module, state in list(_module_state_mapping.items()):
+            group = getattr(state, "_fsdp_param_group", None) if isinstance(module, FSDPModule) else None
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+                    found = fsdp_param.sharded_param
+    except Exception:  # noqa: BLE001 - no FSDP2 in this process: a plain parameter
+        found = None
+    _FSDP_SHARDED[tensor] = found
+    return found
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor's metadata without its values."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
+class _Recompute(torch.autograd.Function):
+    """The lazy logits as an autograd node over the recipe's inputs.
+
+    Forward makes no values (a :class:`LazyLogits`); backward recomputes the logits from
+    the same inputs with autograd on and backpropagates ``grad`` through them."""
+
+    @staticmethod
+    def forward(ctx: Any, source: _Inputs, layout: _Layout, *tensors: torch.Tensor) -> LazyLogits:
+        ctx.source = source
+        return LazyLogits(layout, source=source)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        source: _Inputs = ctx.source
+        source.check("backpropagate through")
+        needs = ctx.needs_input_grad[2:]
+        leaves = [t.detach().requires_grad_(need) if need else t for t, need in zip(source.tensors, needs)]
+        with torch.enable_grad():
+            logits = source.recipe(leaves)
+        wanted = [leaf for leaf, need in zip(leaves, needs) if need]
+        grads = iter(torch.autograd.grad(logits, wanted, grad, allow_unused=True))
+        return (None, None, *(next(grads) if need else None for need in needs))
+
+
+def lazy_logits(recipe: Recipe, tensors: Sequence[torch.Tensor], stand_in: torch.Tensor) -> LazyLogits:
+    """The :class:`LazyLogits` of ``recipe`` over ``tensors`` (as the step returned them),
+    shaped as ``stand_in`` (the graph's stand-in: an expanded scalar of the logits'
+    shape, dtype and device; the logits themselves are contiguous)."""
+    source = _Inputs(recipe, tensors)
+    layout = _Layout(stand_in.shape, _contiguous_strides(stand_in.shape), stand_in.dtype, stand_in.device)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _Recompute.apply(source, layout, *tensors)
+    return LazyLogits(layout, source=source)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class LazyLogits(torch.Tensor):
+    """Returned logits the compiled step did not compute; computed exactly on first read.
+
+    Shape, dtype, device and ``requires_grad`` are the logits'. Metadata ops (views,
+    casts, ``detach``, ``clone``, ``.to``) give another ``LazyLogits`` over this one;
+    any other op computes the values once (:class:`Recipe`), keeps them, and runs on
+    them. ``repr`` / ``print`` read the values like any op (and show the error text
+    instead of raising when they can no longer be computed).
+
+    Raises:
+        StaleLogitsError: on the first read, when a tensor the logits are computed
+            from changed since the step (see the module docstring).
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, layout: _Layout, *, source: _Inputs | None = None,
+                parent: tuple[LazyLogits, Any, tuple, dict] | None = None) -> LazyLogits:
+        self = torch.Tensor._make_wrapper_subclass(cls, layout.shape, strides=layout.stride, dtype=layout.dtype,
+                                                   device=layout.device, requires_grad=False)
+        self._source, self._parent, self._value = source, parent, None
+        return self
+
+    def compute(self) -> torch.Tensor:
+        """The values, computed on the first call and kept (a plain tensor, no autograd)."""
+        if self._value is None:
+            if self._source is not None:
+                value = self._source.compute()
+            else:
+                base, func, args, kwargs = self._parent
+                with torch.no_grad():
+                    value = func(base.compute(), *args, **kwargs)
+            self._value = value
+        return self._value
+
+    @property
+    def is_computed(self) -> bool:
+        """Whether the values were computed (read) already."""
+        return self._value is not None
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        try:
+            values = self.compute()
+        except StaleLogitsError as exc:
+            return f"LazyLogits(shape={tuple(self.shape)}, dtype={self.dtype}, not computed: {exc})"
+        text = repr(values)
+        return text[:-1] + f", grad_fn=<{type(self.grad_fn).__name__}>)" if self.grad_fn is not None else text
+
+    def tolist(self) -> Any:  # these read values without going through dispatch
+        return self.compute().tolist()
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compute().numpy(*args, **kwargs)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compute().__array__(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save / pickle: the values
+        return self.compute().__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        rest = (*args[1:], *kwargs.values())
+        if func in METADATA_OPS and isinstance(args[0], LazyLogits) and not any(isinstance(a, LazyLogits)
+                                                                               for a in rest):
+            base = args[0]
+            on_meta = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta")
+            out = func(on_meta, *args[1:], **{**kwargs, "device": "meta"} if "device" in kwargs else kwargs)
+            device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
+            return LazyLogits(_Layout(out.shape, out.stride(), out.dtype, device), parent=(base, func, args[1:], kwargs))
+        args, kwargs = tree_map(lambda t: t.compute() if isinstance(t, LazyLogits) else t, (args, kwargs))
+        return func(*args, **kwargs)
