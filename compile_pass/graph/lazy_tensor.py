@@ -261,5 +261,14 @@ class LazyLogits(torch.Tensor):
             out = func(on_meta, *args[1:], **{**kwargs, "device": "meta"} if "device" in kwargs else kwargs)
             device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
             return LazyLogits(_Layout(out.shape, out.stride(), out.dtype, device), parent=(base, func, args[1:], kwargs))
-        args, kwargs = tree_map(lambda t: t.compute() if isinstance(t, LazyLogits) else t, (args, kwargs))
-        return func(*args, **kwargs)
+        values, kwargs_values = tree_map(lambda t: t.compute() if isinstance(t, LazyLogits) else t, (args, kwargs))
+        out = func(*values, **kwargs_values)
+        if _writes_first_argument(func) and isinstance(args[0], LazyLogits):
+            return args[0]  # an in-place op changed its kept values: it returns itself, as in-place ops do
+        return out
+
+
+def _writes_first_argument(func: Any) -> bool:
+    arguments = getattr(getattr(func, "_schema", None), "arguments", ())
+    alias = arguments[0].alias_info if arguments else None
+    return alias is not None and alias.is_write
