@@ -2,6 +2,8 @@
 
     python -m benchmarks.bench_model --device cpu --configs cpu-small --isolate
     python -m benchmarks.bench_model --configs gpu-1b --isolate --csv model.csv   # on a GPU: bf16
+    python -m benchmarks.bench_model --compile model --configs cpu-example cpu-example-128k --isolate \
+        --backends inductor chunkce chunkce-drop chunkce-keep     # the whole model, no options vs the others
 
 A ``transformers`` ``LlamaForCausalLM`` built from a registry config (random
 weights, same seed everywhere), trained on one fixed random batch. Per backend:
@@ -30,7 +32,10 @@ from benchmarks import harness, isolate
 from benchmarks.tables import fmt, markdown, num, ratio
 
 MiB = harness.MiB
-BACKENDS = ("eager", "inductor", "chunkce")
+BACKENDS = ("eager", "inductor", "chunkce", "chunkce-keep", "chunkce-drop")
+# chunkce with no options (returned logits lazy), and the other two returned_logits behaviours
+CHUNKCE_OPTIONS = {"chunkce": {}, "chunkce-keep": {"returned_logits": "keep"},
+                   "chunkce-drop": {"returned_logits": "drop"}}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -54,6 +59,9 @@ class ModelConfig:
 CONFIGS = {
     "cpu-small": ModelConfig(32000, 256, 688, 2, 4, 4, batch=2, seq_len=512, dtype="fp32"),
     "cpu-micro": ModelConfig(4096, 64, 172, 1, 2, 2, batch=2, seq_len=128, dtype="fp32"),  # checks, seconds
+    # the example's model and batch (examples/train_compiled.py), and the same at a 128k vocabulary
+    "cpu-example": ModelConfig(32000, 256, 688, 2, 4, 4, batch=8, seq_len=256, dtype="fp32"),
+    "cpu-example-128k": ModelConfig(128256, 256, 688, 2, 4, 4, batch=8, seq_len=256, dtype="fp32"),
     # Llama-3.2-1B's widths and vocabulary, fewer layers (compile time), untied head.
     "gpu-1b": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=4, seq_len=2048, dtype="bf16"),
     "gpu-1b-16k": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=8, seq_len=2048, dtype="bf16"),
@@ -79,18 +87,30 @@ def build(config: ModelConfig, device: torch.device, seed: int):
 
 
 def loss_function(model, backend: str, compile_what: str, chunk_size: int | None):
+    """The step's loss of ``ids`` under ``backend``. ``compile_what="model"``: the whole model is
+    compiled and its output object (loss and logits) is held until the next call returns, as a
+    training loop's ``out = model(...); out.loss.backward()`` holds it."""
     def loss(ids):
         return model(input_ids=ids, labels=ids).loss
     if backend == "eager":
         return loss
     kwargs = {}
-    if backend == "chunkce":  # registered by ``import compile_pass``; torch.compile raises if it is not
+    if backend in CHUNKCE_OPTIONS:  # registered by ``import compile_pass``; torch.compile raises if it is not
         import compile_pass  # noqa: F401
 
-        kwargs = {"options": {"chunk_size": chunk_size}} if chunk_size else {}
-    if compile_what == "model":  # the output keeps the logits alive: the pass must keep the linear
+        options = {**CHUNKCE_OPTIONS[backend], **({"chunk_size": chunk_size} if chunk_size else {})}
+        kwargs = {"options": options} if options else {}
+        backend = "chunkce"
+    if compile_what == "model":
         compiled = torch.compile(model, backend=backend, **kwargs)
-        return lambda ids: compiled(input_ids=ids, labels=ids).loss
+        held = {}
+
+        def step_loss(ids):
+            out = compiled(input_ids=ids, labels=ids)
+            held["out"] = out  # the previous step's output lives until this one is returned
+            return out.loss
+
+        return step_loss
     return torch.compile(loss, backend=backend, **kwargs)
 
 
@@ -153,7 +173,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     return {
         "config": name, "backend": backend, "compile": args.compile if backend != "eager" else "-",
         "device": device.type, "dtype": config.dtype, "tokens": config.tokens,
-        "chunk_size": (args.chunk_size or "auto") if backend == "chunkce" else "",
+        "chunk_size": (args.chunk_size or "auto") if backend in CHUNKCE_OPTIONS else "",
         "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
         "step_ms_p20": stats.p20, "step_ms_p50": stats.p50, "step_ms_p80": stats.p80,
         "tokens_per_s": config.tokens / (stats.p50 / 1e3),
@@ -335,10 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
                    help="default: gpu-1b on an accelerator, cpu-small on cpu")
-    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=["eager", "inductor", "chunkce"])
     p.add_argument("--compile", choices=("loss", "model"), default="loss",
-                   help="compile a function returning only the loss (logits dead) or the model "
-                        "(its output keeps the logits alive)")
+                   help="compile a function returning only the loss (logits dead) or the whole model "
+                        "(its output, loss and logits, held across backward until the next step)")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="chunkce's chunk_size option; default: the op's automatic size")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (compilation)")

@@ -1,6 +1,7 @@
 """Train a small Llama on real text with torch.compile, stock Inductor vs chunkce, side by side.
 
-    python examples/train_compiled.py                       # both backends, stdlib sources
+    python examples/train_compiled.py                       # both backends, the whole model, stdlib sources
+    python examples/train_compiled.py --compile loss        # compile a function returning only the loss
     python examples/train_compiled.py --backend chunkce --text my.txt --steps 50
     torchrun --nproc-per-node 2 examples/train_compiled.py --parallel ddp     # or fsdp2
 
@@ -63,9 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate-size", type=int, default=688)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--compile", choices=("loss", "model"), default="loss",
-                   help="compile a loss function (logits are dead, so never materialized) or the "
-                        "model itself (its output keeps the logits alive)")
+    p.add_argument("--compile", choices=("model", "loss"), default="model",
+                   help="compile the model itself, as torch.compile(model) is used (its output, loss and "
+                        "logits, is held across backward; chunkce's returned logits are lazy: never "
+                        "computed unless read), or a function returning only the loss")
     p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
     p.add_argument("--parallel", choices=("none", "ddp", "fsdp2"), default="none", help=PARALLEL_HELP)
     p.add_argument("--tol", type=float, default=1e-3, help="max abs per-step loss difference")
@@ -128,10 +130,11 @@ class CausalLMLoss(torch.nn.Module):
 
 
 def compiled_loss(model: LlamaForCausalLM, backend: str, args: argparse.Namespace,
-                  device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.nn.Module]:
-    """``(loss_fn, module)``: the compiled ``ids -> loss`` for --compile / --parallel, and the
-    module whose parameters the optimizer steps (after fully_shard: the sharded ones)."""
-    options = None
+                  device: torch.device) -> tuple[Callable[[torch.Tensor], object], torch.nn.Module]:
+    """``(step_fn, module)``: the compiled ``ids -> output`` for --compile / --parallel (the
+    model's output object, or the loss tensor for --compile loss), and the module whose
+    parameters the optimizer steps (after fully_shard: the sharded ones). No chunkce options:
+    what ``torch.compile(model, backend="chunkce")`` does is what is measured."""
     if args.parallel == "ddp":
         ddp_ids = None if device.type == "cpu" else [device.index]
         module = DistributedDataParallel(model if args.compile == "model" else CausalLMLoss(model),
@@ -142,19 +145,16 @@ def compiled_loss(model: LlamaForCausalLM, backend: str, args: argparse.Namespac
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)    # the root group: embeddings, final norm and lm_head (see --help)
-        if backend == "chunkce" and args.compile == "loss":
-            # FSDP2's hooks break the graph at every fully_shard unit, so the head and the loss
-            # are traced in LlamaForCausalLM.forward's own frame, which returns the logits too;
-            # nothing reads them, so the rewritten graph need not compute them.
-            options = {"drop_unused_logits": True}
+        # FSDP2's hooks break the graph at every fully_shard unit, so even with --compile loss
+        # the head and the loss are traced in LlamaForCausalLM.forward's own frame, which
+        # returns the logits too: chunkce's default leaves them uncomputed (lazy) there as well.
     if args.compile == "model":
         compiled = torch.compile(module, backend=backend)
-        return (lambda ids: compiled(input_ids=ids, labels=ids).loss), module
+        return (lambda ids: compiled(input_ids=ids, labels=ids)), module
     if args.parallel == "ddp":
         return torch.compile(module, backend=backend), module
     # HF shifts labels inside the model; loss = CE(lm_head(h)[:, :-1].float(), ids[:, 1:])
-    return torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend,
-                         options=options), module
+    return torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend), module
 
 
 def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[torch.Tensor],
@@ -169,7 +169,8 @@ def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[tor
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr)
 
     def step(ids: torch.Tensor) -> float:
-        loss = loss_fn(ids)
+        out = loss_fn(ids)      # held across backward, as a training loop holds it
+        loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         optimizer.step()
         return loss.item()     # syncs the device, so the timing is honest; no tensor escapes
