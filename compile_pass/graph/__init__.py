@@ -11,7 +11,8 @@
     diagnostics.py  what a reason says beyond the site: the op upstream of a stop, DDP / FSDP2 state
     rewrite.py      choose what replaces an accepted site and trace it in (the op, compile_pass.op)
     logits_drop.py  opt-in: returned logits nothing reads are not computed
-    report.py       what was done at each site: records, log, counters, a table
+    no_site.py      a training graph's logits with no cross-entropy site (the win lost, reported)
+    report.py       what was done at each site: records, log (warnings once), counters, a table
 
 Imports the op and :mod:`compile_pass.options`; never the entry points above it.
 """
