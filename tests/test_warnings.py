@@ -164,6 +164,19 @@ def test_a_loss_the_pass_does_not_read_warns(logs):
     assert "(the logits are normalised by `logsumexp`)" in message
 
 
+def test_a_graph_break_between_head_and_loss_warns_for_both_graphs(logs):
+    def broken(m, h, y):
+        logits = m.lm_head(h)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(logits.reshape(-1, WIDE), y.reshape(-1))
+
+    compiled = torch.compile(Head(broken, vocab=WIDE), backend="chunkce", options=OPTIONS)
+    compiled(hidden(), labels(vocab=WIDE)).backward()
+    head, loss = warnings_of(logs)
+    assert "projects to a vocabulary of 2048" in head and "(graph_break)" in head
+    assert "the graph broke between the projection and the loss" in loss and "fix: remove the graph break" in loss
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()

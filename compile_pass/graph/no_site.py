@@ -29,7 +29,8 @@ projection (:func:`compile_pass.graph.forms.as_projection`: a linear / matmul by
 Not flagged, by that rule: graphs without a wide projection (TRL's fused LM head
 computes per-token log-probabilities inside an ``autograd.Function``: no logits in
 the graph), an MLP whose outputs feed other layers, attention scores (a matmul by a
-4-D key tensor is not a projection). A graph break right after the head leaves a
+4-D key tensor is not a projection), a soft-capped head's logits (``tanh`` on the way: the
+pass refuses those by design anyway). A graph break right after the head leaves a
 graph whose logits are returned: flagged, and the loss's own graph is reported as a
 ``graph_break`` refusal beside it (the warning says so).
 """

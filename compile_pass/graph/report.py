@@ -11,7 +11,7 @@ with no site, at WARNING with the reason and the fix, once per process for each
 (source line, reason key): a graph compiled again (a new sequence length, DDP's
 pieces, a restart of Dynamo's analysis) does not repeat it; a repeat is logged at
 DEBUG. A soft-capped head (``soft_cap``) says that it is refused by design.
-:func:`compile_pass.explain` does not publish: it returns the full report, and logs nothing.
+:func:`compile_pass.explain` does not publish: it returns the full report, and logs no site.
 
 Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
 ``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
