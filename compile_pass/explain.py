@@ -41,7 +41,8 @@ def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
     size the op would choose, and the bytes of logits the rewrite avoids. A loss
     whose logits arrive as a graph input (the graph broke between projection and
     loss) is named with its cause and a fix, and the graph-break reasons Dynamo
-    gave are listed under the table.
+    gave are listed under the table, and so is a projection to the vocabulary of a
+    training graph with no site (:mod:`compile_pass.graph.no_site`). Nothing is logged.
 
     Returns:
         A :class:`compile_pass.graph.report.PassReport`; ``str()`` of it is a table.
@@ -68,7 +69,8 @@ def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
     finally:
         _forget(capture)
     breaks = [reason for reason, n in counters["graph_break"].items() if n > breaks_before.get(reason, 0)]
-    return PassReport([record for r in reports for record in r.records], graph_breaks=breaks)
+    return PassReport([record for r in reports for record in r.records], graph_breaks=breaks,
+                      unmatched=[record for r in reports for record in r.unmatched])
 
 
 def _forget(backend: Callable[..., Any]) -> None:

@@ -13,7 +13,8 @@
     lazy_logits.py  the default: returned logits nothing reads are taken out of the graph, computed on read
     lazy_tensor.py  LazyLogits, the tensor handed out in their place (exact, checked against changes)
     logits_drop.py  the returned logits' chain out of the graph; opt-in DroppedLogits (raises on read)
-    report.py       what was done at each site: records, log, counters, a table
+    no_site.py      a training graph's logits with no cross-entropy site (the win lost, reported)
+    report.py       what was done at each site: records, log (warnings once), counters, a table
 
 Imports the op and :mod:`compile_pass.options`; never the entry points above it.
 """

@@ -67,6 +67,8 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
     else:
         records += _fuse_graph(graph, options, in_subgraph=is_subgraph(graph))
     result = report.PassReport(records)
+    if not records and not is_subgraph(graph):  # no site: is the win lost anyway? (graph/no_site.py)
+        result.unmatched = report.unmatched(graph)
     if publish:
         publish_report(result, options.strict)
     return result

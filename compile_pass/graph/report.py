@@ -1,15 +1,24 @@
 """What the pass did at each cross-entropy site: log records, counters, a table.
 
-One :class:`SiteRecord` per site; a :class:`PassReport` per graph. Every report is
-logged through ``logging.getLogger("compile_pass.graph.report")`` (rewritten sites at
-INFO, refused ones at DEBUG, as Inductor's passes do), counted in
-``torch._dynamo.utils.counters["chunkce"]``, and kept: :func:`last_report`.
+One :class:`SiteRecord` per site; a :class:`PassReport` per graph, with an
+:class:`UnmatchedRecord` per projection to the vocabulary of a training graph that has
+no site (:mod:`compile_pass.graph.no_site`). Every report the backend or the pre-grad
+pass publishes is logged through ``logging.getLogger("compile_pass.graph.report")``,
+counted in ``torch._dynamo.utils.counters["chunkce"]``, and kept: :func:`last_report`.
+
+Logged: a rewritten site at INFO. A refused site, and a projection to the vocabulary
+with no site, at WARNING with the reason and the fix, once per process for each
+(source line, reason key): a graph compiled again (a new sequence length, DDP's
+pieces, a restart of Dynamo's analysis) does not repeat it; a repeat is logged at
+DEBUG. A soft-capped head (``soft_cap``) says that it is refused by design.
+:func:`compile_pass.explain` does not publish: it returns the full report, and logs no site.
 
 Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
 ``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
 sites whose logits other users still need), ``logits_lazy`` (returned logits
 computed only when read, the default ``returned_logits="lazy"``), ``logits_dropped``
-(returned logits not computed, ``returned_logits="drop"``) and ``logits_bytes_avoided``.
+(returned logits not computed, ``returned_logits="drop"``), ``logits_bytes_avoided`` and
+``unmatched_projections`` (projections to the vocabulary of training graphs with no site).
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ import re
 from dataclasses import dataclass, field
 
 from torch._dynamo.utils import counters
-from torch.fx import Node
+from torch.fx import Graph, Node
 
+from compile_pass.graph import no_site
 from compile_pass.graph.nodes import example_value, size_hint
 from compile_pass.graph.refusals import Reason, fix_for
 from compile_pass.graph.sites import Site
@@ -84,6 +94,47 @@ def rewritten(site: Site, options: Options, *, note: str = "", logits_bytes_avoi
                       logits_bytes_avoided=logits_bytes_avoided, form=_form(site))
 
 
+SOFT_CAP_BY_DESIGN = ("refused by design: the op has no soft cap, so a soft-capped head's logits stay as stock "
+                      "compile computes them (exact; nothing to fix)")
+NO_SITE_FIX = (
+    "fix: compute the loss inside the compiled region (compile the function that computes the loss too, or pass "
+    "labels= to the model so that it computes it); the pass finds F.cross_entropy, nll_loss(log_softmax(...)) "
+    "and -log_softmax(...).gather(...) only; if the graph breaks before the loss, the loss's graph is reported on "
+    "its own (graph_break); compile_pass.explain(model, ...) lists what the pass sees"
+)
+
+
+@dataclass(frozen=True)
+class UnmatchedRecord:
+    """A projection to the vocabulary in a training graph with no cross-entropy site
+    (:mod:`compile_pass.graph.no_site`): its logits, and their gradient, are computed in full."""
+
+    source: str  # of the projection: "modeling_llama.py:512 in forward: logits = self.lm_head(...)"
+    module: str  # "lm_head"; "" when unknown
+    vocab: int  # V, the projection's last dim
+    use: str  # what reads the logits: "returned by the graph", "normalised by `log_softmax`"
+    fix: str = NO_SITE_FIX
+
+    def __str__(self) -> str:
+        module = f" (module {self.module})" if self.module else ""
+        return (f"{self.source}{module} projects to a vocabulary of {self.vocab} in a training graph with no "
+                f"cross-entropy loss (the logits are {self.use}): its [N, {self.vocab}] logits and their gradient "
+                "are computed in full")
+
+
+def unmatched(graph: Graph) -> list[UnmatchedRecord]:
+    """The records of ``graph``'s projections to the vocabulary (:func:`compile_pass.graph.no_site.
+    unmatched_projections`; the caller checks that the graph has no site and is a top-level graph).
+    Never raises: a graph it cannot read gives ``[]`` (logged at DEBUG)."""
+    try:
+        return [UnmatchedRecord(source_of(found.projection.node), module_of(found.projection.node), found.vocab,
+                                found.use)
+                for found in no_site.unmatched_projections(graph)]
+    except Exception:  # noqa: BLE001 - a diagnostic never fails the compile
+        log.debug("chunkce: could not look for logits without a loss", exc_info=True)
+        return []
+
+
 def _form(site: Site) -> str:
     return site.call.form if site.call is not None else ""
 
@@ -94,6 +145,7 @@ class PassReport:
 
     records: list[SiteRecord] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)  # reasons Dynamo gave, when explain saw any
+    unmatched: list[UnmatchedRecord] = field(default_factory=list)  # logits of a graph with no site
 
     @property
     def rewritten(self) -> list[SiteRecord]:
@@ -116,6 +168,8 @@ class PassReport:
             lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
             if record.fix:
                 lines.append(" " * (widths[0] + 2) + record.fix)
+        for record in self.unmatched:
+            lines += [f"no cross-entropy site: {record}", "  " + record.fix]
         for reason in self.graph_breaks:
             lines.append(f"graph break: {reason}")
         return "\n".join(lines)
@@ -166,10 +220,12 @@ def module_of(node: Node | None) -> str:
 
 
 _last: PassReport | None = None
+_warned: set[tuple[str, str]] = set()  # (source, reason key) of every warning this process logged
 
 
 def publish(report: PassReport) -> None:
-    """Log each record, count it, and keep the report for :func:`last_report` if it has any."""
+    """Log each record (the module docstring says at which level), count it, and keep the
+    report for :func:`last_report` if it has any site."""
     global _last
     if report.records:
         _last = report
@@ -188,8 +244,22 @@ def publish(report: PassReport) -> None:
         else:
             stats["sites_refused"] += 1
             stats[f"refused_{record.reason_key}"] += 1
-            level = logging.WARNING if record.reason_key == "internal_error" else logging.DEBUG
-            log.log(level, "chunkce: left %s unfused: %s", record.source, record.reason)
+            module = f" (module {record.module})" if record.module else ""
+            advice = SOFT_CAP_BY_DESIGN if record.reason_key == "soft_cap" else record.fix
+            log.log(_once(record.source, record.reason_key), "chunkce: left %s unfused%s: %s; %s",
+                    record.source, module, record.reason, advice)
+    for unmatched_record in report.unmatched:
+        stats["unmatched_projections"] += 1
+        log.log(_once(unmatched_record.source, "unmatched"), "chunkce: %s; %s", unmatched_record,
+                unmatched_record.fix)
+
+
+def _once(source: str, reason_key: str) -> int:
+    """WARNING the first time this process reports ``(source, reason_key)``, DEBUG after."""
+    if (source, reason_key) in _warned:
+        return logging.DEBUG
+    _warned.add((source, reason_key))
+    return logging.WARNING
 
 
 def last_report() -> PassReport | None:
