@@ -79,7 +79,8 @@ def test_gradient_accumulation_with_num_items_in_batch_and_a_micro_steps_logits_
         outputs.append(compiled(input_ids=ids, labels=labels, num_items_in_batch=num_items_in_batch))
         expected.append(stock(input_ids=ids, labels=labels, num_items_in_batch=num_items_in_batch))
         if len(outputs) == 2:
-            first = outputs[0].logits.detach() * 1.0  # read now: after micro-step 2's forward, before its backward
+            assert not outputs[0].logits.is_computed  # its first read, after micro-step 2's forward:
+            first = outputs[0].logits.detach() * 1.0
         outputs[-1].loss.backward()
         expected[-1].loss.backward()
     assert all(isinstance(out.logits, LazyLogits) and out.logits.requires_grad for out in outputs)
