@@ -96,8 +96,9 @@ def test_gradient_accumulation_with_num_items_in_batch_and_a_micro_steps_logits_
 
 @pytest.mark.parametrize("where", ["hf", "around_the_compiled_call"])
 def test_activation_checkpointing_with_fullgraph(where):
-    """``fullgraph=True`` with HF's activation checkpointing (decoder layers in checkpoint regions,
-    ``use_cache`` off as HF sets it for training), or ``torch.utils.checkpoint`` (non-reentrant)
+    """``fullgraph=True`` with HF's activation checkpointing (decoder layers in checkpoint regions;
+    ``use_cache=False`` in the config: with it on, HF's ``logger.warning_once`` that it turns it off
+    is a graph break for the stock compile, which ``fullgraph`` refuses; chunkce skips it), or ``torch.utils.checkpoint`` (non-reentrant)
     around the whole compiled call: the logits are lazy; a loss read from them outside the graph
     (z-loss) and the model's loss backpropagate to stock's gradients."""
     model = build(use_cache=False)
