@@ -54,6 +54,12 @@ def labels_of(*shape, vocab=V, seed=0):
     return torch.randint(0, vocab, shape or (B, T), generator=torch.Generator().manual_seed(seed + 1))
 
 
+def z_loss(logits):
+    """PaLM's z-loss on the fp32 logits (``1e-2 * mean(logsumexp ** 2)``): a loss that reads every
+    logit, as a training loop adds it outside the compiled region."""
+    return 1e-2 * logits.float().logsumexp(-1).pow(2).mean()
+
+
 def op_node(gm):
     """The one ``chunkce::linear_cross_entropy`` node of a rewritten graph (fails unless exactly one)."""
     (node,) = [n for n in gm.graph.nodes if n.target is OP]

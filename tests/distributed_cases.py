@@ -98,11 +98,14 @@ class ToyLM(nn.Module):
         aux_size: if set, an auxiliary linear head of that width runs between the lm_head and the
             loss, and its outputs' sum, normalised as the loss is, is added to the loss (a parameter
             user between projection and loss).
+        returns_logits: return ``(loss, logits)``, as an HF causal LM returns ``outputs.logits`` beside
+            ``outputs.loss`` (not with ``head_with_loss`` nor ``aux_size``).
     """
 
     def __init__(self, vocab_size: int = VOCAB_SIZE, hidden_size: int = HIDDEN_SIZE, num_blocks: int = 2,
-                 tied: bool = False, head_with_loss: bool = False, aux_size: int = 0):
+                 tied: bool = False, head_with_loss: bool = False, aux_size: int = 0, returns_logits: bool = False):
         super().__init__()
+        self.returns_logits = returns_logits
         self.model = Body(vocab_size, hidden_size, num_blocks)
         if head_with_loss:
             self.head = HeadWithLoss(vocab_size, hidden_size)
@@ -124,6 +127,8 @@ class ToyLM(nn.Module):
         logits = self.lm_head(hidden_states)  # [B, T, V]
         aux = self.aux_head(hidden_states).sum() if self.aux_head is not None else None
         loss = token_loss_sum(logits, labels) / num_items_in_batch
+        if self.returns_logits:
+            return loss, logits
         return loss if aux is None else loss + aux / num_items_in_batch
 
 
@@ -272,8 +277,9 @@ def case_ddp_aux_between(rank: int) -> dict[str, Any]:
 
 
 def case_ddp_llama(rank: int) -> dict[str, Any]:
-    """A tiny transformers LlamaForCausalLM under DDP, as HF's Trainer calls it (labels, num_items_in_batch);
-    the returned logits nothing reads are not computed (``drop_unused_logits``)."""
+    """A tiny transformers LlamaForCausalLM under DDP, as HF's Trainer calls it (labels, num_items_in_batch),
+    compiled with no options: the returned logits are not computed in the step (lazy, the default); read after
+    backward, they are this rank's rows of the single-process reference's logits."""
     import transformers
     from torch.nn.parallel import DistributedDataParallel
 
@@ -285,17 +291,22 @@ def case_ddp_llama(rank: int) -> dict[str, Any]:
     model = transformers.LlamaForCausalLM(config).train()
     reference = copy.deepcopy(model)
     recorder = GraphRecorder(vocab_size)
-    compiled = compile_chunkce(DistributedDataParallel(model), recorder, drop_unused_logits=True)
+    compiled = compile_chunkce(DistributedDataParallel(model), recorder)
     input_ids, labels = make_batch(rank, vocab_size=vocab_size)
     num_items_in_batch = global_num_items(labels[:, 1:])  # HF shifts labels inside the loss
-    loss = compiled(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch).loss * WORLD_SIZE
+    outputs = compiled(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch)
+    logits_type = type(outputs.logits).__name__
+    loss = outputs.loss * WORLD_SIZE
     loss.backward()
     ref_input_ids, ref_labels = global_batch(vocab_size=vocab_size)
-    expected = reference(input_ids=ref_input_ids, labels=ref_labels).loss  # HF's mean over valid tokens
-    expected.backward()
-    return {"pairs": {"loss": (distributed_loss(loss), expected.detach())}
+    expected = reference(input_ids=ref_input_ids, labels=ref_labels)  # HF's mean over valid tokens
+    expected.loss.backward()
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)  # this rank's batch in the global one
+    logits = outputs.logits.detach() * 1.0  # an op that reads values: computed now, after backward
+    return {"pairs": {"loss": (distributed_loss(loss), expected.loss.detach()),
+                      "logits": (logits, expected.logits[rows].detach())}
             | grad_pairs(model, reference, rank),
-            **pass_outcome(recorder)}
+            "logits_type": logits_type, **pass_outcome(recorder)}
 
 
 def case_ddp_dynamic(rank: int, mark_dynamic: bool = False, dynamic: bool | None = None) -> dict[str, Any]:
@@ -381,6 +392,67 @@ def case_fsdp(rank: int, layout: str, tied: bool = False, bf16: bool = False,
     return result
 
 
+def case_fsdp_root_lazy_logits(rank: int) -> dict[str, Any]:
+    """FSDP2 per-block sharding, the lm_head in the root group, a model returning ``(loss, logits)`` as HF's
+    do, compiled with no options: the returned logits are lazy, over the root's unsharded lm_head weight.
+    Three steps of SGD, against the single-process reference stepped alike:
+
+    * step 1: the logits read before backward are this rank's rows of the reference's;
+    * step 2: read after backward, which reshards the root group (frees the unsharded weight's storage):
+      ``StaleLogitsError``, whose text is kept in ``errors``;
+    * step 3: after ``optimizer.step()`` and step 3's forward, which all-gathers the updated weight into the
+      unsharded parameter again (its version counter preserved), step 2's logits still raise; step 3's own,
+      read before backward, are the reference's after two steps.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compile_pass.graph.lazy_tensor import LazyLogits, StaleLogitsError
+
+    def read(logits: torch.Tensor) -> torch.Tensor | str:
+        """The values (an op that reads them), or the text of the StaleLogitsError raised."""
+        try:
+            return logits.detach() * 1.0
+        except StaleLogitsError as exc:
+            return str(exc)
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    torch.manual_seed(0)
+    model = ToyLM(returns_logits=True)
+    reference = copy.deepcopy(model)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # the root group: embedding, norm, lm_head
+    recorder = GraphRecorder()
+    compiled = compile_chunkce(model, recorder)  # no options
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)  # this rank's batch in the global one
+    pairs, errors, types, kept = {}, {}, set(), None
+    for step in (1, 2, 3):
+        input_ids, labels = make_batch(rank, step=step)
+        loss, logits = compiled(input_ids, labels, global_num_items(labels))
+        types.add(type(logits).__name__)
+        ref_input_ids, ref_labels = global_batch(step=step)
+        ref_loss, ref_logits = reference(ref_input_ids, ref_labels, (ref_labels != IGNORE_INDEX).sum())
+        if step == 3:
+            errors["step 2's logits after optimizer.step() and step 3's forward"] = read(kept)
+        if step != 2:
+            pairs[f"step {step} logits read before backward"] = (read(logits), ref_logits[rows].detach())
+        (loss * WORLD_SIZE).backward()
+        ref_loss.backward()
+        pairs[f"step {step} loss"] = (distributed_loss(loss * WORLD_SIZE), ref_loss.detach())
+        pairs |= {f"step {step} {name}": pair for name, pair in grad_pairs(model, reference, rank).items()}
+        if step == 2:
+            errors["step 2's logits after backward"] = read(logits)
+            kept = logits
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    lazy = types == {LazyLogits.__name__}
+    return {"pairs": pairs, "errors": errors, "logits_types": sorted(types), "lazy": lazy, **pass_outcome(recorder)}
+
+
 def case_tensor_parallel(rank: int) -> dict[str, Any]:
     """A vocabulary-parallel head (``ColwiseParallel``, logits gathered): refused; exact against eager TP."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -426,6 +498,7 @@ CASES: dict[str, Callable[[int], dict[str, Any]]] = {
     "fsdp_own": lambda rank: case_fsdp(rank, "own"),
     "fsdp_own_keep_unsharded": lambda rank: case_fsdp(rank, "own", reshard_after_forward=False),
     "fsdp_head_with_loss": lambda rank: case_fsdp(rank, "head_with_loss"),
+    "fsdp_root_lazy_logits": case_fsdp_root_lazy_logits,
     "tensor_parallel": case_tensor_parallel,
 }
 

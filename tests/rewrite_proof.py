@@ -23,6 +23,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from torch.fx import GraphModule
 
+from compile_pass.graph.lazy_logits import Deferred
+from compile_pass.graph.logits_drop import DROPPED
 from compile_pass.graph.nodes import size_hint
 
 
@@ -85,6 +87,36 @@ class Recorder:
             for tokens, vocab in sites:
                 assert tokens, "an op node without fake values on its hidden states and weight"
                 assert self.logits_like(tokens, vocab) == [], f"[{tokens}, {vocab}] logits beside the op node"
+
+
+class GraphCopies:
+    """An inner backend: keeps a deep copy of each graph it is given (its nodes' meta too: fake values,
+    the stand-in's ``DROPPED`` mark) and whether grad was on, then compiles it with ``inner``."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.inner = inner
+        self.graphs: list[tuple[bool, torch.fx.Graph]] = []
+
+    def __call__(self, gm: GraphModule, example_inputs):
+        self.graphs.append((torch.is_grad_enabled(), copy.deepcopy(gm.graph)))
+        return lookup_backend(self.inner)(gm, example_inputs)
+
+    def training(self) -> list[torch.fx.Graph]:
+        """The graphs compiled under grad mode."""
+        return [graph for grad, graph in self.graphs if grad]
+
+
+def assert_logits_lazy(graph: torch.fx.Graph, vocab: int) -> None:
+    """One op node, and the only node (not an input) holding ``[..., vocab]`` values (the logits or
+    a view of them) is the lazy stand-in (``meta[DROPPED]`` a :class:`Deferred`), read by the output alone."""
+    assert [n.target for n in graph.nodes if n.target is OP] == [OP]
+    vocab_shaped = [n for n in graph.nodes if n.op != "placeholder"
+                    and isinstance(value := n.meta.get("example_value"), torch.Tensor)
+                    and value.dim() >= 2 and size_hint(value.shape[-1]) == vocab]
+    assert len(vocab_shaped) == 1, [n.format_node() for n in vocab_shaped]
+    (stand_in,) = vocab_shaped
+    assert isinstance(stand_in.meta.get(DROPPED), Deferred), stand_in.format_node()
+    assert [user.op for user in stand_in.users] == ["output"]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -144,10 +144,12 @@ def test_ddp_split_between_head_and_loss_is_refused_with_the_fix(spawned):
 
 
 def test_ddp_llama_with_num_items_in_batch_matches_single_process(spawned):
+    """No options: HF's outputs.logits are lazy (not in the graph); read after backward, they are exact."""
     for rank, result in enumerate(spawned.case("ddp_llama")):
-        assert_pairs(result, rank)
+        assert_pairs(result, rank)  # the loss, the logits and every gradient
         assert_rewritten(result, rank)
-        assert result["counters"].get("logits_dropped") == 1, result["counters"]  # HF's outputs.logits
+        assert result["logits_type"] == "LazyLogits"
+        assert result["counters"].get("logits_lazy") == 1, result["counters"]
 
 
 def test_ddp_new_sequence_lengths_recompile_once_by_default(spawned):
@@ -211,6 +213,24 @@ def test_fsdp_head_with_loss_in_its_own_group_is_rewritten(spawned):
     for rank, result in enumerate(spawned.case("fsdp_head_with_loss")):
         assert_pairs(result, rank)
         assert_rewritten(result, rank)
+
+
+def test_fsdp_root_group_lazy_logits_are_exact_before_backward_and_raise_after(spawned):
+    """No options, the head in the root group, the model returning (loss, logits): the logits are lazy.
+    Read before backward they are stock's (also after two optimizer steps); read after backward (the
+    root group resharded) or after the next ``optimizer.step()`` and forward, ``StaleLogitsError``,
+    never values. Every step's loss and gradients are the reference's."""
+    for rank, result in enumerate(spawned.case("fsdp_root_lazy_logits")):
+        assert result["lazy"], result["logits_types"]
+        assert_pairs(result, rank)
+        assert {"step 1 logits read before backward", "step 3 logits read before backward"} <= set(result["pairs"])
+        assert_rewritten(result, rank)
+        assert result["counters"].get("logits_lazy") == 1, result["counters"]
+        assert list(result["errors"]) == ["step 2's logits after backward",
+                                          "step 2's logits after optimizer.step() and step 3's forward"]
+        for when, error in result["errors"].items():
+            assert isinstance(error, str) and error.startswith("chunkce: cannot read these logits"), (when, error)
+            assert "lm_head weight" in error and "returned_logits': 'keep'" in error, (when, error)
 
 
 # --- tensor parallel ---------------------------------------------------------------------------

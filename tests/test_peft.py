@@ -21,12 +21,13 @@ import peft  # in the test extra: pip install -e ".[test]"
 import pytest
 import torch
 import transformers
-from conftest import train_step
-from rewrite_proof import Recorder, compare_with_stock
+from conftest import train_step, z_loss
+from rewrite_proof import GraphCopies, Recorder, assert_logits_lazy, compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
+from compile_pass.graph.lazy_tensor import LazyLogits
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
@@ -147,3 +148,33 @@ def _seeded_compare(model, inner, **tolerances) -> Recorder:
         torch.testing.assert_close(grads[name], ref_grads[name], **tolerances, msg=lambda m, name=name: f"{name}: {m}")
     assert_gradients_live(model, trainable(model))
     return recorder
+
+
+def test_lora_on_the_body_with_no_options_returns_lazy_logits_and_is_exact():
+    """No options: the PEFT model (LoRA on attention and MLP, the head frozen) called as a training
+    step returns ``outputs.logits`` lazy (not in the graph: only the op reads the head). A loss built
+    from them outside the graph (a z-loss: autograd into the LoRA body through the step's hidden
+    states, none into the frozen head) and the model's loss give stock's gradients; the logits, read
+    after backward, are stock's."""
+    model = lora_model(ATTENTION_MLP).model  # the PeftModel itself: it returns loss and logits
+    reference = copy.deepcopy(model)
+    graphs = GraphCopies()
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": graphs})
+    stock = torch.compile(reference, backend="aot_eager")
+    ids, labels = batch()
+    out, expected = compiled(input_ids=ids, labels=labels), stock(input_ids=ids, labels=labels)
+    assert isinstance(out.logits, LazyLogits) and out.logits.requires_grad
+    (out.loss + z_loss(out.logits)).backward()
+    (expected.loss + z_loss(expected.logits)).backward()
+    torch.testing.assert_close(out.loss, expected.loss)
+    torch.testing.assert_close(out.logits.detach() * 1.0, expected.logits.detach())
+    names = trainable(model)
+    assert names and not any("lm_head" in name for name in names)
+    params, ref_params = dict(model.named_parameters()), dict(reference.named_parameters())
+    for name in names:
+        torch.testing.assert_close(params[name].grad, ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+    assert_gradients_live(model, names)
+    assert model.base_model.model.lm_head.weight.grad is None
+    (graph,) = graphs.training()
+    assert_logits_lazy(graph, V)
+    assert counters["chunkce"]["logits_lazy"] == 1

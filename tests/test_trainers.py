@@ -1,11 +1,14 @@
 """Hugging Face's Trainer and TRL's SFTTrainer with a model compiled by chunkce (docs/trainers.md).
 
-The Trainer route: ``model.compile(backend="chunkce", options={"drop_unused_logits": True})``
-before ``Trainer(model=model, ...)``. A training step never computes the logits (the op
-node is in the training graph, the projection is not), the per-step losses and the
-trained parameters equal the same Trainer run compiled with stock Inductor, and the
-evaluation loop (no grad) gets real logits, equal to the trained model's eager forward.
-Under accelerate's mixed precision the returned logits are a cast of the projection: dropped too.
+The Trainer route: ``model.compile(backend="chunkce")``, no options, before
+``Trainer(model=model, ...)``. A training step never computes the logits (the op node is
+in the training graph, the projection is not; the Trainer gets ``LazyLogits`` and never
+reads them), the per-step losses and the trained parameters equal the same Trainer run
+compiled with stock Inductor, and the evaluation loop (no grad) gets real logits, equal
+to the trained model's eager forward, with ``prediction_loss_only`` False and True.
+Under accelerate's mixed precision the returned logits are a cast of the projection: lazy
+too, and exact when read. ``returned_logits="drop"`` (``drop_unused_logits=True``) still
+drops them: ``test_returned_cast_of_the_logits_is_dropped_or_lazy_unless_the_graph_reads_it``.
 
 TRL 1.16's SFTTrainer trains through its own fused LM head (``fused_lm_head=True``):
 there is no ``cross_entropy`` in its graphs for chunkce to rewrite; chunkce changes
@@ -22,6 +25,7 @@ import pytest
 import torch
 from conftest import OP
 from datasets import Dataset
+from rewrite_proof import assert_logits_lazy
 from torch._dynamo.utils import counters
 from transformers import (
     EvalPrediction,
@@ -33,6 +37,7 @@ from transformers import (
 )
 
 import compile_pass
+from compile_pass.graph.lazy_tensor import LazyLogits
 from compile_pass.graph.logits_drop import DroppedLogits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -86,28 +91,33 @@ def recording(graphs, backend):
 
 
 def head_readers(graph):
-    """The targets of the nodes that read the lm_head weight (a placeholder of the Dynamo graph),
-    through the ``.to(dtype)`` that autocast puts on it."""
+    """The targets of the nodes that compute with the lm_head weight (a placeholder of the Dynamo graph),
+    through the ``.to(dtype)`` that autocast puts on it; not the graph output, which returns the
+    weight for the lazy logits."""
     (weight,) = [n for n in graph.find_nodes(op="placeholder") if "lm_head" in n.name]
     readers, todo = [], list(weight.users)
     while todo:
         node = todo.pop()
         if node.target == "to":
             todo += node.users
-        else:
+        elif node.op != "output":
             readers.append(node.target)
     return readers
 
 
 class RecordingTrainer(Trainer):
-    """The stock Trainer; each training micro-batch's loss, ``num_items_in_batch`` and returned logits are kept."""
+    """The stock Trainer; each training micro-batch's loss, ``num_items_in_batch`` and returned logits are
+    kept (the logits object itself, to tell afterwards whether anything read it), and the type of the
+    evaluation loop's logits."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if model.training:
             self.micro_batches.append({"loss": loss.detach().clone(), "num_items_in_batch": num_items_in_batch,
                                        "valid_labels": int((inputs["labels"][:, 1:] != -100).sum()),
-                                       "logits_type": type(outputs.logits)})
+                                       "logits": outputs.logits})
+        else:
+            self.evaluation_logits_types.add(type(outputs.logits))
         return (loss, outputs) if return_outputs else loss
 
 
@@ -126,7 +136,7 @@ def run_trainer(model, train, evaluation, tmp_path):
                              per_device_eval_batch_size=4, gradient_accumulation_steps=ACCUMULATION,
                              max_steps=STEPS, learning_rate=1e-3, logging_steps=1, seed=0)
     trainer = RecordingTrainer(model=model, args=args, train_dataset=train, compute_metrics=accuracy)
-    trainer.micro_batches = []
+    trainer.micro_batches, trainer.evaluation_logits_types = [], set()
     trainer.train()
     return trainer, (trainer.predict(evaluation) if evaluation is not None else None)
 
@@ -144,16 +154,16 @@ def eager_prediction(model, evaluation, batch_size=4):
     return logits, torch.stack([o.loss for o in outputs]).mean().item(), metrics["accuracy"]
 
 
-def test_trainer_with_dropped_logits_matches_inductor_and_evaluates_real_logits(text, tmp_path):
+def test_trainer_with_no_options_matches_inductor_never_computes_training_logits_and_evaluates_real_ones(
+        text, tmp_path):
     tokenizer, ids = text
     train, evaluation = padded_rows(ids, STEPS * ACCUMULATION * MICRO_BATCH, seed=0), padded_rows(ids, 8, seed=1)
     model = tiny_llama(tokenizer.get_vocab_size())
     reference = copy.deepcopy(model)
     graphs = []
-    # chunkce's inner backend is aot_eager here (the Inductor inner backend on Llama: tests/test_models.py);
-    # the reference is the stock Inductor compile
-    model.compile(backend="chunkce",
-                  options={"drop_unused_logits": True, "inner_backend": recording(graphs, "aot_eager")})
+    # no chunkce option but the inner backend: aot_eager, recorded (the Inductor inner backend on Llama:
+    # tests/test_models.py); the reference is the stock Inductor compile
+    model.compile(backend="chunkce", options={"inner_backend": recording(graphs, "aot_eager")})
     reference.compile(backend="inductor")
 
     trainer, prediction = run_trainer(model, train, evaluation, tmp_path / "chunkce")
@@ -174,11 +184,13 @@ def test_trainer_with_dropped_logits_matches_inductor_and_evaluates_real_logits(
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
-    # the training step never computed the logits; the Trainer never read them
-    assert {m["logits_type"] for m in trainer.micro_batches} == {DroppedLogits}
-    assert {m["logits_type"] for m in ref_trainer.micro_batches} == {torch.Tensor}
+    # the training step never computed the logits (lazy); the Trainer never read them
+    assert {type(m["logits"]) for m in trainer.micro_batches} == {LazyLogits}
+    assert not any(m["logits"].is_computed for m in trainer.micro_batches)
+    assert {type(m["logits"]) for m in ref_trainer.micro_batches} == {torch.Tensor}
     training = [g for grad, g in graphs if grad]
     assert len(training) == 1 and head_readers(training[0]) == [OP]  # the op reads the head; no projection
+    assert_logits_lazy(training[0], tokenizer.get_vocab_size())  # no [.., V] node but the lazy stand-in
 
     # evaluation (no grad): its own graph, rewritten with the logits kept; they equal the eager
     # forward's, and so do the loss and the metric the prediction loop builds from them
@@ -186,18 +198,27 @@ def test_trainer_with_dropped_logits_matches_inductor_and_evaluates_real_logits(
     assert len(evaluation_graphs) == 1 and sorted(map(str, head_readers(evaluation_graphs[0]))) == sorted(
         map(str, [OP, torch._C._nn.linear]))
     stats = counters["chunkce"]
-    assert (stats["sites_rewritten"], stats["logits_dropped"], stats["logits_kept"]) == (2, 1, 1)
+    assert (stats["sites_rewritten"], stats["logits_lazy"], stats["logits_kept"]) == (2, 1, 1)
+    assert trainer.evaluation_logits_types == {torch.Tensor}
     logits, loss, expected_accuracy = eager_prediction(model, evaluation)
     assert prediction.predictions.shape == (8, SEQ_LEN, tokenizer.get_vocab_size())
     torch.testing.assert_close(torch.from_numpy(prediction.predictions), logits, rtol=1e-4, atol=1e-4)
     assert prediction.metrics["test_loss"] == pytest.approx(loss, rel=1e-5)
     assert prediction.metrics["test_accuracy"] == expected_accuracy
 
+    # prediction_loss_only: the loop keeps the loss alone (no logits gathered, no metric), same graph
+    trainer.args.prediction_loss_only = True
+    metrics = trainer.evaluate(evaluation)
+    assert metrics["eval_loss"] == pytest.approx(loss, rel=1e-5) and "eval_accuracy" not in metrics
+    assert len(graphs) == 2  # no recompile
 
-def test_under_accelerate_mixed_precision_the_casted_logits_are_dropped_too(text):
+
+def test_under_accelerate_mixed_precision_the_casted_logits_are_lazy_too(text):
     """accelerate's bf16 mixed precision wraps the forward in autocast and ``convert_outputs_to_fp32``,
     as ``Accelerator.prepare_model`` does; Dynamo traces both into the graph, so the returned logits
-    are the projection's ``.float()``: that cast is not computed either."""
+    are the projection's ``.float()``: that cast is not computed in the step either (no options),
+    and the logits read afterwards (the bf16 projection under the step's autocast, then the cast)
+    are the eager model's."""
     from types import MethodType
 
     from accelerate.utils import convert_outputs_to_fp32
@@ -213,17 +234,19 @@ def test_under_accelerate_mixed_precision_the_casted_logits_are_dropped_too(text
         autocast = torch.autocast("cpu", dtype=torch.bfloat16)
         module.forward = MethodType(autocast(type(module).forward), module)  # accelerate's prepare_model
         module.forward = MethodType(convert_outputs_to_fp32(module.forward.__func__), module)
-        chunkce = {"drop_unused_logits": True, "inner_backend": recording(graphs, "eager")}
+        chunkce = {"inner_backend": recording(graphs, "eager")}
         options = chunkce if backend == "chunkce" else None
         module.compile(backend=backend, options=options)
         outputs = module(input_ids=input_ids, labels=labels)
         outputs.loss.backward()
         results.append(outputs)
     (outputs, expected) = results
-    assert isinstance(outputs.logits, DroppedLogits) and outputs.logits.dtype == expected.logits.dtype == torch.float32
-    assert counters["chunkce"]["logits_dropped"] == 1 and counters["chunkce"]["logits_kept"] == 0
+    assert isinstance(outputs.logits, LazyLogits) and outputs.logits.dtype == expected.logits.dtype == torch.float32
+    assert counters["chunkce"]["logits_lazy"] == 1 and counters["chunkce"]["logits_kept"] == 0
     assert head_readers(graphs[0][1]) == [OP]
+    assert_logits_lazy(graphs[0][1], tokenizer.get_vocab_size())
     torch.testing.assert_close(outputs.loss, expected.loss, atol=1e-2, rtol=1.6e-2)
+    torch.testing.assert_close(outputs.logits.detach() * 1.0, expected.logits.detach(), atol=1e-2, rtol=1.6e-2)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-2, rtol=1.6e-2, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -246,21 +269,30 @@ class ReturnsCastLogits(torch.nn.Module):
 
 
 @pytest.mark.parametrize("read_in_graph", [False, True])
-def test_returned_cast_of_the_logits_is_dropped_unless_the_graph_reads_it(read_in_graph):
+@pytest.mark.parametrize("options", [{"drop_unused_logits": True}, {"returned_logits": "drop"}, {}],
+                         ids=["drop_unused_logits", "returned_logits_drop", "no_options"])
+def test_returned_cast_of_the_logits_is_dropped_or_lazy_unless_the_graph_reads_it(options, read_in_graph):
+    """The drop option (either spelling) drops a returned cast of the logits; no options leaves it lazy,
+    exact when read; a cast the graph also reads is kept."""
     hidden_states, labels = torch.randn(2, 5, 16, requires_grad=True), torch.randint(0, 37, (2, 5))
     expected = ReturnsCastLogits(read_in_graph)(hidden_states, labels)
     compiled = torch.compile(ReturnsCastLogits(read_in_graph), backend="chunkce",
-                             options={"drop_unused_logits": True, "inner_backend": "aot_eager"})
+                             options={**options, "inner_backend": "aot_eager"})
     outputs = compiled(hidden_states, labels)
     torch.testing.assert_close(outputs[0], expected[0])
     if read_in_graph:  # the cast has another reader: kept, and right
         assert type(outputs[1]) is torch.Tensor and counters["chunkce"]["logits_kept"] == 1
         torch.testing.assert_close(outputs[1], expected[1])
         torch.testing.assert_close(outputs[2], expected[2])
-    else:
+        return
+    assert compile_pass.last_report().records[0].logits_bytes_avoided >= 2 * 5 * 37 * (4 + 8)
+    if options:
         assert isinstance(outputs[1], DroppedLogits) and outputs[1].dtype == torch.float64
         assert counters["chunkce"]["logits_dropped"] == 1
-        assert compile_pass.last_report().records[0].logits_bytes_avoided >= 2 * 5 * 37 * (4 + 8)
+    else:
+        assert isinstance(outputs[1], LazyLogits) and outputs[1].dtype == torch.float64
+        assert counters["chunkce"]["logits_lazy"] == 1
+        torch.testing.assert_close(outputs[1].detach() * 1.0, expected[1].detach())
 
 
 # ---- TRL ---------------------------------------------------------------------------------------------------
@@ -303,7 +335,7 @@ def test_sft_trainer_trains_through_trls_fused_head_with_nothing_for_chunkce_to_
                        eos_token_id=hf_tokenizer.eos_token_id)
     reference = copy.deepcopy(model)
     graphs = []
-    model.compile(backend="chunkce", options={"drop_unused_logits": True, "inner_backend": recording(graphs, "eager")})
+    model.compile(backend="chunkce", options={"inner_backend": recording(graphs, "eager")})
     trainer, metrics = run_sft(model, hf_tokenizer, train, evaluation, tmp_path / "chunkce")
     ref_trainer, ref_metrics = run_sft(reference, hf_tokenizer, train, evaluation, tmp_path / "eager")
 
@@ -325,7 +357,8 @@ def test_sft_trainer_trains_through_trls_fused_head_with_nothing_for_chunkce_to_
 
 def test_example_runs_offline_and_its_runs_agree(tmp_path):
     """examples/train_hf_trainer.py with tiny flags: both chunkce runs (the Inductor one is the
-    first test's reference), losses within --tol (exit 0), the dropped run's peak the lower."""
+    first test's reference), losses within --tol (exit 0), the no-options (lazy logits) run's peak
+    the lower."""
     example = Path(__file__).resolve().parents[1] / "examples" / "train_hf_trainer.py"
     tiny = ["--runs", "chunkce", "chunkce-keep-logits", "--steps", "2", "--accumulation", "2",
             "--batch-size", "2", "--seq-len", "32", "--eval-rows", "4", "--max-bytes", "200000",
@@ -340,7 +373,7 @@ def test_example_runs_offline_and_its_runs_agree(tmp_path):
     assert rows.keys() == {"chunkce", "chunkce-keep-logits"}
     peak = {name: float(row[2]) for name, row in rows.items()}  # MiB, measured by the script
     assert peak["chunkce"] < peak["chunkce-keep-logits"]
-    assert "'logits_dropped': 1" in proc.stdout
+    assert "'logits_lazy': 1" in proc.stdout
 
 
 def test_torch_compile_backend_chunkce_is_accepted_by_the_arguments_and_rejected_by_the_trainer(tmp_path):
