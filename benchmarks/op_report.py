@@ -22,8 +22,12 @@ def _value(rows: list[dict], impl: str, metric: str, runs: tuple[str, ...], mode
     return None
 
 
-def op_table(rows: list[dict], compiled: str = "unfused-compiled", floor: str = "floor-recompute") -> str:
-    """One case's providers, ``full`` mode, as markdown: time, memory, errors, ratios (the docs' op table)."""
+def op_table(rows: list[dict], compiled: str = "unfused-compiled", floor: str | None = None) -> str:
+    """One case's providers, ``full`` mode, as markdown: time, memory, errors, ratios (the docs' op table).
+    ``floor``: the x floor column's reference; None = ``floor-four`` (the four matmuls on the
+    whole shape) where it ran, else ``floor-recompute``."""
+    if floor is None:
+        floor = "floor-four" if any(r["impl"] == "floor-four" for r in rows) else "floor-recompute"
     t_base, t_floor = _value(rows, compiled, "time", ("speed",)), _value(rows, floor, "time", ("speed",))
     w_base = _value(rows, compiled, "beyond_grads", ("memory",))
     body = []
@@ -71,7 +75,7 @@ def report(rows: list[dict], baseline: str = "unfused-compiled") -> None:
     for key in dict.fromkeys((r["shape"], r["tokens"], r["chunk_size"]) for r in rows):
         case_rows = [r for r in rows if (r["shape"], r["tokens"], r["chunk_size"]) == key]
         print(f"\nfull forward + backward, {key[0]} N={key[1]} chunk={key[2]} "
-              f"(x compiled: vs unfused-compiled; x floor: vs floor-recompute)\n")
+              f"(x compiled: vs unfused-compiled; x floor: vs floor-four, else floor-recompute)\n")
         print(op_table(case_rows))
     failed = [(r["impl"], r["run"], r["note"]) for r in rows if r["metric"] == "failed"]
     for impl, run, note in dict.fromkeys(failed):
