@@ -32,6 +32,7 @@ SHAPES = {
     "gemma-2b-like": Shape(2048, 256000),
     "h2048-v128k": Shape(2048, 128256),
     "h1024-v32k": Shape(1024, 32768),
+    "h1024-v262k": Shape(1024, 262144),  # Gemma 3's vocabulary
     "h256-v128k": Shape(256, 128256),
     "h128-v128k": Shape(128, 128256),
     "h256-v32k": Shape(256, 32768),

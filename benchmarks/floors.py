@@ -1,11 +1,13 @@
 """The matmul floors: what the op's matmuls alone cost on a shape, as autograd functions.
 
-    loss = RecomputeFloor.apply(hidden, weight, chunk_size)   # [N, H], [V, H] -> a zero scalar
+    loss = RecomputeFloor.apply(hidden, weight, tokens, vocab_block)   # [N, H], [V, H] -> a zero scalar
     loss.backward()                                            # hidden.grad, weight.grad: matmul results
 
 ``RecomputeFloor`` runs the four ``N x H x V`` matmuls of the recompute design
-(projection; in backward its recompute, ``grad_hidden``, ``grad_weight``), chunk by
-chunk; ``UnfusedFloor`` the three of the unfused design on the whole ``[N, V]``.
+(projection; in backward its recompute, ``grad_hidden``, ``grad_weight``), tile by
+tile (chunkce's tiles); ``FourMatmulFloor`` the same four on the whole ``[N, V]`` (the
+issue's "whole-shape four-matmul floor"); ``UnfusedFloor`` the three of the unfused
+design on the whole ``[N, V]``.
 Nothing else: no softmax, no loss, so their time is the floor a provider of that
 design can approach, and ``bench_op`` reports every provider against it. The
 gradients they leave are matmul results, not a loss's gradients.
@@ -18,41 +20,65 @@ from torch import Tensor
 
 
 class RecomputeFloor(torch.autograd.Function):
-    """The recompute design's four ``N x H x V`` matmuls and nothing else, chunk by chunk.
+    """The recompute design's four ``N x H x V`` matmuls and nothing else, tile by tile.
 
-    forward: ``logits_chunk = hidden_chunk @ weight.T`` into one ``[chunk_size, V]``
+    forward: ``logits_tile = hidden_chunk @ weight_block.T`` into one ``[tokens, vocab_block]``
     buffer; backward: the same product again (the recompute), then
-    ``grad_hidden_chunk = logits_chunk @ weight`` and
-    ``grad_weight += logits_chunk.T @ hidden_chunk``, the recomputed logits standing
-    in for their gradient (same shape, so the same matmul cost). Returns a zero
-    scalar: a floor has no loss.
+    ``grad_hidden_chunk += logits_tile @ weight_block`` and
+    ``grad_weight_block += logits_tile.T @ hidden_chunk``, the recomputed logits standing
+    in for their gradient (same shape, so the same matmul cost), vocabulary blocks outer
+    as chunkce's backward walks them. Returns a zero scalar: a floor has no loss.
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, chunk_size: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, tokens: int, vocab_block: int) -> Tensor:
         n, v = hidden.shape[0], weight.shape[0]
-        logits_chunk = hidden.new_empty(min(chunk_size, n), v)  # [chunk_size, V]
-        for start in range(0, n, chunk_size):
-            rows = hidden[start:start + chunk_size]  # [c, H]
-            torch.mm(rows, weight.t(), out=logits_chunk[:rows.shape[0]])
+        buffer = hidden.new_empty(min(tokens, n) * min(vocab_block, v))
+        for start in range(0, n, tokens):
+            rows = hidden[start:start + tokens]  # [n, H]
+            for vocab_start in range(0, v, vocab_block):
+                block = weight[vocab_start:vocab_start + vocab_block]  # [Vb, H]
+                tile = buffer[:rows.shape[0] * block.shape[0]].view(rows.shape[0], block.shape[0])
+                torch.mm(rows, block.t(), out=tile)
         ctx.save_for_backward(hidden, weight)
-        ctx.chunk_size = chunk_size
+        ctx.tiles = (tokens, vocab_block)
         return hidden.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         hidden, weight = ctx.saved_tensors
-        n, v, chunk_size = hidden.shape[0], weight.shape[0], ctx.chunk_size
-        logits_chunk = hidden.new_empty(min(chunk_size, n), v)  # [chunk_size, V]
-        grad_hidden = torch.empty_like(hidden)  # [N, H]
+        (n, v), (tokens, vocab_block) = (hidden.shape[0], weight.shape[0]), ctx.tiles
+        buffer = hidden.new_empty(min(tokens, n) * min(vocab_block, v))
+        grad_hidden = torch.zeros_like(hidden)  # [N, H]
         grad_weight = torch.zeros_like(weight)  # [V, H]
-        for start in range(0, n, chunk_size):
-            rows = hidden[start:start + chunk_size]  # [c, H]
-            chunk = logits_chunk[:rows.shape[0]]
-            torch.mm(rows, weight.t(), out=chunk)
-            torch.mm(chunk, weight, out=grad_hidden[start:start + chunk_size])
-            grad_weight.addmm_(chunk.t(), rows)
-        return grad_hidden, grad_weight, None
+        for vocab_start in range(0, v, vocab_block):
+            block = weight[vocab_start:vocab_start + vocab_block]  # [Vb, H]
+            for start in range(0, n, tokens):
+                rows = hidden[start:start + tokens]  # [n, H]
+                tile = buffer[:rows.shape[0] * block.shape[0]].view(rows.shape[0], block.shape[0])
+                torch.mm(rows, block.t(), out=tile)
+                grad_hidden[start:start + tokens].addmm_(tile, block)
+                grad_weight[vocab_start:vocab_start + vocab_block].addmm_(tile.t(), rows)
+        return grad_hidden, grad_weight, None, None
+
+
+class FourMatmulFloor(torch.autograd.Function):
+    """The recompute design's four matmuls on the whole ``[N, V]``: ``logits = hidden @ weight.T``
+    in forward (freed); in backward the same product again, ``grad_hidden = logits @ weight``,
+    ``grad_weight = logits.T @ hidden``. The issue's time target for chunkce (at most 1.05x this)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor) -> Tensor:
+        logits = hidden @ weight.t()  # [N, V]
+        del logits
+        ctx.save_for_backward(hidden, weight)
+        return hidden.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        hidden, weight = ctx.saved_tensors
+        logits = hidden @ weight.t()  # [N, V]: the recompute
+        return logits @ weight, logits.t() @ hidden
 
 
 class UnfusedFloor(torch.autograd.Function):

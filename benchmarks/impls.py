@@ -19,9 +19,10 @@ target, ignore_index=-100)`` (mean) and gets its gradients into ``hidden.grad`` 
     chunkce-compiled      an lm_head + F.cross_entropy module under ``torch.compile(backend="chunkce")``
     chunkce-gif           ``compile_pass.linear_cross_entropy(..., grads_in_forward=True)``: the
                           opt-in mode that computes the gradients during forward
-    floor-recompute       the four matmuls of the recompute design alone, chunk by chunk at
-                          chunkce's chunk size: projection, its recompute, grad_hidden,
+    floor-recompute       the four matmuls of the recompute design alone, tile by tile at
+                          chunkce's tiles: projection, its recompute, grad_hidden,
                           grad_weight (``benchmarks.floors``)
+    floor-four            the same four matmuls on the whole [N, V] (the time target's floor)
     floor-unfused         the three matmuls of the unfused design alone, on the whole [N, V]
     liger                 ``liger_kernel``'s fused linear cross-entropy (CUDA, Triton)
     cce                   Apple's Cut Cross-Entropy (CUDA, Triton)
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import compile_pass
-from benchmarks.floors import RecomputeFloor, UnfusedFloor
+from benchmarks.floors import FourMatmulFloor, RecomputeFloor, UnfusedFloor
 
 IGNORE_INDEX = -100
 
@@ -272,8 +273,19 @@ def chunkce_chunk_size(inputs: OpInputs) -> int:
                                   inputs.hidden.device.type))
 
 
-def _chunkce_note(inputs: OpInputs) -> str:
-    return f"chunk {chunkce_chunk_size(inputs)} tokens"
+def chunkce_tiles(inputs: OpInputs, whole_rows: bool = False):
+    """The tiles chunkce uses for these inputs (``compile_pass.op.chunking.resolve_tiles``:
+    the op's own rule; ``whole_rows`` for its grads-in-forward op)."""
+    from compile_pass.op.chunking import resolve_tiles
+
+    n, v = inputs.hidden.shape[0], inputs.weight.shape[0]
+    return resolve_tiles(inputs.chunk_size, n, v, inputs.hidden.element_size(), inputs.hidden.device.type,
+                         whole_rows=whole_rows)
+
+
+def _chunkce_note(inputs: OpInputs, whole_rows: bool = False) -> str:
+    tiles = chunkce_tiles(inputs, whole_rows)
+    return f"tile {tiles.tokens} x {tiles.vocab_block}"
 
 
 def _build_chunkce_compiled(inputs: OpInputs) -> LossFn:
@@ -307,8 +319,8 @@ def _build_chunkce(inputs: OpInputs, **extra) -> LossFn:
 
 
 def _build_recompute_floor(inputs: OpInputs) -> LossFn:
-    chunk_size = chunkce_chunk_size(inputs)
-    return lambda: RecomputeFloor.apply(inputs.hidden, inputs.weight, chunk_size)
+    tiles = chunkce_tiles(inputs)
+    return lambda: RecomputeFloor.apply(inputs.hidden, inputs.weight, tiles.tokens, tiles.vocab_block)
 
 
 def _build_unfused_floor(inputs: OpInputs) -> LossFn:
@@ -363,9 +375,11 @@ IMPLS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("chunkce", _build_chunkce, note=_chunkce_note, ours=True),
     Impl("chunkce-compiled", _build_chunkce_compiled, note=_chunkce_note, ours=True),
     Impl("chunkce-gif", functools.partial(_build_chunkce, grads_in_forward=True),
-         note=lambda i: "; ".join(("grads computed in forward", _chunkce_note(i))), ours=True),
+         note=lambda i: "; ".join(("grads computed in forward", _chunkce_note(i, whole_rows=True))), ours=True),
     Impl("floor-recompute", _build_recompute_floor, note=lambda i: f"4 matmuls, {_chunkce_note(i)}",
          computes_loss=False, ours=True),
+    Impl("floor-four", lambda i: lambda: FourMatmulFloor.apply(i.hidden, i.weight),
+         note=lambda i: "4 matmuls, whole [N, V]", computes_loss=False),
     Impl("floor-unfused", _build_unfused_floor, note=lambda i: "3 matmuls, whole [N, V]", computes_loss=False),
     Impl("liger", _build_liger, _triton_problem("liger_kernel.transformers.functional"), _grads_in_forward),
     Impl("cce", _build_cce, _triton_problem("cut_cross_entropy"), _native_logits),

@@ -2,6 +2,9 @@
 
     print(op_table(rows))   # one case, every provider, full mode: the docs' op table
     report(rows)            # what ``bench_op`` prints: per mode when several, then op_table per case
+    print(targets_table(rows))  # issue 19's targets against the measured values
+
+    python -m benchmarks.op_report op.csv [--targets]   # the same from a bench_op CSV
 
 ``rows`` are ``bench_op``'s (``COLUMNS``), from memory or read back from its CSV.
 """
@@ -22,8 +25,12 @@ def _value(rows: list[dict], impl: str, metric: str, runs: tuple[str, ...], mode
     return None
 
 
-def op_table(rows: list[dict], compiled: str = "unfused-compiled", floor: str = "floor-recompute") -> str:
-    """One case's providers, ``full`` mode, as markdown: time, memory, errors, ratios (the docs' op table)."""
+def op_table(rows: list[dict], compiled: str = "unfused-compiled", floor: str | None = None) -> str:
+    """One case's providers, ``full`` mode, as markdown: time, memory, errors, ratios (the docs' op table).
+    ``floor``: the x floor column's reference; None = ``floor-four`` (the four matmuls on the
+    whole shape) where it ran, else ``floor-recompute``."""
+    if floor is None:
+        floor = "floor-four" if any(r["impl"] == "floor-four" for r in rows) else "floor-recompute"
     t_base, t_floor = _value(rows, compiled, "time", ("speed",)), _value(rows, floor, "time", ("speed",))
     w_base = _value(rows, compiled, "beyond_grads", ("memory",))
     body = []
@@ -71,8 +78,77 @@ def report(rows: list[dict], baseline: str = "unfused-compiled") -> None:
     for key in dict.fromkeys((r["shape"], r["tokens"], r["chunk_size"]) for r in rows):
         case_rows = [r for r in rows if (r["shape"], r["tokens"], r["chunk_size"]) == key]
         print(f"\nfull forward + backward, {key[0]} N={key[1]} chunk={key[2]} "
-              f"(x compiled: vs unfused-compiled; x floor: vs floor-recompute)\n")
+              f"(x compiled: vs unfused-compiled; x floor: vs floor-four, else floor-recompute)\n")
         print(op_table(case_rows))
     failed = [(r["impl"], r["run"], r["note"]) for r in rows if r["metric"] == "failed"]
     for impl, run, note in dict.fromkeys(failed):
         print(f"failed: {impl} {run}: {note}")
+
+
+# ---------------------------------------------------------------- issue 19's targets
+
+WORKING_SET_MIB = 8.0  # the recompute op's and grads-in-forward's working set beyond the gradients
+
+
+def targets_table(rows: list[dict]) -> str:
+    """Issue 19's targets against the measured values, one line per (target, shape), from
+    ``bench_op`` rows (``full`` mode; providers ``chunkce``, ``chunkce-compiled``,
+    ``chunkce-gif``, ``floor-four``, ``unfused-compiled``, ``torch-lce-compiled``)."""
+    body = []
+    for shape, tokens in dict.fromkeys((r["shape"], r["tokens"]) for r in rows):
+        case = [r for r in rows if (r["shape"], r["tokens"]) == (shape, tokens)]
+        hidden, vocab = int(case[0]["hidden"]), int(case[0]["vocab"])
+        name = f"{tokens} x {hidden} x {vocab}"
+
+        def get(impl: str, metric: str) -> float | None:
+            return _value(case, impl, metric, ("speed",) if metric == "time" else ("memory",))
+
+        def line(target: str, measured: str, met: bool | None) -> None:
+            body.append([target, name, measured, "-" if met is None else ("met" if met else "**missed**")])
+
+        ws, gif_ws = get("chunkce", "beyond_grads"), get("chunkce-gif", "beyond_grads")
+        t, t_backend, t_gif = get("chunkce", "time"), get("chunkce-compiled", "time"), get("chunkce-gif", "time")
+        t_floor, t_unfused, t_lce = get("floor-four", "time"), get("unfused-compiled", "time"), get("torch-lce-compiled", "time")
+        peak, peak_lce = get("chunkce", "peak"), get("torch-lce-compiled", "peak")
+
+        def ratio_of(a, b):
+            return None if a is None or b is None else a / b
+
+        line(f"chunkce working set <= {WORKING_SET_MIB:.0f} MiB", fmt(ws, ".1f") + " MiB" if ws is not None else "-",
+             None if ws is None else ws <= WORKING_SET_MIB)
+        r = ratio_of(t, t_floor)
+        line("chunkce time <= 1.05x floor-four" + ("" if hidden >= 1024 else " (H < 1024: not a target)"),
+             f"{r:.2f}x" if r else "-", None if r is None or hidden < 1024 else r <= 1.05)
+        r, m = ratio_of(t, t_lce), ratio_of(peak, peak_lce)
+        line("chunkce faster than torch-lce-compiled, peak no more",
+             f"time {r:.2f}x, peak {m:.2f}x" if r and m else "-", None if r is None or m is None else r < 1 and m <= 1)
+        r = ratio_of(t_gif, t_unfused)
+        line("chunkce-gif time <= 1.05x unfused-compiled", f"{r:.2f}x" if r else "-", None if r is None else r <= 1.05)
+        line(f"chunkce-gif working set <= {WORKING_SET_MIB:.0f} MiB", fmt(gif_ws, ".1f") + " MiB" if gif_ws is not None else "-",
+             None if gif_ws is None else gif_ws <= WORKING_SET_MIB)
+        r = ratio_of(t_backend, t)
+        line("chunkce-compiled time <= 1.02x chunkce", f"{r:.3f}x" if r else "-", None if r is None else r <= 1.02)
+    return markdown(["target", "shape N x H x V", "measured", ""], body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.op_report CSV [--targets]``: a ``bench_op`` CSV's op tables
+    (every case), or issue 19's targets table."""
+    import argparse
+    import csv
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("csv")
+    p.add_argument("--targets", action="store_true", help="issue 19's targets against the measured values")
+    args = p.parse_args(argv)
+    with open(args.csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if args.targets:
+        print(targets_table(rows))
+    else:
+        report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,8 +27,9 @@ def _style(impl: str) -> object:
     return next((s for prefix, s in _STYLE.items() if impl.startswith(prefix)), "-")
 
 
-def plot_scaling(rows: Sequence[dict], path: str, *, title: str = "") -> None:
-    """Two panels against tokens N (log 2): working set beyond the gradients (MiB) and s per call.
+def plot_scaling(rows: Sequence[dict], path: str, *, title: str = "", axis: str = "tokens") -> None:
+    """Two panels against tokens N (log 2; the vocabulary V with ``axis="vocab"``): working set
+    beyond the gradients (MiB) and s per call.
 
     Every measured point of every provider; a skipped or failed size is simply absent
     (the table beside the plot says why). Working sets under 0.1 MiB are drawn at 0.1
@@ -39,7 +40,7 @@ def plot_scaling(rows: Sequence[dict], path: str, *, title: str = "") -> None:
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(14, 5.4))
     colors = plt.get_cmap("tab20").colors
     for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows)):
-        points = sorted((int(r["tokens"]), float(r["beyond_grads_mib"]), float(r["ms"]))
+        points = sorted((int(r[axis]), float(r["beyond_grads_mib"]), float(r["ms"]))
                         for r in rows if r["impl"] == impl and r["metric"] == "measured")
         if not points:
             continue
@@ -49,10 +50,11 @@ def plot_scaling(rows: Sequence[dict], path: str, *, title: str = "") -> None:
         if not impl.startswith("floor"):
             mem_ax.plot(n, [max(m, 0.1) for m in mem], **kwargs)
         time_ax.plot(n, [t / 1e3 for t in ms], **kwargs)
-    mem_ax.set(yscale="log", xlabel="tokens N", ylabel="MiB beyond the inputs' gradients (allocator peak)",
+    label = "tokens N" if axis == "tokens" else "vocabulary V"
+    mem_ax.set(yscale="log", xlabel=label, ylabel="MiB beyond the inputs' gradients (allocator peak)",
                title="working set (the floors: no loss, omitted)")
-    time_ax.set(yscale="log", xlabel="tokens N", ylabel="s per forward + backward", title="time")
-    ticks = sorted({int(r["tokens"]) for r in rows})
+    time_ax.set(yscale="log", xlabel=label, ylabel="s per forward + backward", title="time")
+    ticks = sorted({int(r[axis]) for r in rows})
     for ax in (mem_ax, time_ax):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])

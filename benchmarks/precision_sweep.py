@@ -2,6 +2,7 @@
 
     python -m benchmarks.precision_sweep            # the table of docs/op.md's numerics section
     python -m benchmarks.precision_sweep --grads-in-forward
+    python -m benchmarks.precision_sweep --tiles           # 128-column tiles: online log-sum-exp
 
 For each case, fp32 inputs ``hidden [N, H]``, ``weight [V, H]``, ``bias [V]`` (the head's
 logits have standard deviation ``spread`` about an offset, optionally divided by
@@ -25,6 +26,7 @@ from compile_pass.op.function import linear_cross_entropy
 
 N, H, V = 96, 32, 509  # tokens (several chunks of 32), hidden size, vocabulary (odd)
 CHUNK = 32
+BLOCK = 128  # vocabulary columns a tile with --tiles (509 = 3 x 128 + 125: a ragged last block)
 # (name, logit spread (std), offset added to every logit, logit_divisor or None)
 CASES = (
     ("spread 1", 1.0, 0.0, None),
@@ -68,8 +70,10 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def case_errors(spread: float, offset: float, divisor: float | None,
-                grads_in_forward: bool = False) -> tuple[list[float], list[float]]:
-    """(torch's fp32 errors, chunkce's fp32 errors) against fp64, in ``QUANTITIES`` order."""
+                grads_in_forward: bool = False, tiles: bool = False) -> tuple[list[float], list[float]]:
+    """(torch's fp32 errors, chunkce's fp32 errors) against fp64, in ``QUANTITIES`` order;
+    ``tiles``: chunkce's tiles are ``BLOCK`` vocabulary columns wide (the log-sum-exp online
+    across four blocks), else whole rows."""
     inputs = make_inputs(spread, offset)
 
     def unfused(hidden, weight, bias, target, reduction):
@@ -81,6 +85,7 @@ def case_errors(spread: float, offset: float, divisor: float | None,
     def chunkce(hidden, weight, bias, target, reduction):
         return linear_cross_entropy(hidden, weight, target, linear_bias=bias, logit_divisor=divisor,
                                     reduction=reduction, chunk_size=CHUNK,
+                                    chunk_bytes=CHUNK * BLOCK * 4 if tiles else None,
                                     grads_in_forward=grads_in_forward)
 
     reference = losses_and_grads(unfused, inputs, torch.float64)
@@ -90,18 +95,19 @@ def case_errors(spread: float, offset: float, divisor: float | None,
             [relative_error(o, r) for o, r in zip(ours, reference)])
 
 
-def sweep(grads_in_forward: bool = False) -> list[tuple[str, list[float], list[float]]]:
+def sweep(grads_in_forward: bool = False, tiles: bool = False) -> list[tuple[str, list[float], list[float]]]:
     """Per case: (name, torch's errors, chunkce's errors), in ``QUANTITIES`` order."""
-    return [(name, *case_errors(spread, offset, divisor, grads_in_forward))
+    return [(name, *case_errors(spread, offset, divisor, grads_in_forward, tiles))
             for name, spread, offset, divisor in CASES]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grads-in-forward", action="store_true", help="chunkce's grads_in_forward op")
+    parser.add_argument("--tiles", action="store_true", help=f"tiles of {BLOCK} vocabulary columns")
     args = parser.parse_args()
-    rows = sweep(args.grads_in_forward)
-    print(f"fp32, N={N} H={H} V={V}, chunk_size={CHUNK}, "
+    rows = sweep(args.grads_in_forward, args.tiles)
+    print(f"fp32, N={N} H={H} V={V}, chunk_size={CHUNK}, {f'{BLOCK}-column tiles' if args.tiles else 'whole rows'}, "
           f"relative error against fp64 (torch | chunkce{', grads_in_forward' if args.grads_in_forward else ''})")
     header = " | ".join(f"{q} torch | {q} chunkce" for q in QUANTITIES)
     print(f"| case | {header} | chunkce / torch (loss, dh, dW, db) |")

@@ -1,7 +1,12 @@
-"""Scaling: each provider's memory and time as the number of tokens grows, on one plot.
+"""Scaling: each provider's memory and time as the number of tokens (or the vocabulary) grows, on one plot.
 
     python -m benchmarks.scaling --device cpu --shape h256-v128k --tokens 1024 2048 4096 8192 16384 \
         --csv benchmarks/results/scaling_cpu.csv --plot docs/img/scaling_cpu.png
+    python -m benchmarks.scaling --device cpu --hidden 64 --tokens 2048 --vocab 32768 65536 131072 262144 \
+        --csv benchmarks/results/vocab_cpu.csv --plot docs/img/vocab_cpu.png   # against V instead
+
+With ``--vocab``, the walk is over those vocabularies at ``--hidden`` and the one ``--tokens``
+(shapes ``h{H}-v{V}``), and everything below that says N reads V.
 
 One fresh process per provider (``benchmarks.impls``) walks the token counts in
 ascending order on inputs from ``benchmarks.cases.setup``. At each N: one forward + backward
@@ -36,7 +41,7 @@ import traceback
 import torch
 
 from benchmarks import harness, isolate
-from benchmarks.cases import DTYPES, SHAPES, Case, setup
+from benchmarks.cases import DTYPES, SHAPES, Case, Shape, setup
 from benchmarks.impls import IMPLS, dynamo_limits, exit_status
 from benchmarks.tables import fmt, markdown
 
@@ -87,25 +92,26 @@ def walk(impl_name: str, args: argparse.Namespace, out: isolate.Reporter) -> Non
     last = None  # the last measured row
     failed = None  # the first row after which larger sizes cannot run
     logits_dtype = torch.float32 if args.logits_dtype == "fp32" else None
-    for tokens in sorted(args.tokens):
-        case = Case(args.shape, tokens, args.dtype, logits_dtype, args.chunk_size, args.device, dynamic=None)
+    axis = args.axis
+    for shape, tokens, size in args.points:
+        case = Case(shape, tokens, args.dtype, logits_dtype, args.chunk_size, args.device, dynamic=None)
         why = None
         if failed is not None:
-            why = f"not run: N={failed['tokens']} failed"
+            why = f"not run: {axis}={failed[axis]} failed"
         elif last is not None:
-            grow = tokens / last["tokens"]
+            grow = size / int(last[axis])
             peak = last["peak_mib"] * MiB * grow + _input_bytes(case)
             seconds = last["ms"] / 1e3 * grow
             if peak > args.mem_cap_gib * 2**30:
-                why = (f"predicted peak {peak / 2**30:.1f} GiB (from {last['peak_mib']:.0f} MiB at N="
-                       f"{last['tokens']}, linear in N) is above --mem-cap-gib {args.mem_cap_gib}")
+                why = (f"predicted peak {peak / 2**30:.1f} GiB (from {last['peak_mib']:.0f} MiB at {axis}="
+                       f"{last[axis]}, linear in {axis}) is above --mem-cap-gib {args.mem_cap_gib}")
             elif seconds > args.max_call_s:
-                why = (f"predicted {seconds:.0f} s a call (from N={last['tokens']}) is above "
+                why = (f"predicted {seconds:.0f} s a call (from {axis}={last[axis]}) is above "
                        f"--max-call-s {args.max_call_s}")
         if why:
             row = {**case.describe(), "impl": impl_name, "metric": "skipped", "note": why}
         else:
-            print(f"  {impl_name} N={tokens} ...", flush=True)
+            print(f"  {impl_name} {axis}={size} ...", flush=True)
             try:
                 row = measure(case, impl_name, args.reps)
             except Exception as e:  # noqa: BLE001 - an OOM or a refused rewrite is a result too
@@ -114,7 +120,7 @@ def walk(impl_name: str, args: argparse.Namespace, out: isolate.Reporter) -> Non
                 row = {**case.describe(), "impl": impl_name, "metric": "failed",
                        "note": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             harness.release_memory(args.device)
-        print(f"  {impl_name} N={tokens}: {row['metric']} "
+        print(f"  {impl_name} {axis}={size}: {row['metric']} "
               + (f"peak {row['peak_mib']:.0f} MiB, {row['ms']:.0f} ms" if row["metric"] == "measured"
                  else row.get("note", "")), flush=True)
         out.record({c: row.get(c, "") for c in COLUMNS})
@@ -131,23 +137,24 @@ def run_all(args: argparse.Namespace) -> list[dict]:
         child = isolate.run(["-m", "benchmarks.scaling", "--child", name, *args.passthrough],
                             timeout=args.run_timeout)
         got = child.records
-        done = {r["tokens"] for r in got}
-        for tokens in args.tokens:  # sizes a killed child never reported: say so
-            if tokens not in done:
-                got.append({c: "" for c in COLUMNS} | {"impl": name, "shape": args.shape, "tokens": tokens,
-                                                     "metric": "failed",
+        done = {int(r[args.axis]) for r in got}
+        for shape, tokens, size in args.points:  # sizes a killed child never reported: say so
+            if size not in done:
+                got.append({c: "" for c in COLUMNS} | {"impl": name, "shape": shape, "tokens": tokens,
+                                                     "vocab": SHAPES[shape].vocab_size, "metric": "failed",
                                                      "note": f"child process ended ({child.status}) before this size"})
         print(f"  {name}: {child.seconds:.0f} s", flush=True)
-        rows += sorted(got, key=lambda r: int(r["tokens"]))
+        rows += sorted(got, key=lambda r: int(r[args.axis]))
         if args.csv:
             harness.write_csv(rows, args.csv)
     return rows
 
 
-def tables(rows: list[dict]) -> str:
-    """Markdown: per provider (rows) and token count (columns) the working set, the peak and
-    the seconds per call, then a line for every size skipped or failed, with why."""
-    tokens = sorted({int(r["tokens"]) for r in rows})
+def tables(rows: list[dict], axis: str = "tokens") -> str:
+    """Markdown: per provider (rows) and token count (columns; vocabulary with ``axis="vocab"``)
+    the working set, the peak and the seconds per call, then a line for every size skipped or
+    failed, with why."""
+    tokens = sorted({int(r[axis]) for r in rows})
     out = []
     for title, key, scale, spec in (("MiB beyond the inputs' gradients (allocator peak)", "beyond_grads_mib", 1, ".0f"),
                                     ("MiB above the inputs (allocator peak)", "peak_mib", 1, ".0f"),
@@ -156,12 +163,12 @@ def tables(rows: list[dict]) -> str:
         for impl in dict.fromkeys(r["impl"] for r in rows):
             cells = []
             for n in tokens:
-                r = next((r for r in rows if r["impl"] == impl and int(r["tokens"]) == n), None)
+                r = next((r for r in rows if r["impl"] == impl and int(r[axis]) == n), None)
                 measured = r is not None and r["metric"] == "measured"
                 cells.append(fmt(float(r[key]) / scale, spec) if measured else (r["metric"] if r else ""))
             body.append([f"`{impl}`", *cells])
         out.append(f"{title}:\n\n" + markdown(["provider", *map(str, tokens)], body))
-    notes = [f"- `{r['impl']}` at N = {r['tokens']}: {r['metric']}, {r['note']}" for r in rows
+    notes = [f"- `{r['impl']}` at {'N' if axis == 'tokens' else 'V'} = {r[axis]}: {r['metric']}, {r['note']}" for r in rows
              if r["metric"] in ("skipped", "failed")]
     return "\n\n".join(out + (["\n".join(notes)] if notes else []))
 
@@ -173,6 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shape", choices=SHAPES, default=None, help="default: h256-v128k (cpu), llama3-8b")
     p.add_argument("--tokens", nargs="+", type=int, default=None,
                    help="default 1024 .. 16384 on cpu, 4096 .. 65536 on an accelerator")
+    p.add_argument("--vocab", nargs="+", type=int, default=None,
+                   help="walk these vocabularies at --hidden and the one --tokens instead")
+    p.add_argument("--hidden", type=int, default=64, help="H of the --vocab walk")
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: fp32 on cpu, bf16")
     p.add_argument("--logits-dtype", choices=("same", "fp32"), default="same")
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
@@ -196,6 +206,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shape = args.shape or ("h256-v128k" if cpu else "llama3-8b")
     args.tokens = args.tokens or ([1024, 2048, 4096, 8192, 16384] if cpu else [4096, 8192, 16384, 32768, 65536])
     args.dtype = DTYPES[args.dtype or ("fp32" if cpu else "bf16")]
+    if args.vocab:  # (shape, tokens, the walked size) per point
+        for v in args.vocab:
+            SHAPES.setdefault(f"h{args.hidden}-v{v}", Shape(args.hidden, v))
+        args.axis = "vocab"
+        args.points = [(f"h{args.hidden}-v{v}", args.tokens[0], v) for v in sorted(args.vocab)]
+    else:
+        args.axis = "tokens"
+        args.points = [(args.shape, n, n) for n in sorted(args.tokens)]
     return args
 
 
@@ -207,16 +225,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     harness.print_environment(args.device)
     rows = run_all(args)
-    print("\n" + tables(rows))
+    print("\n" + tables(rows, args.axis))
     if args.csv:
         print(f"\nwrote {len(rows)} rows to {args.csv}")
     if args.plot:
         from benchmarks.plots import plot_scaling
-        plot_scaling(rows, args.plot, title=f"{args.shape} ({SHAPES[args.shape].hidden_size} x "
-                                            f"{SHAPES[args.shape].vocab_size}), {args.device.type}, "
-                                            f"{str(args.dtype).removeprefix('torch.')}")
+        dtype = str(args.dtype).removeprefix("torch.")
+        if args.axis == "vocab":
+            title = f"N {args.tokens[0]}, H {args.hidden}, {args.device.type}, {dtype}"
+        else:
+            shape = SHAPES[args.shape]
+            title = f"{args.shape} ({shape.hidden_size} x {shape.vocab_size}), {args.device.type}, {dtype}"
+        plot_scaling(rows, args.plot, title=title, axis=args.axis)
         print(f"wrote {args.plot}")
-    return exit_status(rows, lambda r: f"{r['impl']} N={r['tokens']}: {r['note']}")
+    return exit_status(rows, lambda r: f"{r['impl']} {args.axis}={r[args.axis]}: {r['note']}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,14 @@ from compile_pass.op import chunking, kernels
 from compile_pass.op.chunking import (
     ALIGN,
     DEFAULT_CHUNK_BYTES,
-    choose_chunk_size,
+    MIN_VOCAB_BLOCK,
+    VOCAB_ALIGN,
+    Tiles,
+    choose_tiles,
+    default_chunk_bytes,
     min_full_speed_tokens,
     resolve_chunk_size,
+    resolve_tiles,
 )
 
 MiB = 2**20
@@ -31,46 +36,57 @@ def no_chunk_environment(monkeypatch):
     monkeypatch.delenv("CHUNKCE_CHUNK_BYTES", raising=False)
 
 
-# (N, V, itemsize, device) -> tokens a chunk: the issue's shapes, and the H200 shape
+# (N, V, itemsize, device) -> the tile (tokens, vocabulary columns): the issue's shapes, and the H200 shape
 @pytest.mark.parametrize("shape, expected", [
-    ((4096, 32768, 4, "cpu"), 256),  # 32 MiB a chunk: the full-speed floor, above the 16 MiB budget
-    ((4096, 128256, 4, "cpu"), 256),
-    ((8192, 128256, 4, "cpu"), 256),
-    ((4096, 4096, 4, "cpu"), 1024),  # a small vocabulary: the budget, 16 MiB / (4096 * 4)
-    ((100, 1000, 4, "cpu"), 100),  # capped at the tokens there are
-    ((8192, 128256, 2, "cuda"), 2048),  # the H200's measured best
+    ((4096, 32768, 4, "cpu"), (512, 3584)),  # the floor's tokens, the 7 MiB budget's columns
+    ((8192, 128256, 4, "cpu"), (512, 3584)),  # the same tile whatever the vocabulary
+    ((2048, 262144, 4, "cpu"), (512, 3584)),
+    ((4096, 1024, 4, "cpu"), (1792, 1024)),  # a small vocabulary: whole rows, the budget's tokens
+    ((100, 1000, 4, "cpu"), (100, 1000)),  # capped at the tokens and columns there are
+    ((8192, 128256, 2, "cuda"), (2048, 16384)),  # the accelerator floor and its 64 MiB budget
 ])
 def test_rule_values(shape, expected):
-    assert resolve_chunk_size(None, *shape) == expected
+    assert resolve_tiles(None, *shape) == Tiles(*expected)
+    assert resolve_chunk_size(None, *shape) == expected[0]  # what the pass's report shows
 
 
 def test_rule_bounds():
     for n, v, itemsize, device in itertools.product((1, 37, 300, 5000, 70000), (97, 32000, 262144),
                                                      (2, 4), ("cpu", "cuda")):
-        size = choose_chunk_size(n, v, itemsize, min_tokens=min_full_speed_tokens(device))
-        assert 1 <= size <= n
-        assert size == n or size % ALIGN == 0
-        assert size >= min(n, min_full_speed_tokens(device))  # never below full speed by default
-        budget_tokens = DEFAULT_CHUNK_BYTES // (v * itemsize)
-        assert size == n or size <= max(budget_tokens, min_full_speed_tokens(device))
+        tiles = choose_tiles(n, v, itemsize, min_tokens=min_full_speed_tokens(device),
+                             default_chunk_bytes=default_chunk_bytes(device))
+        assert 1 <= tiles.tokens <= n and 1 <= tiles.vocab_block <= v
+        assert tiles.tokens == n or tiles.tokens % ALIGN == 0
+        assert tiles.tokens >= min(n, min_full_speed_tokens(device))  # never below full speed by default
+        assert tiles.bytes(itemsize) <= default_chunk_bytes(device)  # the budget holds the tile
+        assert tiles.vocab_block == v or tiles.vocab_block % VOCAB_ALIGN == 0
+        whole = choose_tiles(n, v, itemsize, min_tokens=min_full_speed_tokens(device), whole_rows=True,
+                             default_chunk_bytes=default_chunk_bytes(device))
+        assert whole.vocab_block == v and whole.tokens >= min(n, min_full_speed_tokens(device))
 
 
-def test_explicit_budget_is_not_raised_to_the_floor():
-    # 4 MiB of fp32 logits at V 32768: 32 tokens, below the CPU's full-speed floor
-    assert resolve_chunk_size(None, 4096, 32768, 4, "cpu", chunk_bytes=4 * MiB) == 32
-    assert resolve_chunk_size(None, 4096, 32768, 4, "cpu", chunk_bytes=1) == ALIGN  # at least ALIGN
-    assert resolve_chunk_size(None, 4096, 32768, 4, "cpu", chunk_bytes=0) == 256  # 0: default
+def test_explicit_budget_sets_the_columns_and_is_not_raised():
+    # 4 MiB of fp32 tiles at V 32768: the floor's 512 tokens by 2048 columns
+    assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=4 * MiB) == Tiles(512, 2048)
+    # a budget below the floor's tokens of VOCAB_ALIGN columns: fewer tokens (at least ALIGN)
+    assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=64 * 1024) == Tiles(128, 128)
+    assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=1) == Tiles(ALIGN, MIN_VOCAB_BLOCK)
+    assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=0) == Tiles(512, 3584)  # 0: default
+    # whole rows (grads-in-forward): an explicit budget is not raised to the floor
+    assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=4 * MiB, whole_rows=True) == Tiles(32, 32768)
+    assert resolve_tiles(None, 4096, 32768, 4, "cpu", whole_rows=True) == Tiles(512, 32768)
 
 
 def test_who_wins(monkeypatch):
     shape = (4096, 32768, 4, "cpu")
-    monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", str(8 * MiB))
-    assert resolve_chunk_size(None, *shape) == 64  # the environment's budget
-    assert resolve_chunk_size(None, *shape, chunk_bytes=4 * MiB) == 32  # the argument's
+    monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", str(2 * MiB))
+    assert resolve_tiles(None, *shape) == Tiles(512, 1024)  # the environment's budget
+    assert resolve_tiles(None, *shape, chunk_bytes=4 * MiB) == Tiles(512, 2048)  # the argument's
     monkeypatch.setenv("CHUNKCE_CHUNK_SIZE", "100")
-    assert resolve_chunk_size(None, *shape) == 100  # CHUNKCE_CHUNK_SIZE over CHUNKCE_CHUNK_BYTES
-    assert resolve_chunk_size(None, *shape, chunk_bytes=4 * MiB) == 32  # an argument over both
-    assert resolve_chunk_size(7, *shape, chunk_bytes=4 * MiB) == 7  # chunk_size over everything
+    assert resolve_tiles(None, *shape) == Tiles(100, 5120)  # CHUNKCE_CHUNK_SIZE's tokens, the env budget's columns
+    assert resolve_tiles(None, *shape, chunk_bytes=4 * MiB) == Tiles(512, 2048)  # an argument over both
+    assert resolve_tiles(7, *shape, chunk_bytes=4 * MiB) == Tiles(7, 32768)  # chunk_size over the tokens
+    assert resolve_tiles(7, *shape) == Tiles(7, 32768)
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "1.5"])
@@ -137,7 +153,7 @@ def test_backend_option_budget_is_reported_and_used(monkeypatch):
 
 def working_set(n, h, v, **kwargs):
     """Peak bytes of one forward + backward of the op above its inputs, minus its inputs'
-    gradients (and the gradients a grads-in-forward call holds until backward)."""
+    gradients (a grads-in-forward call's held gradients are those: backward hands them over)."""
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).requires_grad_()
     weight = (torch.randn(v, h, generator=gen) * 0.02).requires_grad_()
@@ -149,25 +165,33 @@ def working_set(n, h, v, **kwargs):
     step()  # first call: compiles the kernels outside the measured region
     hidden.grad = weight.grad = None
     _, peak = measure_peak_bytes(step)
-    gradients = (n * h + v * h) * 4
-    held = gradients if kwargs.get("grads_in_forward") else 0  # the saved ones, beside the returned
-    return peak - gradients - held
+    return peak - (n * h + v * h) * 4
 
 
-@pytest.mark.parametrize("grads_in_forward", [False, True])
-def test_working_set_is_one_chunk(grads_in_forward):
-    # 4096 tokens x V 8192 fp32: the unfused logits alone are 128 MiB; the automatic chunk is
-    # the 16 MiB budget's 512 tokens, and the op holds one chunk of logits, which the compiled
-    # kernel overwrites with their gradient (no second [n, V] buffer).
+def test_working_set_is_one_tile_whatever_the_vocabulary():
+    # 2048 tokens x V 8192 / 65536 fp32: the unfused logits alone are 64 / 512 MiB; the op
+    # holds one [512, 3584] tile (7 MiB), which the compiled backward kernel overwrites with
+    # its gradient (no second buffer), and a few [N] vectors: under 8 MiB at both.
+    n, h = 2048, 16
+    for v in (8192, 65536):
+        tiles = resolve_tiles(None, n, v, 4, "cpu")
+        assert tiles == Tiles(512, 3584)
+        measured = working_set(n, h, v)
+        assert tiles.bytes(4) <= measured <= 8 * MiB, (v, measured / MiB)
+    smaller = working_set(n, h, 65536, chunk_bytes=2 * MiB)
+    assert smaller <= 2 * MiB + 256 * 1024, smaller / MiB  # the budget is what it costs
+
+
+def test_grads_in_forward_working_set_is_one_whole_row_chunk():
+    # The grads-in-forward op walks whole rows: one [512, V] chunk (16 MiB at V 8192),
+    # overwritten by its gradient; the gradients it computes are the ones backward returns.
     n, h, v = 4096, 32, 8192
-    chunk = resolve_chunk_size(None, n, v, 4, "cpu")
-    assert chunk == DEFAULT_CHUNK_BYTES // (v * 4) == 512
-    measured = working_set(n, h, v, grads_in_forward=grads_in_forward)
-    chunk_bytes = chunk * v * 4
-    assert measured <= chunk_bytes + 2 * MiB, measured / MiB  # + per-token [N] vectors
-    assert measured <= 0.3 * n * v * 4, measured / MiB
-    smaller = working_set(n, h, v, grads_in_forward=grads_in_forward, chunk_bytes=4 * MiB)
-    assert smaller <= 4 * MiB + 2 * MiB, smaller / MiB  # the budget is what it costs
+    tiles = resolve_tiles(None, n, v, 4, "cpu", whole_rows=True)
+    assert tiles == Tiles(512, v)
+    measured = working_set(n, h, v, grads_in_forward=True)
+    assert tiles.bytes(4) <= measured <= tiles.bytes(4) + 1 * MiB, measured / MiB
+    smaller = working_set(n, h, v, grads_in_forward=True, chunk_bytes=4 * MiB)  # 128 tokens
+    assert smaller <= 4 * MiB + 1 * MiB, smaller / MiB
 
 
 def test_documented_tuning_is_the_rule_s():

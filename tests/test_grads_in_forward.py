@@ -1,14 +1,15 @@
 """The opt-in grads-in-forward mode against torch's unfused F.linear + F.cross_entropy.
 
 Loss and every gradient, every scalar reduction (class weights, smoothing,
-ignored targets, bias), fp32 and a tiny bf16 case; a second backward under
-``retain_graph``; what saved-tensor hooks see; the backend option, proven on
+ignored targets, bias), fp32 and a tiny bf16 case; backward hands over the saved
+gradients with no copy, and a second backward under ``retain_graph`` raises; what saved-tensor hooks see; the backend option, proven on
 the graph; ``reduction="none"`` and no-grad calls fall back to the recompute op;
 torch.func and double backward refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from rewrite_proof import compare_with_stock
 from torch.testing import assert_close
 
 from compile_pass import linear_cross_entropy
+from compile_pass.memory import measure_peak_bytes
 from compile_pass.op import loops
 
 GIF_OP = torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default
@@ -126,17 +128,88 @@ def test_bfloat16_error_no_worse_than_unfused():
         assert ours_error <= 2 * unfused_error + 1e-3, (name, ours_error, unfused_error)
 
 
-def test_retain_graph_second_backward_is_equal():
+IDENTITY_HOOKS = ("no hooks", "identity hooks", "save_on_cpu")
+
+
+def _saved_tensor_hooks(kind):
+    if kind == "identity hooks":  # hands back the very tensors it was given: no version check by autograd
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    if kind == "save_on_cpu":  # on CPU, .cpu() and .to() hand back the same tensors
+        return torch.autograd.graph.save_on_cpu()
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("hooks", IDENTITY_HOOKS)
+def test_retain_graph_second_backward_raises_never_wrong(hooks):
+    # The first backward scales the saved gradients in place and hands them over (no copy),
+    # so a second one through the same graph must raise, whatever saved-tensor hooks did
+    # (the old copying backward gave 2x the gradients; an unchecked in-place one would give
+    # grad_total * (grad_total * saved): wrong, silently).
     hidden, weight, target, bias = make_inputs(bias=True)
-    loss = gif(hidden, weight, target, bias, chunk_size=8)
+    with _saved_tensor_hooks(hooks):
+        loss = gif(hidden, weight, target, bias, chunk_size=8)
+    (loss * 0.7).backward(retain_graph=True)
+    reference = loss_and_grads(unfused, *[t.detach().requires_grad_() for t in (hidden, weight)], target,
+                               bias.detach().requires_grad_(), grad_scale=0.7)
+    for t, r in zip((hidden, weight, bias), reference[1:], strict=True):
+        assert_close(t.grad, r, **TOL[torch.float32])
+    with pytest.raises(NotImplementedError, match="expected one backward through a grads_in_forward=True "
+                                                  "loss, got a second one .retain_graph=True.*grads_in_forward=False"):
+        loss.backward()
+
+
+def test_backward_hands_over_the_saved_gradients_with_no_copy():
+    # The gradients computed in forward become .grad themselves: backward allocates nothing
+    # gradient-sized (before: a new product of each, and zero gradients materialised for the
+    # op's four non-differentiable outputs).
+    n, h, v = 256, 64, 512
+    hidden, weight, target, bias = make_inputs(bias=True, n=n, h=h, v=v)
+    pointers = []
+    real = loops.chunked_grads_in_forward
+
+    def recording(*args, **kwargs):
+        outputs = real(*args, **kwargs)
+        pointers.extend(t.data_ptr() for t in outputs[1:4])
+        return outputs
+
+    loops.chunked_grads_in_forward = recording
+    try:
+        loss = gif(hidden, weight, target, bias)
+    finally:
+        loops.chunked_grads_in_forward = real
+    _, peak = measure_peak_bytes(loss.backward)
+    assert [t.grad.data_ptr() for t in (hidden, weight, bias)] == pointers
+    assert peak <= 64 * 1024, peak  # a few [N] / 0-d temporaries; one gradient is (N + V) H * 4 = 192 KiB
+    reference = loss_and_grads(unfused, *[t.detach().requires_grad_() for t in (hidden, weight)], target,
+                               bias.detach().requires_grad_(), grad_scale=1.0)
+    for t, r in zip((hidden, weight, bias), reference[1:], strict=True):
+        assert_close(t.grad, r, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_backend_retain_graph_second_backward_is_exact_or_raises(inner):
+    # Compiled, AOTAutograd owns the backward graph: a second backward is either exact (its
+    # graph computes the product out of place) or refused (its donated-buffer check), never wrong.
+    torch._dynamo.reset()
+    model = Head("mean")
+    hidden = torch.randn(2, 9, H, requires_grad=True)
+    labels = torch.randint(0, V, (2, 9))
+    compiled = torch.compile(model, backend="chunkce",
+                             options={"grads_in_forward": True, "chunk_size": 8, "inner_backend": inner})
+    loss = compiled(hidden, labels)
     loss.backward(retain_graph=True)
-    first = [t.grad.clone() for t in (hidden, weight, bias)]
-    loss.backward()
-    for t, g in zip((hidden, weight, bias), first, strict=True):
-        assert_close(t.grad, 2 * g, atol=0, rtol=0)  # backward wrote nothing into what it saved
-    reference = loss_and_grads(unfused, hidden, weight, target, bias, grad_scale=1.0)
-    for g, r in zip(first, reference[1:], strict=True):
+    first = [hidden.grad.clone(), model.lm_head.weight.grad.clone()]
+    reference = torch.autograd.grad(model(hidden, labels), (hidden, model.lm_head.weight))
+    for g, r in zip(first, reference, strict=True):
         assert_close(g, r, **TOL[torch.float32])
+    try:
+        loss.backward()
+    except (RuntimeError, NotImplementedError) as error:
+        assert "retain_graph" in str(error), error
+    else:
+        for g, t in zip(first, (hidden, model.lm_head.weight), strict=True):
+            assert_close(t.grad, 2 * g, **TOL[torch.float32])
+    torch._dynamo.reset()
 
 
 class PackRecorder(torch.autograd.graph.saved_tensors_hooks):

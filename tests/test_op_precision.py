@@ -19,10 +19,11 @@ FACTOR = 1.5  # chunkce's error at most this times torch's ...
 FLOOR = 3e-8  # ... plus a quarter of an fp32 ulp, relative (torch's error can be ~0 by luck)
 
 
-@pytest.mark.parametrize("grads_in_forward", [False, True], ids=["recompute", "grads_in_forward"])
+@pytest.mark.parametrize("grads_in_forward, tiles", [(False, False), (False, True), (True, False)],
+                         ids=["recompute", "recompute_128_column_tiles", "grads_in_forward"])
 @pytest.mark.parametrize("spread, offset, divisor", [case[1:] for case in CASES],
                          ids=[case[0] for case in CASES])
-def test_error_against_fp64_no_worse_than_torch(spread, offset, divisor, grads_in_forward):
-    theirs, ours = case_errors(spread, offset, divisor, grads_in_forward)
+def test_error_against_fp64_no_worse_than_torch(spread, offset, divisor, grads_in_forward, tiles):
+    theirs, ours = case_errors(spread, offset, divisor, grads_in_forward, tiles)
     for name, torch_error, chunkce_error in zip(QUANTITIES, theirs, ours, strict=True):
         assert chunkce_error <= FACTOR * torch_error + FLOOR, (name, chunkce_error, torch_error)

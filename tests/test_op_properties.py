@@ -1,6 +1,7 @@
 """Property-based search (hypothesis) of the op against torch's unfused
-F.linear + F.cross_entropy: loss and every gradient, over shapes, dtypes, chunk
-sizes, every reduction, ignored targets (none, some, all, a whole chunk), label
+F.linear + F.cross_entropy: loss and every gradient, over shapes, dtypes, tiles (tokens
+and vocabulary columns: one tile, ragged edges, prime V; the grads-in-forward op's
+whole rows), every reduction, ignored targets (none, some, all, a whole chunk), label
 smoothing, class weights, bias, non-contiguous views of every tensor argument and
 3-D input.
 
@@ -59,10 +60,14 @@ def cases(draw, low_precision: bool):
         h = draw(st.integers(1, 48))
     lead = draw(st.sampled_from([(), (2,), (3,)])) if n % 6 == 0 and n > 0 else ()
     chunk_size = draw(st.one_of(st.none(), st.integers(1, max(1, n + 3))))
+    # vocabulary columns a tile: None (the default budget), one column up to more than V (a
+    # single tile), ragged last blocks and prime V among them; given as the tile's byte budget
+    columns = draw(st.one_of(st.none(), st.integers(1, v + 2)))
     ignored = draw(st.sampled_from(["none", "some", "all", "first_chunk"]))
     ignore_index = draw(st.sampled_from([-100, 0, v - 1, v + 5]))
     return {
         "dtype": dtype, "n": n, "h": h, "v": v, "lead": lead, "chunk_size": chunk_size, "ignored": ignored,
+        "columns": columns, "grads_in_forward": draw(st.booleans()),
         "ignore_index": ignore_index,
         "reduction": draw(st.sampled_from(["mean", "sum", "none"])),
         "label_smoothing": draw(st.sampled_from([0.0, 0.0, 0.1, 1.0, 0.37])),
@@ -108,9 +113,13 @@ def _run(fn, tensors, case, dtype):
     kwargs = {"reduction": case["reduction"], "ignore_index": case["ignore_index"],
                   "label_smoothing": case["label_smoothing"]}
     if fn == "ours":
+        chunk_bytes = None  # the tile's budget: (chunk_size, or the CPU floor's) tokens of `columns` columns
+        if case["columns"] is not None:
+            chunk_bytes = (case["chunk_size"] or 512) * case["columns"] * leaves["hidden"].element_size()
         loss = linear_cross_entropy(leaves["hidden"], leaves["weight"], tensors["target"],
                                     linear_bias=leaves.get("bias"), weight=class_weight,
-                                    chunk_size=case["chunk_size"], **kwargs)
+                                    chunk_size=case["chunk_size"], chunk_bytes=chunk_bytes,
+                                    grads_in_forward=case["grads_in_forward"], **kwargs)
     else:
         logits = F.linear(leaves["hidden"], leaves["weight"], leaves.get("bias"))
         loss = F.cross_entropy(logits.flatten(0, -2), tensors["target"].flatten(),

@@ -28,12 +28,14 @@ def _assert_all_close(ours, theirs, **tolerances):
 # ---- no recompile after warm-up --------------------------------------------------------
 
 
-def _step(dtype, n, reduction="mean", strided_target=False, chunk_size=8):
-    hidden, weight, target, _ = make_inputs(n=n, h=8, v=24, dtype=dtype, ignored=min(n, 3), seed=n)
+def _step(dtype, n, reduction="mean", strided_target=False, chunk_size=8, columns=None, v=24):
+    hidden, weight, target, _ = make_inputs(n=n, h=8, v=v, dtype=dtype, ignored=min(n, 3), seed=n)
     if strided_target:  # a view of every other label of a longer row
         target = torch.stack([target, target], 1).flatten()[::2]
+    # columns: vocabulary columns a tile (the budget of chunk_size tokens of them); None: whole rows
+    chunk_bytes = None if columns is None else chunk_size * columns * hidden.element_size()
     loss = linear_cross_entropy(hidden, weight, target, reduction=reduction, chunk_size=chunk_size,
-                                label_smoothing=0.1)
+                                label_smoothing=0.1, chunk_bytes=chunk_bytes)
     loss.float().sum().backward()
 
 
@@ -66,6 +68,29 @@ def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
         for reduction in ("sum", "none"):
             _step(dtype, 37, reduction=reduction)
         _step(dtype, 29, strided_target=True)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+# warm-up tiles (vocabulary columns a tile; None: whole rows), then tiles of every width: one
+# block, several with a ragged last block (24 = 4 x 5 + 4; 23 columns: 22 + a one-column
+# tail joined to it), two-column blocks, and a prime vocabulary
+@pytest.mark.parametrize("dtype,warm_up_columns", [(torch.float32, None), (torch.float32, 5),
+                                                   (torch.bfloat16, 7)])
+def test_no_recompile_across_tile_edges(dtype, warm_up_columns, monkeypatch):
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
+    kernels._compiled.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
+    _step(dtype, 37, columns=warm_up_columns)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2, dict(counters["stats"])  # chunk_forward, chunk_backward
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for columns in (None, 5, 23, 2, 3, 12, 7):
+            for n in (37, 1, 8, 81):
+                _step(dtype, n, columns=columns)
+        for v in (29, 97):  # prime vocabularies, whole rows and tiles
+            _step(dtype, 37, columns=None, v=v)
+            _step(dtype, 37, columns=6, v=v)
     assert counters["stats"]["unique_graphs"] == graphs
 
 

@@ -5,11 +5,12 @@
                    ``ChunkPlan``: the options resolved for one call
     custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func
     grads_in_forward.py  opt-in ``chunkce::linear_cross_entropy_grads_in_forward``: gradients computed in forward
-    loops.py       the ops' chunk loops (the three of them): project a chunk, run its kernel, write its
+    loops.py       the ops' tile loops (the three of them): project a tile, run its kernel, write its
                    share of the outputs; ``op_body``, what every op's body runs around its loop
-    kernels.py     the per-chunk math, compiled by Inductor for the device
-    chunking.py    how a call is cut: tokens per chunk (``resolve_chunk_size``: a byte budget and
-                   the smallest chunk at full matmul speed), the backward's block walk
+    kernels.py     the per-tile math (the log-sum-exp online across vocabulary blocks), compiled
+                   by Inductor for the device
+    chunking.py    how a call is cut into [n, Vb] tiles, one rule for the three ops (``resolve_tiles``:
+                   n the smallest chunk at full matmul speed, Vb from a byte budget), the backward's walk
     settings.py    the ``CHUNKCE_*`` environment variables
 
 This package never imports the graph pass (:mod:`compile_pass.graph`) or the entry points.

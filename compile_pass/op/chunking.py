@@ -1,45 +1,53 @@
-"""How the op cuts a call into chunks: tokens per chunk, and the backward's walk.
+"""How the op cuts a call into tiles: ``n`` tokens by ``Vb`` vocabulary columns, one rule
+for forward, backward and the grads-in-forward op.
 
-A chunk costs ``chunk_size * vocab_size * itemsize`` bytes for its logits; backward
-(and the grads-in-forward loop) overwrites them with their gradient in place
-(:func:`compile_pass.op.kernels.chunk_backward`), so the op's working set beyond
-its inputs and their gradients is one chunk.
-:func:`choose_chunk_size` picks the tokens of a chunk from two numbers:
+A tile of logits ``[n, Vb]`` costs ``n * Vb * itemsize`` bytes. Forward walks a token
+chunk's vocabulary blocks with the log-sum-exp online across them
+(:func:`compile_pass.op.kernels.chunk_forward`); backward walks the same tiles with the
+saved row statistics and overwrites each tile's logits with their gradient in place
+(:func:`compile_pass.op.kernels.chunk_backward`). So the op's working set beyond its
+inputs and their gradients is one tile (plus ``[N]`` vectors), whatever ``V`` and ``N``.
+:func:`choose_tiles` is the rule, from two numbers:
 
-* a **byte budget** for one chunk's logits (``chunk_bytes``; default
-  :data:`DEFAULT_CHUNK_BYTES`, or ``CHUNKCE_CHUNK_BYTES``), which fixes the
-  working set whatever the number of tokens: it stays flat while unfused
-  compile's ``[N, V]`` buffers grow with N;
 * the **smallest chunk at which the matmuls still run at full speed**
-  (:func:`min_full_speed_tokens`): every per-chunk matmul reads the whole
-  ``[V, H]`` weight once, for ``2 * n`` flops per weight element, so a small chunk
-  is bound by memory bandwidth, not by the arithmetic units. The default budget
-  never goes below it; an explicit budget does (the user's trade).
+  (:func:`min_full_speed_tokens`) sets ``n``: every per-tile matmul reads a
+  ``[Vb, H]`` block of the weight for ``2 * n`` flops per element, so a small ``n`` is
+  bound by memory bandwidth, not by the arithmetic units;
+* a **byte budget** for one tile (``chunk_bytes``; default :func:`default_chunk_bytes`,
+  or ``CHUNKCE_CHUNK_BYTES``) sets ``Vb = budget / (n * itemsize)``, rounded down to a
+  multiple of :data:`VOCAB_ALIGN` columns. A vocabulary that fits in one tile takes whole
+  rows and more tokens (``n = budget / (V * itemsize)``, never below the floor).
 
-Tuned on (the full tables and the trade-offs: ``docs/op.md``, "Chunk size"; these
-are the same measurements):
+Tuned on (the full tables and the trade-offs: ``docs/op.md``, "Tiles"; these are the same
+measurements):
 
 * CPU, the project's 2-core AMD EPYC (32 MiB L3), torch 2.13 + MKL, fp32, weight std
-  0.02, on an otherwise idle machine: the projection and the weight-gradient product
-  of one chunk together at H 1024, V 32768 ran at 75 / 99 / 107 / 129 / 123 GFLOP/s
-  with 64 / 128 / 256 / 512 / 1024 tokens. Hence a CPU floor of 256 tokens (a
-  compromise: 512 runs the matmuls at full speed at twice the working set) and a
-  16 MiB budget, which decides only for small vocabularies (V < 16384 in fp32).
+  0.02: the four matmuls of the recompute design, tile by tile, against the same four on
+  the whole shape (``N = 2048, H = 1024, V = 32768``), took 0.87x with 512 x 4096 tiles,
+  0.96x with 256 x 8192 and 1.36x with 256 x 4096 (at ``H = 256``: 1.0x, 1.39x and 1.46x
+  with 512 x 2048). Hence a CPU floor of 512 tokens and a 7 MiB budget
+  (512 x 3584 fp32 tiles: the working set stays below 8 MiB with the ``[N]`` vectors).
 * CUDA, H200 (torch 2.11), H 4096, V 128256, bf16 with fp32 logits, 8192 tokens,
   forward + backward: 97 ms with 256-token chunks, 63 ms with 1024, 59 ms with 2048.
-  Hence an accelerator floor of 2048 tokens.
+  Hence an accelerator floor of 2048 tokens; its 64 MiB budget (2048 x 16384 bf16 tiles)
+  is not measured (fewer, larger tiles: each costs a few kernel launches).
 
-Then rounded down to a multiple of :data:`ALIGN` tokens (at least ``ALIGN``) and
-capped at the number of tokens. :func:`resolve_chunk_size` is the one place the op
-(and the graph pass's report) decides between an explicit ``chunk_size`` or
-``chunk_bytes``, ``CHUNKCE_CHUNK_SIZE`` or ``CHUNKCE_CHUNK_BYTES``, and the default.
+``chunk_size`` (or ``CHUNKCE_CHUNK_SIZE``) overrides ``n``; the budget still sets ``Vb``.
+:func:`resolve_tiles` is the one place the op (and the graph pass's report, through
+:func:`resolve_chunk_size`) decides between the arguments, the environment and the
+default.
+
+The grads-in-forward op computes a row's gradient in the same walk as its log-sum-exp,
+so it needs the whole row's statistics before any gradient: it takes whole rows
+(``whole_rows=True``: ``Vb = V``, ``n`` from the budget, at least the floor when the
+budget is the default), one ``[n, V]`` chunk at a time (its trade: three matmuls where the
+recompute op runs four, for a working set of one whole-row chunk).
 
 Backward with a half-precision weight over several token chunks accumulates the
-weight gradient in fp32; it walks the vocabulary in ``VOCAB_BLOCKS`` blocks so the
-fp32 accumulator is one block (``V / VOCAB_BLOCKS * H * 4`` bytes: a quarter of a
-bf16 weight) rather than the whole ``[V, H]``, with token chunks ``VOCAB_BLOCKS``
-times wider so each chunk of logits keeps its size. :func:`plan_backward` says
-which blocks and chunks a call walks and which gradient buffers sum into.
+weight gradient of a vocabulary block in fp32 (``[Vb, H]``); its blocks are at most
+``V / VOCAB_BLOCKS`` wide, so that accumulator is at most an eighth of ``4 V H`` bytes.
+:func:`plan_backward` says which tiles a backward call walks and which gradient buffers
+sum into.
 """
 
 from __future__ import annotations
@@ -52,88 +60,153 @@ import torch
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.settings import settings
 
-DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024  # bytes of one chunk's logits, the default budget
-MIN_FULL_SPEED_TOKENS_CPU = 256  # tokens
+MiB = 1024 * 1024
+DEFAULT_CHUNK_BYTES = 7 * MiB  # bytes of one tile of logits: the default budget on CPU
+DEFAULT_CHUNK_BYTES_ACCELERATOR = 64 * MiB  # and on accelerators
+MIN_FULL_SPEED_TOKENS_CPU = 512  # tokens
 MIN_FULL_SPEED_TOKENS_ACCELERATOR = 2048  # tokens
 ALIGN = 32  # tokens
-VOCAB_BLOCKS = 8
+VOCAB_ALIGN = 128  # vocabulary columns
+MIN_VOCAB_BLOCK = 2  # columns: a one-column block would specialise the compiled kernels
+VOCAB_BLOCKS = 8  # a half-precision weight's backward: blocks at most V / VOCAB_BLOCKS wide
 
 Span = tuple[int, int]  # [start, end)
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """The tile of one call: ``tokens`` (n) by ``vocab_block`` (Vb) logits, each at least
+    1 and at most the call's N (resp. V) where that is positive."""
+
+    tokens: int
+    vocab_block: int
+
+    def bytes(self, itemsize: int) -> int:
+        """Bytes of one tile of logits."""
+        return self.tokens * self.vocab_block * itemsize
+
+
 def min_full_speed_tokens(device_type: str) -> int:
-    """The smallest chunk (tokens) at which the per-chunk matmuls run at full speed on a
+    """The smallest chunk (tokens) at which the per-tile matmuls run at full speed on a
     device type (measured: the module docstring)."""
     return MIN_FULL_SPEED_TOKENS_CPU if device_type == "cpu" else MIN_FULL_SPEED_TOKENS_ACCELERATOR
 
 
-def choose_chunk_size(
+def default_chunk_bytes(device_type: str) -> int:
+    """The default budget of one tile of logits, in bytes, on a device type."""
+    return DEFAULT_CHUNK_BYTES if device_type == "cpu" else DEFAULT_CHUNK_BYTES_ACCELERATOR
+
+
+def _align_down(value: int, step: int) -> int:
+    return max(step, (value // step) * step)
+
+
+def choose_tiles(
     num_tokens: int,
     vocab_size: int,
     logits_itemsize: int,
     *,
     chunk_bytes: int | None = None,
     min_tokens: int = MIN_FULL_SPEED_TOKENS_CPU,
-) -> int:
-    """Automatic chunk size, in tokens.
+    chunk_size: int | None = None,
+    whole_rows: bool = False,
+    default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Tiles:
+    """The tile of one call: the rule.
 
     Args:
         num_tokens: N, the number of (flattened) tokens.
         vocab_size: V.
-        logits_itemsize: bytes per element of one chunk of logits (the projection's dtype).
-        chunk_bytes: the budget of one chunk's logits, in bytes; None = the default
-            (:data:`DEFAULT_CHUNK_BYTES`), which is raised to ``min_tokens`` tokens where
-            it holds fewer. An explicit budget is not raised.
-        min_tokens: the smallest chunk at full matmul speed
-            (:func:`min_full_speed_tokens` gives the device's).
+        logits_itemsize: bytes per element of a tile of logits (the projection's dtype).
+        chunk_bytes: the budget of one tile, in bytes; None = ``default_chunk_bytes``.
+        min_tokens: the smallest chunk at full matmul speed (:func:`min_full_speed_tokens`).
+        chunk_size: tokens a tile, given (``n``); None = the rule's.
+        whole_rows: every tile holds whole rows (``Vb = V``; the grads-in-forward op).
+        default_chunk_bytes: the default budget (:func:`default_chunk_bytes` gives the
+            device's).
 
     Returns:
-        An int in ``[1, max(num_tokens, 1)]``: ``chunk_bytes // (V * logits_itemsize)``
-        tokens (at least ``min_tokens`` for the default budget), rounded down to a
-        multiple of ``ALIGN`` (at least ``ALIGN``), at most ``num_tokens``.
+        ``Tiles(n, Vb)``. ``n``: ``chunk_size`` if given; else with ``whole_rows``, the
+        budget's rows (at least ``min_tokens`` for the default budget); else
+        ``min_tokens`` (fewer when the budget cannot hold ``min_tokens`` rows of
+        ``VOCAB_ALIGN`` columns), raised to the budget's rows when a row fits in it;
+        rounded down to a multiple of :data:`ALIGN` (at least ``ALIGN``) and capped at N.
+        ``Vb``: V with ``whole_rows`` or when ``n`` rows fit the budget, else the
+        budget's columns at ``n`` tokens rounded down to a multiple of ``VOCAB_ALIGN``
+        (at least :data:`MIN_VOCAB_BLOCK`, at most V).
     """
-    budget = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    tokens = budget // max(vocab_size * logits_itemsize, 1)
-    if chunk_bytes is None:
-        tokens = max(tokens, min_tokens)
-    tokens = max(ALIGN, (tokens // ALIGN) * ALIGN)
-    return max(1, min(tokens, num_tokens))
+    budget = default_chunk_bytes if chunk_bytes is None else chunk_bytes
+    row_bytes = max(vocab_size, 1) * logits_itemsize
+    if chunk_size is not None and chunk_size > 0:
+        tokens = chunk_size
+    else:
+        rows = budget // row_bytes  # whole rows the budget holds
+        if whole_rows:
+            tokens = max(rows, min_tokens) if chunk_bytes is None else rows
+        else:
+            narrow = min(max(vocab_size, 1), VOCAB_ALIGN) * logits_itemsize  # the narrowest tile's row
+            tokens = max(min(min_tokens, budget // narrow), rows)
+        tokens = _align_down(tokens, ALIGN)
+    tokens = max(1, min(tokens, num_tokens))
+    if whole_rows:
+        return Tiles(tokens, max(vocab_size, 1))
+    columns = budget // (tokens * logits_itemsize)
+    if columns >= vocab_size:
+        return Tiles(tokens, max(vocab_size, 1))
+    if columns >= VOCAB_ALIGN:
+        columns = (columns // VOCAB_ALIGN) * VOCAB_ALIGN
+    return Tiles(tokens, min(max(columns, MIN_VOCAB_BLOCK), vocab_size))
 
 
-def resolve_chunk_size(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
-                       device_type: str, *, chunk_bytes: int | None = None) -> int:
-    """The tokens per chunk the op uses for one call.
+def choose_chunk_size(num_tokens: int, vocab_size: int, logits_itemsize: int, *,
+                      chunk_bytes: int | None = None, min_tokens: int = MIN_FULL_SPEED_TOKENS_CPU) -> int:
+    """Tokens a tile by the rule (:func:`choose_tiles`'s ``n``)."""
+    return choose_tiles(num_tokens, vocab_size, logits_itemsize, chunk_bytes=chunk_bytes,
+                        min_tokens=min_tokens).tokens
 
-    In order, the first given wins: the arguments ``chunk_size``, then ``chunk_bytes``;
-    the environment's ``CHUNKCE_CHUNK_SIZE``, then ``CHUNKCE_CHUNK_BYTES``; else the
-    default budget with the device's full-speed floor (:func:`choose_chunk_size`).
+
+def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
+                  device_type: str, *, chunk_bytes: int | None = None, whole_rows: bool = False) -> Tiles:
+    """The tiles the op uses for one call.
+
+    Tokens a tile: the argument ``chunk_size``; else, when the argument ``chunk_bytes`` is
+    not given, the environment's ``CHUNKCE_CHUNK_SIZE``; else the rule. The budget: the
+    argument ``chunk_bytes``, else ``CHUNKCE_CHUNK_BYTES``, else the device's default
+    (:func:`default_chunk_bytes`, with the device's full-speed floor): :func:`choose_tiles`.
 
     Args:
-        chunk_size: tokens per chunk, or None / 0 for automatic (any value below 1
-            is automatic).
+        chunk_size: tokens a tile, or None / 0 for automatic (any value below 1 is automatic).
         num_tokens: N, the number of (flattened) tokens.
         vocab_size: V.
         itemsize: bytes per element of the logits (the projection runs in the hidden
             states' dtype).
         device_type: the device type of the hidden states (``"cpu"``, ``"cuda"``, ...).
-        chunk_bytes: bytes of one chunk's logits, or None / 0 for the default budget.
+        chunk_bytes: bytes of one tile of logits, or None / 0 for the default budget.
+        whole_rows: tiles of whole rows (the grads-in-forward op).
 
     Returns:
-        Tokens per chunk, at least 1.
+        The :class:`Tiles`.
 
     Raises:
         ValueError: ``CHUNKCE_CHUNK_SIZE`` or ``CHUNKCE_CHUNK_BYTES`` is read and is
             not a positive integer.
     """
-    if chunk_size is not None and chunk_size > 0:
-        return chunk_size
     env = settings()
+    if chunk_size is None or chunk_size <= 0:
+        chunk_size = env.chunk_size if chunk_bytes is None or chunk_bytes <= 0 else None
     if chunk_bytes is None or chunk_bytes <= 0:
-        if env.chunk_size:
-            return env.chunk_size
         chunk_bytes = env.chunk_bytes
-    return choose_chunk_size(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
-                             min_tokens=min_full_speed_tokens(device_type))
+    return choose_tiles(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
+                        min_tokens=min_full_speed_tokens(device_type), chunk_size=chunk_size,
+                        whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type))
+
+
+def resolve_chunk_size(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
+                       device_type: str, *, chunk_bytes: int | None = None) -> int:
+    """Tokens a tile of the recompute op for one call (:func:`resolve_tiles`'s ``n``; what
+    the graph pass's report shows)."""
+    return resolve_tiles(chunk_size, num_tokens, vocab_size, itemsize, device_type,
+                         chunk_bytes=chunk_bytes).tokens
 
 
 def spans(total: int, size: int) -> list[Span]:
@@ -151,7 +224,7 @@ def spans(total: int, size: int) -> list[Span]:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """How one backward call walks its chunks and where each gradient lands.
+    """How one backward call walks its tiles and where each gradient lands.
 
     The walk is every token chunk within every vocabulary block. A gradient
     buffer either sums products over the walk (zero-initialised, added into in
@@ -162,8 +235,9 @@ class BackwardPlan:
     want_hidden: bool  # grad_hidden_states [N, H]
     want_weight: bool  # grad_weight [V, H]
     want_bias: bool  # grad_bias [V]
-    # vocabulary columns: VOCAB_BLOCKS blocks for a half-precision weight over several
-    # token chunks, else one; token chunks VOCAB_BLOCKS times chunk_size when blocked.
+    # the forward's tiles: vocabulary blocks of tiles.vocab_block columns (at most
+    # V / VOCAB_BLOCKS for a half-precision weight over several token chunks), token chunks
+    # of tiles.tokens
     vocab_blocks: tuple[Span, ...]
     token_chunks: tuple[Span, ...]
     accumulate_dtype: torch.dtype  # of the weight-gradient accumulator and grad_bias (fp32 for half)
@@ -183,14 +257,14 @@ class BackwardPlan:
         return (self.weight_sums and not self.weight_block_accumulator) or not self.token_chunks
 
 
-def plan_backward(num_tokens: int, vocab_size: int, chunk_size: int, hidden_dtype: torch.dtype,
+def plan_backward(num_tokens: int, vocab_size: int, tiles: Tiles, hidden_dtype: torch.dtype,
                   weight_dtype: torch.dtype, output_mask: list[bool], has_bias: bool) -> BackwardPlan:
-    """The walk of one backward call.
+    """The walk of one backward call over the forward's tiles.
 
     Args:
         num_tokens: N.
         vocab_size: V.
-        chunk_size: tokens per chunk (:func:`resolve_chunk_size`).
+        tiles: the call's tiles (:func:`resolve_tiles`).
         hidden_dtype: dtype of the hidden states.
         weight_dtype: dtype of the weight.
         output_mask: ``[grad_hidden_states, grad_weight, grad_bias]`` wanted.
@@ -198,21 +272,22 @@ def plan_backward(num_tokens: int, vocab_size: int, chunk_size: int, hidden_dtyp
     """
     want_hidden, want_weight, want_bias = output_mask
     accumulate = accumulate_dtype(weight_dtype)
-    blocks = 1
-    if accumulate != weight_dtype and num_tokens > chunk_size:
-        # at least 2 columns a block: a one-column block would specialise the kernels
-        blocks = max(1, min(VOCAB_BLOCKS, vocab_size // 2))
-    token_chunks = tuple(spans(num_tokens, chunk_size * blocks))  # same logits bytes a chunk
+    token_chunks = tuple(spans(num_tokens, tiles.tokens))
+    block = tiles.vocab_block
+    if accumulate != weight_dtype and len(token_chunks) > 1:  # the fp32 [Vb, H] accumulator: bounded
+        block = min(block, max(MIN_VOCAB_BLOCK, -(-vocab_size // VOCAB_BLOCKS)))
+    vocab_blocks = tuple(spans(vocab_size, block))
+    blocked = len(vocab_blocks) > 1
     weight_sums = len(token_chunks) > 1
     return BackwardPlan(
         want_hidden=want_hidden,
         want_weight=want_weight,
         want_bias=want_bias and has_bias,
-        vocab_blocks=tuple(spans(vocab_size, -(-vocab_size // blocks))),
+        vocab_blocks=vocab_blocks,
         token_chunks=token_chunks,
         accumulate_dtype=accumulate,
-        grad_hidden_dtype=accumulate_dtype(hidden_dtype) if blocks > 1 else hidden_dtype,
-        hidden_sums=blocks > 1,
+        grad_hidden_dtype=accumulate_dtype(hidden_dtype) if blocked else hidden_dtype,
+        hidden_sums=blocked,
         weight_sums=weight_sums,
         weight_block_accumulator=want_weight and weight_sums and accumulate != weight_dtype,
     )

@@ -4,15 +4,15 @@ Their schemas are generated from :class:`compile_pass.op.schema.OpOptions` (the
 options, defined once): the bodies, fakes and ``setup_context`` read the options
 with ``OpOptions.parse``, and the backward is called with ``OpOptions.args``.
 
-``chunkce::linear_cross_entropy`` loops over token chunks
-(:func:`compile_pass.op.loops.chunked_forward`): project one chunk (``[n, V]``
-logits, freed before the next), then the per-chunk kernel of
-:mod:`compile_pass.op.kernels` gives its per-token loss and fp32 log-sum-exp. It
+``chunkce::linear_cross_entropy`` walks ``[n, Vb]`` tiles
+(:func:`compile_pass.op.loops.chunked_forward`): project one tile into the call's one
+tile buffer, then the per-tile kernel of :mod:`compile_pass.op.kernels` carries the
+row's fp32 log-sum-exp across its vocabulary blocks and gives the per-token loss. It
 returns ``loss [N]`` and the log-sum-exp in two parts, ``row_max [N]`` and
 ``row_log_sum [N]``. Autograd saves only its tensor inputs (the scale's 0-d tensor
 among them) and those two; ``ctx.options`` keeps the other options.
 
-``chunkce::linear_cross_entropy_backward`` recomputes each chunk's logits and
+``chunkce::linear_cross_entropy_backward`` recomputes each tile's logits and
 applies the analytic gradient (:func:`compile_pass.op.loops.chunked_backward`,
 formulas in :mod:`compile_pass.op.kernels`); being a custom op itself,
 AOTAutograd traces the backward graph with it as one node, and its own autograd
@@ -74,9 +74,10 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
     defaults of the others leave an older call as it was. A gradient that
     ``output_mask`` does not ask for comes back as an empty tensor and costs no work.
     Sums over chunks accumulate in fp32 (fp64 for fp64) and are cast to the parameter's
-    dtype once. A half-precision weight over several token chunks is walked in
-    ``VOCAB_BLOCKS`` vocabulary blocks, so its fp32 accumulator holds one block; the
-    hidden-state gradient then sums over blocks in an fp32 ``[N, H]`` accumulator.
+    dtype once. It walks the forward's tiles (:func:`compile_pass.op.chunking.plan_backward`):
+    a half-precision weight over several token chunks accumulates one vocabulary block in
+    fp32 (at most ``V / VOCAB_BLOCKS`` wide); with several blocks the hidden-state gradient
+    of a half-precision head sums over them in an fp32 ``[N, H]`` accumulator.
     """
     (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
     with loops.op_body(hidden_states, weight, options) as plan:

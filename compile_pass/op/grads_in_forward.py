@@ -23,10 +23,14 @@ ctx attributes): ``grad_hidden_states [N, H]``, ``grad_weight [V, H]`` and
 the weight's and bias's in fp32 for a half-precision head: the forward's accumulator,
 rounded to the parameter's dtype once, in backward, after the upstream gradient), and
 ``counted [N]`` bool, the tokens that are not ignored (an ignored token's is 0 for any upstream gradient, even the inf of a ``"mean"`` over no
-counted token). Their inputs are not saved. Backward never writes into them (a second
-``backward(retain_graph=True)`` sees the same values): it returns new tensors,
-``grad_total * saved``, so backward briefly holds both (one gradient-sized
-allocation more, as torch's ``LinearCrossEntropyOptions(allow_retain_graph=True)``).
+counted token). Their inputs are not saved. Backward scales them in place by the
+upstream gradient and returns them: no copy, no gradient-sized allocation (autograd's
+accumulation takes the tensors over; a half-precision head's fp32 accumulators are
+rounded to the parameter's dtype, the one new tensor). So a second
+``backward(retain_graph=True)`` through the same graph cannot be computed: it raises
+``NotImplementedError`` (autograd's check of a saved tensor modified in place, a
+version check where a saved-tensor hook hands back the same tensors, AOTAutograd's
+donated-buffer check when compiled), never returns a wrong gradient.
 While forward runs, a half-precision weight's gradient is summed in that fp32
 ``[V, H]`` accumulator (``aten::addmm.dtype_out`` where the device has it).
 
@@ -87,7 +91,7 @@ def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, 
     (``[grad_hidden_states, grad_weight, grad_bias]`` wanted) after the options without a
     default, as the recompute backward op takes it."""
     (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
-    with loops.op_body(hidden_states, weight, options, target) as plan:
+    with loops.op_body(hidden_states, weight, options, target, whole_rows=True) as plan:
         return loops.chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight,
                                               output_mask)
 
@@ -111,14 +115,36 @@ def _(hidden_states, weight, target, bias, class_weight, *options_and_mask):
 def _setup_context(ctx, inputs, output):
     _, grad_hidden, grad_weight, grad_bias, counted = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias, counted)
+    ctx.set_materialize_grads(False)  # no zero gradients of those four made for backward
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, counted)
     weight, bias = inputs[1], inputs[3]
     ctx.param_dtypes = (weight.dtype, weight.dtype if bias is None else bias.dtype)  # not tensors
+    # the saved gradients' versions (ints): a second backward finds them moved by the first's
+    # in-place scaling where a saved-tensor hook handed back the same tensors
+    ctx.versions = _versions((grad_hidden, grad_weight, grad_bias))
+
+
+def _versions(tensors) -> tuple[int, ...] | None:
+    """The version counters of plain tensors; None while tracing (fake or functional
+    tensors: a compiled graph's own checks apply there)."""
+    if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
+_SECOND_BACKWARD = (
+    f"{NAME}: expected one backward through a grads_in_forward=True loss, got a second one "
+    "(retain_graph=True): the first backward scaled the gradients computed in forward in place "
+    "and handed them over, with no copy; pass grads_in_forward=False (the recompute op supports "
+    "retain_graph=True) or compute the loss again for each backward"
+)
 
 
 def _backward(ctx, grad_total, *_grads_of_grads):
-    """``grad_total`` (0-d) times each saved gradient: new tensors in the saved ones' dtypes
-    (the saved tensors are never written, so ``retain_graph`` sees them unchanged).
+    """``grad_total`` (0-d) times each saved gradient, in place: the saved tensors are
+    returned as the gradients (no copy; autograd's accumulation takes them over), except
+    a half-precision head's fp32 weight and bias accumulators, whose product is rounded
+    to the parameter's dtype once.
 
     An ignored token's share is 0 whatever ``grad_total``, as torch's: its row of the
     hidden-state gradient, and the weight and bias gradients when every token is ignored.
@@ -126,24 +152,36 @@ def _backward(ctx, grad_total, *_grads_of_grads):
     which times the saved zeros would be nan.)
 
     Raises:
-        NotImplementedError: double backward (``create_graph=True``: grad mode is on).
+        NotImplementedError: double backward (``create_graph=True``: grad mode is on), or a
+            second backward through the same graph (``retain_graph=True``): the first
+            consumed the saved gradients. (Compiled, AOTAutograd's donated-buffer check
+            refuses the second backward itself.)
     """
     if torch.is_grad_enabled():
         raise NotImplementedError(
             f"{NAME}: double backward (create_graph=True through the op) is not supported with "
             "grads_in_forward=True; compute higher-order gradients with the unfused F.linear + F.cross_entropy"
         )
-    want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
-    saved_hidden, saved_weight, saved_bias, counted = ctx.saved_tensors  # counted [N] bool
-    grad_rows = torch.where(counted, grad_total, 0.0).unsqueeze(1)  # [N, 1]: 0 for ignored tokens
-    grad_some = torch.where(counted.any(), grad_total, 0.0)  # []: 0 when every token is ignored
-    grad_hidden = (saved_hidden * grad_rows).to(saved_hidden.dtype) if want_hidden else None
-    grad_weight, grad_bias = ((saved * grad_some).to(dtype)  # fp32 accumulators rounded once
-                              for saved, dtype in zip((saved_weight, saved_bias), ctx.param_dtypes))
+    try:
+        saved_hidden, saved_weight, saved_bias, counted = ctx.saved_tensors  # counted [N] bool
+    except RuntimeError as error:  # autograd's own check: a saved tensor modified in place
+        if "modified by an inplace operation" in str(error):
+            raise NotImplementedError(_SECOND_BACKWARD) from error
+        raise
+    if ctx.versions is not None and _versions((saved_hidden, saved_weight, saved_bias)) != ctx.versions:
+        raise NotImplementedError(_SECOND_BACKWARD)  # a saved-tensor hook handed back the same tensors
     grads = [None] * len(ctx.needs_input_grad)
-    grads[0] = grad_hidden if want_hidden else None
-    grads[1] = grad_weight if want_weight else None
-    grads[3] = grad_bias if want_bias else None
+    if grad_total is None:  # the loss's gradient is zero: no gradient flows
+        return tuple(grads)
+    want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
+    if want_hidden:
+        grad_rows = torch.where(counted, grad_total, 0.0).unsqueeze(1)  # [N, 1]: 0 for ignored tokens
+        grads[0] = saved_hidden.mul_(grad_rows)
+    grad_some = torch.where(counted.any(), grad_total, 0.0)  # []: 0 when every token is ignored
+    for index, wanted, saved, dtype in ((1, want_weight, saved_weight, ctx.param_dtypes[0]),
+                                        (3, want_bias, saved_bias, ctx.param_dtypes[1])):
+        if wanted:
+            grads[index] = saved.mul_(grad_some).to(dtype)  # an fp32 accumulator rounded once
     return tuple(grads)
 
 

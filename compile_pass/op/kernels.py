@@ -1,10 +1,14 @@
 """Per-chunk math of the op, compiled with Inductor for the input's device.
 
-Two functions of one chunk of logits ``[n, V]`` (``n`` = tokens in the chunk):
+Two functions of one tile of logits ``[n, Vb]`` (``n`` tokens, ``Vb`` vocabulary columns
+of the ``V``; the tiles: :mod:`compile_pass.op.chunking`):
 
-* :func:`chunk_forward` -> the per-token loss and the fp32 log-sum-exp (in two parts);
+* :func:`chunk_forward` -> one vocabulary block of the fp32 log-sum-exp, online across
+  the row's blocks (kept in two parts, the row maximum and the log-sum of the shifted
+  row), the target's logit from the block that holds it, and the per-token loss;
 * :func:`chunk_backward` -> the gradient of the per-token loss with respect to
-  the chunk's logits, given the upstream per-token gradient, written over the logits.
+  the tile's logits, given the upstream per-token gradient and the whole rows'
+  statistics, written over the logits.
 
 The matmuls around them (projection, ``grad @ weight``, ``grad.T @ hidden``) run
 outside, so their outputs can be written in place into preallocated buffers; what
@@ -29,7 +33,7 @@ class weights ``w`` (all ones without them), ``W = sum_c w_c``, smoothing
     loss_i = (1 - eps) * w_y * (lse_i - z_iy) + eps / C * sum_c w_c * (lse_i - z_ic)
 
 and 0 for ignored tokens (``lse_i - z_iy`` computed as torch's log-softmax rounds it:
-``log_sum_i - (z_iy - max_i)``, :func:`_row_stats`). Its gradient, with
+``log_sum_i - (z_iy - max_i)``, :func:`chunk_forward`). Its gradient, with
 ``p_ic = exp(z_ic - lse_i)`` (computed as ``exp((z_ic - max_i) - log_sum_i)``):
 
     d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic
@@ -94,60 +98,91 @@ def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     return valid, torch.where(valid, target, 0)
 
 
-def _row_stats(z: Tensor) -> tuple[Tensor, Tensor]:
-    """``row_max [n]`` and ``row_log_sum [n] = log sum_c exp(z_ic - row_max_i)`` of each row
-    of a non-empty ``[n, V]``: the log-sum-exp is their sum, kept in two parts as
-    ``F.log_softmax`` (which ``F.cross_entropy`` calls) keeps it, so that
-    ``log p = (z - row_max) - row_log_sum`` rounds as torch's log-softmax does. One
-    rounded ``lse`` would carry an absolute error of half its ulp into every ``log p``
-    (3e-5 at an lse of 1e3 in fp32, where torch's is that of ``log p`` itself).
-
-    Shifted by the row's maximum, an infinite one included, so a row holding ``+inf``
-    or only ``-inf`` gives nan and nan propagates exactly as torch's loss does.
-    (``torch.logsumexp`` would return ``inf`` for such a row, and its ``numel() == 0``
-    branch cannot be traced with an unbacked chunk length.)"""
-    row_max = torch.amax(z, dim=-1, keepdim=True)  # [n, 1]
-    row_log_sum = torch.sum(torch.exp(z - row_max), dim=-1).log()  # [n]
-    return row_max.squeeze(-1), row_log_sum
-
-
 def chunk_forward(
-    logits: Tensor,  # [n, V] projection dtype
+    logits: Tensor,  # [n, Vb] projection dtype: vocabulary columns [vocab_start, vocab_start + Vb)
     target: Tensor,  # [n] int64
-    class_weight: Tensor | None,  # [V] or None
+    class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
+    row_max: Tensor,  # [n] the running state over the row's earlier blocks (initial_state) ...
+    sum_exp: Tensor,  # [n]
+    z_target: Tensor,  # [n]
+    smooth: Tensor | None,  # [n], None without label smoothing
     ignore_index: int,
     label_smoothing: float | None,  # None: no smoothing term in the graph
     logits_dtype: torch.dtype,
+    vocab_start: int,
+    vocab_size: int,  # V, the whole vocabulary
     logit_scale: float | Tensor | None = None,  # None: no scaling
     scale_divides: bool = False,
     scale_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token loss ``[n]``, ``row_max [n]`` and ``row_log_sum [n]`` of one chunk (the
-    log-sum-exp is ``row_max + row_log_sum``: :func:`_row_stats`), in ``accumulate_dtype``.
-    The loss is ``row_log_sum - (z_y - row_max)``: torch's ``-log_softmax(z)[y]``, rounded
-    as torch rounds it.
+) -> tuple[Tensor, ...]:
+    """One vocabulary block of the log-sum-exp, online across the row's blocks, and the
+    per-token loss of the columns seen so far.
 
-    ``label_smoothing`` and ``logit_scale`` are only ever computed with, never branched
-    on (Dynamo then passes them as graph inputs, the same way in every process, so the
-    compiled graph and its cache key do not depend on what the process compiled before).
-    The scale (:func:`scale_logits`) is applied before the log-sum-exp.
+    Returns ``(loss, row_max, row_log_sum, sum_exp, z_target, smooth)``, ``[n]`` each in
+    ``accumulate_dtype`` (``smooth`` None without smoothing): the last four are the state
+    the next block of the same rows takes; after a row's last block, ``loss [n]`` is its
+    per-token loss and ``row_max`` and ``row_log_sum`` are the whole row's maximum and the
+    log of the sum of the row shifted by it (what backward takes): the log-sum-exp kept in
+    two parts, as ``F.log_softmax`` (which ``F.cross_entropy`` calls) keeps it, so that
+    ``log p = (z - row_max) - row_log_sum`` rounds as torch's log-softmax does (one rounded
+    ``lse`` would carry an absolute error of half its ulp into every ``log p``: 3e-5 at an
+    lse of 1e3 in fp32, where torch's is that of ``log p`` itself). A row holding ``+inf``
+    or only ``-inf`` gives nan, and nan propagates, exactly as torch's loss does
+    (``torch.logsumexp`` would return ``inf`` for such a row). The state, started by
+    :func:`initial_state`:
+
+    * ``row_max``: the largest logit seen (``-inf`` before any);
+    * ``sum_exp = sum_c exp(z_c - shift)`` over the columns seen, ``shift`` being
+      ``row_max`` (0 while it is ``-inf``, so a block of ``-inf`` adds 0, not nan); a new
+      maximum rescales it by ``exp(old_shift - shift)``, as flash-attention does across keys;
+    * ``z_target``: the target's logit, taken from the block that holds it;
+    * ``smooth = sum_c w_c (z_c - shift)`` over the columns seen (rescaled with the shift:
+      ``+ W_seen (old_shift - shift)``; every term is <= 0, so nothing cancels).
+
+    ``row_log_sum = log(sum_exp)`` and the loss is ``row_log_sum - (z_target - row_max)``,
+    torch's ``-log_softmax(z)[y]`` rounded as torch rounds it; the smoothing term is
+    ``sum_c w_c (lse - z_c) = W row_log_sum - smooth``. ``label_smoothing`` and
+    ``logit_scale`` are only ever computed with, never branched on (Dynamo then passes them
+    as graph inputs, the same way in every process). The scale (:func:`scale_logits`) is
+    applied before the log-sum-exp.
     """
+    block = logits.shape[-1]
     z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
-    z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, V], fused, never stored
-    row_max, row_log_sum = _row_stats(z)  # [n] each
+    z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb], fused, never stored
+    new_max = torch.maximum(row_max, torch.amax(z, dim=-1))  # [n]
+    old_shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # [n]
+    shift = torch.where(new_max == float("-inf"), 0.0, new_max)  # [n]
+    shifted = z - shift.unsqueeze(1)  # [n, Vb]
+    sum_exp = sum_exp * torch.exp(row_max - shift) + torch.exp(shifted).sum(dim=-1)  # [n]
     valid, safe_target = _safe_target(target, ignore_index)
-    z_target = z.gather(1, safe_target.unsqueeze(1)).squeeze(1)  # [n]
-    nll = row_log_sum - (z_target - row_max)
-    if class_weight is not None:
-        nll = nll * class_weight.to(z.dtype)[safe_target]
+    local = safe_target - vocab_start  # [n]: the target's column in this block
+    in_block = (local >= 0) & (local < block)
+    picked = z.gather(1, local.clamp(0, block - 1).unsqueeze(1)).squeeze(1)
+    z_target = torch.where(in_block, picked, z_target)  # [n]
+    row_log_sum = sum_exp.log()  # [n]
+    nll = row_log_sum - (z_target - new_max)
+    w = None if class_weight is None else class_weight.to(z.dtype)  # [V]
+    if w is not None:
+        nll = nll * w[safe_target]
     loss = nll
     if label_smoothing is not None:
-        neg_logp = row_log_sum.unsqueeze(1) - (z - row_max.unsqueeze(1))  # [n, V]
-        if class_weight is not None:
-            neg_logp = neg_logp * class_weight.to(z.dtype)
-        smooth = neg_logp.sum(dim=-1)  # [n]
-        loss = (1.0 - label_smoothing) * nll + (label_smoothing / z.shape[-1]) * smooth
-    return torch.where(valid, loss, 0.0), row_max, row_log_sum
+        if w is None:
+            seen, total, block_terms = vocab_start, vocab_size, shifted.sum(dim=-1)
+        else:
+            seen, total = w.narrow(0, 0, vocab_start).sum(), w.sum()
+            block_terms = (shifted * w.narrow(0, vocab_start, block)).sum(dim=-1)
+        smooth = smooth + seen * (old_shift - shift) + block_terms  # [n]
+        smoothing_term = total * row_log_sum - smooth  # sum_c w_c (lse - z_c) over the columns seen
+        loss = (1.0 - label_smoothing) * nll + (label_smoothing / vocab_size) * smoothing_term
+    return torch.where(valid, loss, 0.0), new_max, row_log_sum, sum_exp, z_target, smooth
+
+
+def initial_state(num_tokens: int, like: Tensor, smoothing: bool) -> tuple[Tensor, ...]:
+    """The state :func:`chunk_forward` takes for a row's first block: ``row_max = -inf``,
+    ``sum_exp = 0``, ``z_target = 0``, ``smooth = 0`` (None without smoothing), ``[n]`` each
+    in ``like``'s dtype and device."""
+    zeros = [like.new_zeros(num_tokens) for _ in range(3 if smoothing else 2)]
+    return (like.new_full((num_tokens,), float("-inf")), *zeros, *([] if smoothing else [None]))
 
 
 def _gradient_coefficients(
@@ -197,7 +232,7 @@ def chunk_backward(
     (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`),
     with ``p = exp((z - row_max) - row_log_sum)``, torch's ``exp(log_softmax(z))``, rounded
     as torch rounds it. ``row_max`` and ``row_log_sum`` are the forward kernel's
-    (:func:`_row_stats` of the whole row, which a vocabulary block cannot see): the
+    (of the whole row, which a vocabulary block cannot see): the
     grads-in-forward op hands them over, the recompute op saves them for backward, so
     no row is reduced here and every walk, blocked or not, takes the same variant.
 

@@ -1,11 +1,13 @@
 """The chunk loops of the three custom ops, and what each op's body runs around them.
 
-:func:`chunked_forward` projects one token chunk at a time (``[n, V]`` logits,
-freed before the next) and runs the per-chunk kernel of
-:mod:`compile_pass.op.kernels` on it. :func:`chunked_backward` walks the plan of
-:func:`compile_pass.op.chunking.plan_backward`: it recomputes each chunk's logits,
-turns them into their gradient and multiplies that into the gradient buffers.
-:func:`chunked_grads_in_forward` does both in one walk (the grads-in-forward op).
+:func:`chunked_forward` walks the tiles of :func:`compile_pass.op.chunking.resolve_tiles`:
+for each token chunk, each vocabulary block's ``[n, Vb]`` logits are projected into one
+tile buffer and the per-tile kernel of :mod:`compile_pass.op.kernels` carries the
+row's log-sum-exp on to the next block. :func:`chunked_backward` walks the plan of
+:func:`compile_pass.op.chunking.plan_backward`: it recomputes each tile's logits,
+turns them into their gradient in place and multiplies that into the gradient buffers.
+:func:`chunked_grads_in_forward` does both in one walk over whole rows (the
+grads-in-forward op).
 They run inside the ops' bodies (no autograd graph is built here), within
 :func:`op_body`: the call's :class:`~compile_pass.op.schema.ChunkPlan`, the target
 check, autocast off, the allocator cache released after.
@@ -47,10 +49,10 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
 
 @contextlib.contextmanager
 def op_body(hidden_states: Tensor, weight: Tensor, options: OpOptions,
-            target: Tensor | None = None) -> Iterator[ChunkPlan]:
+            target: Tensor | None = None, whole_rows: bool = False) -> Iterator[ChunkPlan]:
     """What every op's body runs around its chunk loop: yields the call's plan
     (:meth:`ChunkPlan.resolve` of ``hidden_states [N, H]``, ``weight [V, H]`` and the
-    options); first checks ``target [N]`` when given (the forward ops: every target in
+    options; tiles of whole rows with ``whole_rows``); first checks ``target [N]`` when given (the forward ops: every target in
     ``[0, V)`` or ignored); runs the loop with autocast off (the inputs are already in
     the dtypes the op computes in); then, when the loop returned, releases the
     allocator's cache if the plan says so (:func:`release_cache`).
@@ -59,7 +61,7 @@ def op_body(hidden_states: Tensor, weight: Tensor, options: OpOptions,
         ValueError: a ``CHUNKCE_*`` variable holds a bad value.
         RuntimeError: (CPU) a target outside ``[0, V)`` that is not ``ignore_index``.
     """
-    plan = ChunkPlan.resolve(hidden_states, weight, options)
+    plan = ChunkPlan.resolve(hidden_states, weight, options, whole_rows)
     if target is not None:
         _assert_targets_in_range(target, weight.shape[0], options.ignore_index)
     device = hidden_states.device
@@ -80,25 +82,42 @@ def _dense(tensor: Tensor | None) -> Tensor | None:
     return tensor.clone(memory_format=torch.contiguous_format)  # [1] of stride 0 too
 
 
-def _project(hidden_chunk: Tensor, weight_t: Tensor, bias: Tensor | None) -> Tensor:
-    """Logits of one chunk ``[n, V]`` in the projection dtype, as ``F.linear`` computes them."""
-    if bias is None:
-        return hidden_chunk @ weight_t
-    return torch.addmm(bias, hidden_chunk, weight_t)
+class TileBuffer:
+    """One ``[n, Vb]`` buffer for every tile of a call, in the projection dtype: each tile's
+    logits are projected into it (``out=``), so a walk allocates its largest tile once."""
+
+    def __init__(self, like: Tensor, token_chunks, vocab_blocks):
+        def widest(pieces) -> int:
+            return max((end - start for start, end in pieces), default=0)
+
+        self.storage = like.new_empty(widest(token_chunks) * widest(vocab_blocks))
+
+    def project(self, hidden_chunk: Tensor, weight_block: Tensor, bias_block: Tensor | None) -> Tensor:
+        """Logits of one tile ``[n, Vb]`` (``hidden_chunk [n, H]``, ``weight_block [Vb, H]``,
+        ``bias_block [Vb]`` or None), as ``F.linear`` computes them, in the buffer."""
+        rows, columns = hidden_chunk.shape[0], weight_block.shape[0]
+        logits = self.storage[:rows * columns].view(rows, columns)
+        if bias_block is None:
+            return torch.mm(hidden_chunk, weight_block.t(), out=logits)
+        return torch.addmm(bias_block, hidden_chunk, weight_block.t(), out=logits)
 
 
-def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor,
-                    class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """``kernels.chunk_forward`` of one chunk: per-token ``loss [n]``, ``row_max [n]`` and
-    ``row_log_sum [n]`` (their sum is the lse) in
-    ``kernels.accumulate_dtype(plan.options.logits_dtype)``, from ``logits_chunk [n, V]`` (projection
-    dtype), ``target [n]`` int64 and ``class_weight [V]`` or None; the plan's options
+def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
+                    state: tuple, vocab_start: int, vocab_size: int) -> tuple[Tensor, ...]:
+    """``kernels.chunk_forward`` of one tile: ``(loss, row_max, row_log_sum, *state)``, ``[n]``
+    each in ``kernels.accumulate_dtype(plan.options.logits_dtype)``, from ``logits_chunk [n, Vb]``
+    (projection dtype; the vocabulary columns ``[vocab_start, vocab_start + Vb)`` of
+    ``vocab_size``), ``target [n]`` int64, ``class_weight [V]`` or None and the state of the
+    row's earlier blocks (``kernels.initial_state`` for the first); after a row's last
+    block, the loss and the row statistics are the whole row's. The plan's options
     (smoothing, scaling, dtypes) are passed as the kernel takes them."""
-    return kernels.run(
+    loss, row_max, row_log_sum, *state = kernels.run(
         "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, target, class_weight,
-        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype, *plan.kernel_scale,
+        logits_chunk, target, class_weight, *state,
+        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype,
+        vocab_start, vocab_size, *plan.kernel_scale,
     )
+    return loss, row_max, row_log_sum, (row_max, *state)
 
 
 def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
@@ -120,25 +139,45 @@ def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row
     return logits_chunk
 
 
+def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, weight: Tensor,
+                   target: Tensor, bias: Tensor | None, class_weight: Tensor | None,
+                   vocab_blocks: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One token chunk's walk over its vocabulary blocks: ``loss [n]``, ``row_max [n]``,
+    ``row_log_sum [n]`` of the whole rows, and the last block's logits ``[n, Vb]`` (in
+    ``buffer``: the whole rows' when there is one block).
+
+    ``hidden_chunk [n, H]``, ``target [n]``; ``weight``, ``bias``, ``class_weight`` whole."""
+    vocab_size = weight.shape[0]
+    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    state = kernels.initial_state(hidden_chunk.shape[0], hidden_chunk.new_empty(0, dtype=accumulate),
+                                  plan.kernel_label_smoothing is not None)
+    for vocab_start, vocab_end in vocab_blocks:
+        bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
+        logits = buffer.project(hidden_chunk, weight[vocab_start:vocab_end], bias_block)  # [n, Vb]
+        loss, row_max, row_log_sum, state = _forward_kernel(plan, logits, target, class_weight, state,
+                                                            vocab_start, vocab_size)
+    return loss, row_max, row_log_sum, logits
+
+
 def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]``, and ``row_max [N]`` and ``row_log_sum [N]`` (the log-sum-exp in
-    two parts, :func:`compile_pass.op.kernels._row_stats`: what backward needs), in
+    two parts, :func:`compile_pass.op.kernels.chunk_forward`: what backward needs), in
     ``kernels.accumulate_dtype(plan.options.logits_dtype)``.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]``
-    and ``class_weight [V]`` (or None), as the op takes them.
+    and ``class_weight [V]`` (or None), as the op takes them. Holds one ``[n, Vb]`` tile.
     """
-    num_tokens = hidden_states.shape[0]
+    num_tokens, vocab_size = hidden_states.shape[0], weight.shape[0]
     target, class_weight = _dense(target), _dense(class_weight)
     accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
     loss, row_max, row_log_sum = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))  # [N]
-    weight_t = weight.t()  # [H, V]
-    for start, end in spans(num_tokens, plan.chunk_size):
-        logits_chunk = _project(hidden_states[start:end], weight_t, bias)  # [n, V]
-        loss[start:end], row_max[start:end], row_log_sum[start:end] = _forward_kernel(
-            plan, logits_chunk, target[start:end], class_weight)
-        del logits_chunk
+    vocab_blocks, token_chunks = spans(vocab_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
+    buffer = TileBuffer(hidden_states, token_chunks, vocab_blocks)
+    for start, end in token_chunks:
+        loss[start:end], row_max[start:end], row_log_sum[start:end], _ = row_statistics(
+            plan, buffer, hidden_states[start:end], weight, target[start:end], bias, class_weight,
+            vocab_blocks)
     return loss, row_max, row_log_sum
 
 
@@ -213,8 +252,9 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
     """
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
-    walk = plan_backward(num_tokens, vocab_size, plan.chunk_size, hidden_states.dtype,
+    walk = plan_backward(num_tokens, vocab_size, plan.tiles, hidden_states.dtype,
                          weight.dtype, output_mask, bias is not None)
+    buffer = TileBuffer(hidden_states, walk.token_chunks, walk.vocab_blocks)
     grad_hidden = _gradient_buffer(walk.want_hidden, hidden_states, (num_tokens, hidden_size),
                                    walk.grad_hidden_dtype, walk.zero_grad_hidden)  # [N, H]
     grad_weight = _gradient_buffer(walk.want_weight, weight, (vocab_size, hidden_size),
@@ -233,7 +273,7 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
             grad_weight_block = grad_weight[vocab_start:vocab_end]
         for start, end in walk.token_chunks:
             hidden_chunk = hidden_states[start:end]  # [n, H]
-            logits_chunk = _project(hidden_chunk, weight_block.t(), bias_block)  # [n, Vb]
+            logits_chunk = buffer.project(hidden_chunk, weight_block, bias_block)  # [n, Vb]
             grad_logits = _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
                                            target[start:end], class_weight, grad_loss[start:end],
                                            vocab_start, vocab_size)  # [n, Vb] projection dtype, in place
@@ -258,9 +298,10 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
 def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
                              bias: Tensor | None, class_weight: Tensor | None,
                              output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The chunk loop: ``total`` (0-d), ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``,
-    ``grad_bias [V]`` of ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens
-    that are not ignored.
+    """The chunk loop over whole rows (``plan.tiles`` of ``Vb = V``: a row's gradient needs the
+    whole row's statistics, computed in the same walk): ``total`` (0-d),
+    ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` of
+    ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens that are not ignored.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
     ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
@@ -279,7 +320,10 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
     weight_accumulate = kernels.accumulate_dtype(weight.dtype)
     loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
     ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
-    chunks = spans(num_tokens, plan.chunk_size)
+    chunks = spans(num_tokens, plan.tiles.tokens)
+    vocab_blocks = spans(vocab_size, plan.tiles.vocab_block)
+    assert len(vocab_blocks) <= 1, "the grads-in-forward op walks whole rows"
+    buffer = TileBuffer(hidden_states, chunks, vocab_blocks)
     # the weight gradient sums one product per chunk, or is a half-precision weight's: then it
     # sums in (and is returned in) an fp32 accumulator, rounded once in backward, after the
     # upstream gradient (rounded now and again then, it had 1.7x the unfused path's bf16 error)
@@ -289,12 +333,10 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
     grad_weight = _gradient_buffer(want_weight, weight, (vocab_size, hidden_size), weight_accumulate,
                                    zeroed=sums or not chunks)  # [V, H]: one product is written by out=
     grad_bias = _gradient_buffer(want_bias, weight, (vocab_size,), weight_accumulate, zeroed=True)  # [V]
-    weight_t = weight.t()  # [H, V]
     for start, end in chunks:
         hidden_chunk = hidden_states[start:end]  # [n, H]
-        logits_chunk = _project(hidden_chunk, weight_t, bias)  # [n, V]
-        loss[start:end], row_max, row_log_sum = _forward_kernel(plan, logits_chunk, target[start:end],
-                                                                class_weight)
+        loss[start:end], row_max, row_log_sum, logits_chunk = row_statistics(
+            plan, buffer, hidden_chunk, weight, target[start:end], bias, class_weight, vocab_blocks)  # [n, V]
         if want_hidden or want_weight or want_bias:
             grad_logits = _backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
                                            class_weight, ones[start:end], 0, vocab_size)  # [n, V]
