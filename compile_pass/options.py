@@ -21,12 +21,14 @@ class Options:
     """What the pass and the backend take from the user.
 
     Attributes:
-        chunk_size: tokens per chunk given to every rewritten site; None lets the
-            op choose (``CHUNKCE_CHUNK_SIZE`` or the automatic size).
-        chunk_bytes: the byte budget of one chunk's logits at every rewritten site
-            (:func:`compile_pass.op.chunking.choose_chunk_size`); None = the op's
-            default (``CHUNKCE_CHUNK_BYTES``, else ``DEFAULT_CHUNK_BYTES`` with the
-            device's full-speed floor). ``chunk_size`` wins when both are given.
+        chunk_size: tokens per tile (the ``n`` of the op's ``[n, Vb]`` tiles) given to
+            every rewritten site; None lets the op choose (``CHUNKCE_CHUNK_SIZE`` or the
+            automatic size, the device's full-speed floor).
+        chunk_bytes: the byte budget of one ``[n, Vb]`` tile of logits at every
+            rewritten site (:func:`compile_pass.op.chunking.resolve_tiles`: it sets the
+            tile's vocabulary width ``Vb``); None = the op's default
+            (``CHUNKCE_CHUNK_BYTES``, else ``DEFAULT_CHUNK_BYTES`` on CPU,
+            ``DEFAULT_CHUNK_BYTES_ACCELERATOR`` elsewhere).
         grads_in_forward: opt-in. Rewritten sites with a ``"mean"`` or ``"sum"``
             reduction compute their gradients during forward
             (:mod:`compile_pass.op.grads_in_forward`: three matmuls a chunk instead of
