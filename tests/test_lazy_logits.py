@@ -133,6 +133,9 @@ def test_a_read_after_a_tensor_it_needs_changed_raises_and_says_how_to_keep_them
     original = copy.deepcopy(model.state_dict())
     changes = {
         "optimizer_step": lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(),
+        # fused kernels change the parameters without bumping their versions: the step itself is seen
+        "fused_adamw": lambda: torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step(),
+        "fused_sgd": lambda: torch.optim.SGD(model.parameters(), lr=0.1, fused=True).step(),
         "zero_": lambda: model.lm_head.weight.zero_(),
         "bias": lambda: model.lm_head.bias.add_(1),
         "scale": lambda: model.logit_scale.fill_(2.0),
@@ -148,6 +151,8 @@ def test_a_read_after_a_tensor_it_needs_changed_raises_and_says_how_to_keep_them
             with pytest.raises(StaleLogitsError, match="returned_logits': 'keep'") as raised:
                 read()
             assert "before optimizer.step()" in str(raised.value), change
+            if change.startswith("fused"):
+                assert "an optimizer step" in str(raised.value)
         assert "not computed" in repr(logits), change  # printing does not raise; it says why
         model.load_state_dict(original)
 
@@ -181,8 +186,26 @@ def test_metadata_ops_stay_lazy_and_reads_compute_once():
     assert logits[0, 0, 0].item() == expected[0, 0, 0].item()
     assert torch.equal(pickle.loads(pickle.dumps(logits.detach())), expected)
     assert repr(logits.detach()) == repr(expected)
+    assert f"{logits[0, 0, 0]:.4f}" == f"{expected[0, 0, 0]:.4f}"
+    copied = copy.deepcopy(logits.detach())
+    assert type(copied) is torch.Tensor and torch.equal(copied, expected)
+    with pytest.raises(RuntimeError, match="graph leaves"):  # as stock's non-leaf logits
+        copy.deepcopy(logits)
+    assert logits.data_ptr() == logits.compute().data_ptr() != 0
+    assert logits.untyped_storage().nbytes() == expected.numel() * 4
+    with pytest.raises(RuntimeError, match="share logits.compute"):
+        logits.share_memory_()
     logits.detach().add_(1)  # in place on the kept values, as on stock's logits
     torch.testing.assert_close(logits.detach(), expected + 1)
+
+
+def test_a_lazy_step_leaves_no_weak_reference_to_the_head():
+    """``torch.utils.swap_tensors`` (``module.to()`` with swapping on) refuses tensors with weak references."""
+    compiled, _, model, _ = compiled_pair(LM())
+    loss, logits = compiled(*batch())
+    loss.backward()
+    del loss, logits
+    torch.utils.swap_tensors(model.lm_head.weight, torch.nn.Parameter(model.lm_head.weight.detach().clone()))
 
 
 def test_a_read_in_the_next_graph_after_a_graph_break_is_exact():

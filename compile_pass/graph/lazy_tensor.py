@@ -23,6 +23,8 @@ changed: ``optimizer.step()``, ``zero_()``, ``load_state_dict()``, FSDP2's resha
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,6 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from compile_pass.graph.logits_drop import METADATA_OPS
 
@@ -77,25 +78,68 @@ class _Inputs:
         watched += [(f"{role} (its FSDP2 sharded parameter)", sharded) for role, t in zip(recipe.roles, tensors)
                     if (sharded := _fsdp_sharded_parameter(t)) is not None]
         self.watched = tuple((role, t, t._version, _storage_of(t)) for role, t in watched)
+        self.stale: str | None = None  # why, once an optimizer stepped a tensor it reads
+        _watch_optimizer_steps(self)
 
     def check(self, when: str) -> None:
         """Raise :class:`StaleLogitsError` if a tensor the recipe reads changed since the step."""
+        changed = self.stale
         for role, tensor, version, storage in self.watched:
-            if tensor._version != version or _storage_of(tensor) != storage:
-                how = "was changed in place" if tensor._version != version else "had its storage freed or resized"
-                raise StaleLogitsError(
-                    f"chunkce: cannot {when} these logits: chunkce did not compute them in the compiled step "
-                    f"(returned logits are computed when first read, from the step's hidden states and lm_head), "
-                    f"and since the step the {role} {how} (optimizer.step(), zero_(), load_state_dict(), "
-                    "FSDP2 resharding after backward), so they can no longer be computed as the step would have. "
-                    "Read them before that (e.g. before optimizer.step(); under FSDP2 before backward), or "
-                    f"compile with {KEEP_OPTION} to have the step compute and return them."
-                )
+            if changed is None and tensor._version != version:
+                changed = f"the {role} {_were(role)} changed in place"
+            elif changed is None and _storage_of(tensor) != storage:
+                changed = f"the {role} had {_its(role)} storage freed or resized (e.g. FSDP2 resharding after backward)"
+        if changed is not None:
+            raise StaleLogitsError(
+                f"chunkce: cannot {when} these logits: chunkce did not compute them in the compiled step "
+                "(returned logits are computed when first read, from the step's hidden states and lm_head), "
+                f"and since the step {changed}, so they can no longer be computed as the step would have. "
+                "Read them before that (e.g. before optimizer.step(); under FSDP2 before backward), or "
+                f"compile with {KEEP_OPTION} to have the step compute and return them."
+            )
 
     def compute(self) -> torch.Tensor:
         self.check("read")
         with torch.no_grad():
             return self.recipe(self.tensors)
+
+
+def _were(role: str) -> str:
+    return "were" if role.startswith("hidden states") else "was"
+
+
+def _its(role: str) -> str:
+    return "their" if role.startswith("hidden states") else "its"
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every _Inputs whose logits may still be read
+_hook_handle: Any = None
+
+
+def _watch_optimizer_steps(source: _Inputs) -> None:
+    """Have every ``torch.optim`` optimizer step mark ``source`` stale when it steps a tensor
+    ``source`` reads (its weight, bias or scale). Fused kernels (``AdamW(fused=True)``) change
+    parameters without bumping their version counters; the step is seen here instead. The
+    global pre-hook is registered at the first lazy logits, not at import."""
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+    _LIVE.add(source)
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _LIVE:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for source in list(_LIVE):
+        if source.stale is not None:
+            continue
+        for role, tensor, _, _ in source.watched:
+            if id(tensor) in stepped:
+                source.stale = f"an optimizer step ({type(optimizer).__name__}) updated the {role}"
+                break
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
@@ -106,20 +150,15 @@ def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
     return (storage.data_ptr(), storage.nbytes())
 
 
-_FSDP_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # unsharded parameter -> its sharded one, or None
-
-
 def _fsdp_sharded_parameter(tensor: torch.Tensor) -> torch.Tensor | None:
     """The FSDP2 sharded parameter behind ``tensor`` if it is an FSDP2 unsharded parameter.
 
     FSDP2 all-gathers into the unsharded parameter under
     ``torch.autograd._unsafe_preserve_version_counter``, so an optimizer step shows only
-    in the sharded parameter's version."""
+    in the sharded parameter's version. Looked up each time (no weak reference is kept
+    to the parameter: ``torch.utils.swap_tensors`` refuses tensors that have one)."""
     if not isinstance(tensor, torch.nn.Parameter):
         return None
-    if tensor in _FSDP_SHARDED:
-        return _FSDP_SHARDED[tensor]
-    found = None
     try:
         from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp import FSDPModule
@@ -128,11 +167,10 @@ def _fsdp_sharded_parameter(tensor: torch.Tensor) -> torch.Tensor | None:
             group = getattr(state, "_fsdp_param_group", None) if isinstance(module, FSDPModule) else None
             for fsdp_param in getattr(group, "fsdp_params", ()):
                 if getattr(fsdp_param, "_unsharded_param", None) is tensor:
-                    found = fsdp_param.sharded_param
+                    return fsdp_param.sharded_param
     except Exception:  # noqa: BLE001 - no FSDP2 in this process: a plain parameter
-        found = None
-    _FSDP_SHARDED[tensor] = found
-    return found
+        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -249,6 +287,34 @@ class LazyLogits(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # torch.save / pickle: the values
         return self.compute().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> torch.Tensor:  # the values, as a leaf, as stock's deepcopy gives
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment.  If you were attempting to deepcopy a module, this may be "
+                               "because of a torch.nn.utils.weight_norm usage, see "
+                               "https://github.com/pytorch/pytorch/pull/103001")
+        return copy.deepcopy(self.compute(), memo).requires_grad_(self.requires_grad)
+
+    def __format__(self, spec: str) -> str:
+        return self.compute().__format__(spec)
+
+    # what reads a tensor's memory without dispatch: the computed values' (their storage is kept)
+    def data_ptr(self) -> int:
+        return self.compute().data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self.compute().untyped_storage()
+
+    def storage(self) -> Any:
+        return self.compute().storage()
+
+    def _typed_storage(self) -> Any:
+        return self.compute()._typed_storage()
+
+    def share_memory_(self) -> LazyLogits:
+        raise RuntimeError("chunkce: share_memory_() needs a tensor that owns its storage, and LazyLogits computes "
+                           "its values on first read: share logits.compute() (the values, a plain tensor) instead")
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
