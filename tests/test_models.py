@@ -462,19 +462,22 @@ def test_pre_grad_pass_refuses_drop_unused_logits():
 
 
 def test_llama_with_dropped_logits_matches_stock_and_saves_two_logits_sizes():
-    """Measured (CPU allocator events): without the option the forward still holds the
-    returned [N, V] logits and backward a zero [N, V] gradient for them."""
+    """Measured (CPU allocator events): with ``returned_logits="keep"`` the forward still holds
+    the returned [N, V] logits and backward a zero [N, V] gradient for them; the default (lazy)
+    and ``"drop"`` hold neither (lazy: the hidden states more, [N, H])."""
     from compile_pass.memory import PeakMemory
 
     vocab, seq = 8000, 64
     spec = BY_NAME["Llama"]
     spec = Model(spec.name, spec.model_class, spec.config_class, {**spec.config, "vocab_size": vocab})
-    models = {"stock": build(spec), "kept": build(spec), "dropped": build(spec)}
+    models = {"stock": build(spec), "kept": build(spec), "dropped": build(spec), "lazy": build(spec)}
     ids = torch.randint(3, vocab, (B, seq), generator=torch.Generator().manual_seed(0))
     options = {"inner_backend": "aot_eager", "chunk_size": 32}
     compiled = {"stock": torch.compile(models["stock"], backend="aot_eager"),
-                "kept": torch.compile(models["kept"], backend="chunkce", options=options),
-                "dropped": torch.compile(models["dropped"], backend="chunkce", options={**options, **DROP})}
+                "kept": torch.compile(models["kept"], backend="chunkce",
+                                      options={**options, "returned_logits": "keep"}),
+                "dropped": torch.compile(models["dropped"], backend="chunkce", options={**options, **DROP}),
+                "lazy": torch.compile(models["lazy"], backend="chunkce", options=options)}
     peaks, losses = {}, {}
     for name, step in compiled.items():
         step(input_ids=ids, labels=ids).loss.backward()  # compile outside the measurement
@@ -485,8 +488,11 @@ def test_llama_with_dropped_logits_matches_stock_and_saves_two_logits_sizes():
         peaks[name], losses[name] = mem.peak_bytes, out.loss.detach()
         del out
     logits_bytes = B * seq * vocab * 4
+    hidden_bytes = B * seq * spec.config["hidden_size"] * 4
     assert peaks["kept"] - peaks["dropped"] >= 1.9 * logits_bytes, peaks
+    assert peaks["lazy"] - peaks["dropped"] <= hidden_bytes + 64 * 1024, peaks
     torch.testing.assert_close(losses["dropped"], losses["stock"])
+    torch.testing.assert_close(losses["lazy"], losses["stock"])
     for (name, p), (_, q) in zip(models["dropped"].named_parameters(), models["stock"].named_parameters(),
                                  strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}.grad: {m}")

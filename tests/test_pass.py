@@ -96,7 +96,9 @@ class ReturnsLogits(nn.Module):
 
 
 def test_logits_with_other_users_are_kept_and_the_loss_still_rewritten():
-    recorder, code = compare_with_stock(ReturnsLogits(), *make_inputs(), inner="inductor")
+    """Returned logits kept in the graph (``returned_logits="keep"``; the default makes them lazy)."""
+    recorder, code = compare_with_stock(ReturnsLogits(), *make_inputs(), inner="inductor",
+                                        options={"returned_logits": "keep"})
     assert OP_NAME in code and recorder.op_count() == 1
     assert recorder.logits_like(B * T, V) != []  # returned: kept
     assert counters["chunkce"]["sites_rewritten"] == 1 and counters["chunkce"]["logits_kept"] == 1
