@@ -172,4 +172,7 @@ def test_half_precision_no_worse_than_unfused(case):
         our_error = (a.double() - x)[ok].abs().max().item() if ok.any() else 0.0
         their_error = (b.double() - x)[ok].abs().max().item() if ok.any() else 0.0
         scale = x[ok].abs().max().item() if ok.any() else 0.0
-        assert our_error <= their_error + 4e-3 * scale + 1e-6, (our_error, their_error, scale)
+        # up to one rounding of the result in its dtype more than unfused (bf16's eps is 7.8e-3):
+        # a bf16 bias gradient summed in another order lands one ulp away (n 7, h 1, v 3, chunk 1)
+        tolerance = max(4e-3, torch.finfo(case["dtype"]).eps) * scale
+        assert our_error <= their_error + tolerance + 1e-6, (our_error, their_error, scale)
