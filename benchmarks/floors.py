@@ -19,6 +19,12 @@ import torch
 from torch import Tensor
 
 
+def _project_tile(buffer: Tensor, rows: Tensor, block: Tensor) -> Tensor:
+    """``rows @ block.T`` ([n, Vb]) written into the front of the flat ``buffer``; returns the tile."""
+    tile = buffer[:rows.shape[0] * block.shape[0]].view(rows.shape[0], block.shape[0])
+    return torch.mm(rows, block.t(), out=tile)
+
+
 class RecomputeFloor(torch.autograd.Function):
     """The recompute design's four ``N x H x V`` matmuls and nothing else, tile by tile.
 
@@ -38,8 +44,7 @@ class RecomputeFloor(torch.autograd.Function):
             rows = hidden[start:start + tokens]  # [n, H]
             for vocab_start in range(0, v, vocab_block):
                 block = weight[vocab_start:vocab_start + vocab_block]  # [Vb, H]
-                tile = buffer[:rows.shape[0] * block.shape[0]].view(rows.shape[0], block.shape[0])
-                torch.mm(rows, block.t(), out=tile)
+                _project_tile(buffer, rows, block)
         ctx.save_for_backward(hidden, weight)
         ctx.tiles = (tokens, vocab_block)
         return hidden.new_zeros(())
@@ -55,8 +60,7 @@ class RecomputeFloor(torch.autograd.Function):
             block = weight[vocab_start:vocab_start + vocab_block]  # [Vb, H]
             for start in range(0, n, tokens):
                 rows = hidden[start:start + tokens]  # [n, H]
-                tile = buffer[:rows.shape[0] * block.shape[0]].view(rows.shape[0], block.shape[0])
-                torch.mm(rows, block.t(), out=tile)
+                tile = _project_tile(buffer, rows, block)
                 grad_hidden[start:start + tokens].addmm_(tile, block)
                 grad_weight[vocab_start:vocab_start + vocab_block].addmm_(tile.t(), rows)
         return grad_hidden, grad_weight, None, None
