@@ -18,8 +18,8 @@ projection (:func:`compile_pass.graph.forms.as_projection`: a linear / matmul by
 1. its output requires grad: a training graph (eval and generation under ``no_grad``,
    and the forward of an ``autograd.Function``, are never flagged);
 2. its last dim ``V`` is a vocabulary's (:func:`is_vocabulary`: at least :data:`VOCAB_MIN`,
-   wider than its input, ``V > H``), and the widest of every projection's in the graph (an MLP's up projection is narrower
-   than the head beside it; a down projection narrows);
+   wider than its input, ``V > H``), and the widest of every projection's in the graph
+   (an MLP's up projection is narrower than the head beside it; a down projection narrows);
 3. its output, directly or through shape/dtype-only ops (views, reshapes, token
    slices, transposes that keep the last dim, casts, copies) and scalings by a
    constant, is returned by the graph (the loss is computed outside it) or normalised
