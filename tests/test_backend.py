@@ -336,3 +336,52 @@ def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
     torch.testing.assert_close(loss, expected)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_dynamic_true_compiles_the_models_frame_as_often_as_stock(monkeypatch):
+    """``dynamic=True`` over six sequence lengths (issue 23, part 5): chunkce's three distinct graphs
+    (``counters["stats"]["unique_graphs"]``) against stock's one are the model's one frame and the op's
+    two per-tile kernels (``chunk_forward``, ``chunk_backward``: compiled once each, for every length),
+    not recompiles of the model's frame: it is compiled once, as stock's is, and no length after the
+    first compiles anything again (``error_on_recompile``). Loss and every gradient as stock's.
+
+    Frames are counted by Dynamo (``counters["frames"]["ok"]``), not by backend calls: the first
+    compile of the model's code in a process is traced twice (Dynamo restarts its analysis for
+    ``_tensorify_python_scalars``, ``[0/0]`` then ``[0/0_1]``), whichever backend compiles it first."""
+    import transformers
+
+    from compile_pass.op import kernels
+
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)  # the kernels compiled, as a user runs them
+    kernels._compiled.cache_clear()
+    config = transformers.LlamaConfig(vocab_size=2053, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="chunkce", dynamic=True, options={"inner_backend": "aot_eager"})
+    stock = torch.compile(reference, backend="aot_eager", dynamic=True)
+    lengths = (5, 9, 13, 17, 24, 31)
+
+    def train(module, ids):
+        module.zero_grad(set_to_none=True)
+        loss = module(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad for name, p in module.named_parameters()}
+
+    def run(module):
+        steps, graphs, frames = [], counters["stats"]["unique_graphs"], counters["frames"]["ok"]
+        for i, seq in enumerate(lengths):
+            ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                steps.append(train(module, ids))
+        return steps, counters["stats"]["unique_graphs"] - graphs, counters["frames"]["ok"] - frames
+
+    (got, graphs, frames), (expected, stock_graphs, stock_frames) = run(compiled), run(stock)
+    assert frames == stock_frames == 1
+    assert kernels._compiled.cache_info().currsize == 2
+    assert (graphs, stock_graphs) == (1 + 2, 1)
+    for (loss, grads), (expected_loss, expected_grads) in zip(got, expected, strict=True):
+        torch.testing.assert_close(loss, expected_loss)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], msg=lambda m, name=name: f"{name}: {m}")

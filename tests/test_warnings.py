@@ -7,6 +7,10 @@ that projects to a vocabulary but has no cross-entropy site (the loss computed o
 the compiled region, or spelled in a way the pass does not read) is logged once at
 WARNING with the fix (``compile_pass.graph.no_site``). A rewritten site, an eval graph
 (no grad) and ``compile_pass.explain`` log no warning. A repeat is logged at DEBUG.
+
+Only where a rewrite would have saved memory (issue 23, part 5): a refused site of a few
+classes (a classifier's score layer, ``no_site.is_vocabulary`` false) is logged at INFO and
+stays in the report; the refused sites above are a vocabulary's (``WIDE``).
 """
 
 from __future__ import annotations
@@ -44,30 +48,31 @@ def warnings_of(logs) -> list[str]:
 
 
 def clamped(m, h, y):
-    return F.cross_entropy(m.lm_head(h).clamp(-1.0, 1.0).reshape(-1, V), y.reshape(-1))
+    return F.cross_entropy(m.lm_head(h).clamp(-1.0, 1.0).flatten(0, -2), y.reshape(-1))
 
 
 def lossy(m, h, y):
-    return F.cross_entropy(m.lm_head(h).bfloat16().float().reshape(-1, V), y.reshape(-1))
+    return F.cross_entropy(m.lm_head(h).bfloat16().float().flatten(0, -2), y.reshape(-1))
 
 
 def soft_capped(m, h, y):
-    return F.cross_entropy((torch.tanh(m.lm_head(h) / 30.0) * 30.0).reshape(-1, V), y.reshape(-1))
+    return F.cross_entropy((torch.tanh(m.lm_head(h) / 30.0) * 30.0).flatten(0, -2), y.reshape(-1))
 
 
 def train(model, lengths=(3, 4, 5), **compile_kwargs):
     """A training step of ``model`` compiled by chunkce at each sequence length (a graph each:
     ``dynamic=False``), twice."""
     compiled = torch.compile(model, backend="chunkce", options=OPTIONS, dynamic=False, **compile_kwargs)
+    vocab = model.lm_head.out_features
     for _ in range(2):
         for length in lengths:
-            compiled(hidden(2, length, H), labels(2, length)).backward()
+            compiled(hidden(2, length, H), labels(2, length, vocab=vocab)).backward()
     assert counters["stats"]["unique_graphs"] == len(lengths)
     return compiled
 
 
 def test_a_refused_site_warns_once_with_its_reason_and_fix(logs):
-    train(Head(clamped))
+    train(Head(clamped, vocab=WIDE))
     record = compile_pass.last_report().records[0]
     assert counters["chunkce"]["refused_op_clamp"] == 3  # each graph refused and reported ...
     (message,) = warnings_of(logs)  # ... one warning
@@ -82,7 +87,7 @@ def test_two_refused_sites_warn_once_each(logs):
     def two_losses(m, h, y):
         return clamped(m, h, y) + lossy(m, h, y)
 
-    train(Head(two_losses))
+    train(Head(two_losses, vocab=WIDE))
     messages = warnings_of(logs)
     assert len(messages) == 2, messages
     assert "`clamp` between projection and loss" in messages[0]
@@ -91,7 +96,7 @@ def test_two_refused_sites_warn_once_each(logs):
 
 
 def test_a_soft_capped_head_says_it_is_refused_by_design_once(logs):
-    train(Head(soft_capped))
+    train(Head(soft_capped, vocab=WIDE))
     (message,) = warnings_of(logs)
     assert "soft-capped logits: `tanh` between projection and loss" in message
     assert "by design: the op has no soft cap" in message and "stock compile" in message
@@ -100,9 +105,9 @@ def test_a_soft_capped_head_says_it_is_refused_by_design_once(logs):
 def test_a_refused_site_warns_under_the_pre_grad_pass_once(logs):
     """Inductor runs the pre-grad pass at each compile: two sequence lengths, one warning."""
     with torch._inductor.config.patch(pre_grad_custom_pass=compile_pass.ChunkcePreGradPass()):
-        compiled = torch.compile(Head(clamped), backend="inductor", dynamic=False)
+        compiled = torch.compile(Head(clamped, vocab=WIDE), backend="inductor", dynamic=False)
         for length in (3, 4):
-            compiled(hidden(2, length, H), labels(2, length)).backward()
+            compiled(hidden(2, length, H), labels(2, length, vocab=WIDE)).backward()
     assert counters["chunkce"]["refused_op_clamp"] == 2
     (message,) = warnings_of(logs)
     assert "`clamp` between projection and loss" in message and "; fix: " in message
@@ -243,3 +248,42 @@ def test_explain_reports_every_site_and_logs_no_warning(logs):
     assert "no cross-entropy site:" in str(unmatched) and report.NO_SITE_FIX in str(unmatched)
     assert warnings_of(logs) == []
     assert counters["chunkce"]["sites_found"] == counters["chunkce"]["unmatched_projections"] == 0
+
+
+def test_a_refused_site_with_few_classes_logs_no_warning_and_stays_in_the_report(logs):
+    """Refused logits of a few classes (conftest's V, 23: below ``no_site.VOCAB_MIN``) cost about
+    what the hidden states do: a rewrite would save nothing, so no WARNING; INFO, and the report."""
+    train(Head(clamped))
+    assert counters["chunkce"]["refused_op_clamp"] == 3
+    assert warnings_of(logs) == []
+    record = compile_pass.last_report().records[0]
+    assert (record.reason_key, record.warns) == ("op_clamp", False)
+    assert any(r.levelno == logging.INFO and r.getMessage().startswith(f"chunkce: left {record.source} unfused")
+               for r in logs.records)
+
+
+def test_a_sequence_classifier_logs_no_warning_and_matches_eager(logs):
+    """``LlamaForSequenceClassification(num_labels=3)``: its loss reads the score layer's logits
+    at each row's last token (a getitem with tensor indices), a refused site of 3 classes that
+    is no vocabulary projection: no warning; the step is exact against eager."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    reference = LlamaForSequenceClassification(config)
+    reference.load_state_dict(model.state_dict())
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 2])
+    compiled = torch.compile(model, backend="chunkce", options=OPTIONS)
+    loss = compiled(input_ids=ids, labels=y).loss
+    loss.backward()
+    expected = reference(input_ids=ids, labels=y).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert warnings_of(logs) == []
+    (record,) = compile_pass.last_report().records
+    assert (record.decision, record.reason_key, record.warns) == (report.REFUSED, "advanced_index", False)

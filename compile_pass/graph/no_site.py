@@ -17,9 +17,9 @@ projection (:func:`compile_pass.graph.forms.as_projection`: a linear / matmul by
 
 1. its output requires grad: a training graph (eval and generation under ``no_grad``,
    and the forward of an ``autograd.Function``, are never flagged);
-2. its last dim ``V`` is at least :data:`VOCAB_MIN`, wider than its input (``V > H``),
-   and the widest of every projection's in the graph (an MLP's up projection is narrower
-   than the head beside it; a down projection narrows);
+2. its last dim ``V`` is a vocabulary's (:func:`is_vocabulary`: at least :data:`VOCAB_MIN`,
+   wider than its input, ``V > H``), and the widest of every projection's in the graph
+   (an MLP's up projection is narrower than the head beside it; a down projection narrows);
 3. its output, directly or through shape/dtype-only ops (views, reshapes, token
    slices, transposes that keep the last dim, casts, copies) and scalings by a
    constant, is returned by the graph (the loss is computed outside it) or normalised
@@ -65,6 +65,18 @@ class VocabProjection:
     use: str  # RETURNED, or "normalised by `<op>`"
 
 
+def is_vocabulary(vocab: int, hidden: int | None = None) -> bool:
+    """Whether logits ``[..., vocab]`` projected from hidden states ``[..., hidden]`` are a
+    vocabulary's, the only logits whose rewrite saves memory: at least :data:`VOCAB_MIN`
+    classes, and more than ``hidden`` (a classifier's few classes, or a projection that
+    narrows, cost no more than the hidden states). ``hidden`` None (not known): the floor alone.
+
+    The rule of this module's projections to the vocabulary, and of which refused sites
+    warn (:func:`compile_pass.graph.report.publish`).
+    """
+    return vocab >= VOCAB_MIN and (hidden is None or vocab > hidden)
+
+
 def unmatched_projections(graph: Graph) -> list[VocabProjection]:
     """Every projection of ``graph`` the module's rule calls a projection to the vocabulary.
 
@@ -79,9 +91,9 @@ def unmatched_projections(graph: Graph) -> list[VocabProjection]:
     found = []
     for projection, vocab in zip(projections, widths):
         logits = example_value(projection.node)
-        if not logits.requires_grad or vocab < VOCAB_MIN or vocab != widest or not is_tensor_node(projection.hidden):
+        if not logits.requires_grad or vocab != widest or not is_tensor_node(projection.hidden):
             continue
-        if vocab <= size_hint(example_value(projection.hidden).shape[-1]):
+        if not is_vocabulary(vocab, size_hint(example_value(projection.hidden).shape[-1])):
             continue
         use = _use(projection.node)
         if use is not None:

@@ -6,11 +6,14 @@ no site (:mod:`compile_pass.graph.no_site`). Every report the backend or the pre
 pass publishes is logged through ``logging.getLogger("compile_pass.graph.report")``,
 counted in ``torch._dynamo.utils.counters["chunkce"]``, and kept: :func:`last_report`.
 
-Logged: a rewritten site at INFO. A refused site, and a projection to the vocabulary
-with no site, at WARNING with the reason and the fix, once per process for each
-(source line, reason key): a graph compiled again (a new sequence length, DDP's
-pieces, a restart of Dynamo's analysis) does not repeat it; a repeat is logged at
-DEBUG. A soft-capped head (``soft_cap``) says that it is refused by design.
+Logged: a rewritten site at INFO. A refused site whose rewrite would have saved memory
+(``SiteRecord.warns``: its logits are a vocabulary's, :func:`compile_pass.graph.no_site.
+is_vocabulary`), and a projection to the vocabulary with no site, at WARNING with the
+reason and the fix, once per process for each (source line, reason key): a graph
+compiled again (a new sequence length, DDP's pieces, a restart of Dynamo's analysis)
+does not repeat it; a repeat is logged at DEBUG. A refused site with a few classes (a
+classifier's score layer: nothing to save) is logged at INFO, and stays in the report.
+A soft-capped head (``soft_cap``) says that it is refused by design.
 :func:`compile_pass.explain` does not publish: it returns the full report, and logs no site.
 
 Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
@@ -31,7 +34,8 @@ from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
 from compile_pass.graph import no_site
-from compile_pass.graph.nodes import example_value, size_hint
+from compile_pass.graph.forms import as_projection
+from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
 from compile_pass.graph.refusals import Reason, fix_for
 from compile_pass.graph.sites import Site
 from compile_pass.op.chunking import resolve_chunk_size
@@ -64,6 +68,8 @@ class SiteRecord:
     # how the loss is spelled: "cross_entropy", "nll_loss" (of a log_softmax), "gather" (of a
     # log_softmax: the per-token log-probabilities); "" when unknown
     form: str = ""
+    # a refused site: whether a rewrite would have saved memory (logged at WARNING, else at INFO)
+    warns: bool = True
 
     def __post_init__(self) -> None:
         if self.decision == REFUSED and not self.fix:  # every refusal says what to do about it
@@ -73,7 +79,30 @@ class SiteRecord:
 def refused(site: Site, reason: Reason) -> SiteRecord:
     """The record of a site the guard refused with ``reason``."""
     return SiteRecord(source_of(site.node), module_of(site.projection.node if site.projection else site.stop),
-                      REFUSED, str(reason), reason.key, fix=reason.fix, form=_form(site))
+                      REFUSED, str(reason), reason.key, fix=reason.fix, form=_form(site),
+                      warns=_saves_memory(site))
+
+
+def _saves_memory(site: Site) -> bool:
+    """Whether rewriting ``site`` would have saved memory: its loss's classes (the class dim of
+    its input) are a vocabulary's (:func:`compile_pass.graph.no_site.is_vocabulary`), against the
+    hidden size of the projection the walk reached, or found right under its stop. True when
+    the class count is not known (a site the pass could not read)."""
+    try:
+        logits = site.call.input if site.call is not None else None
+        if not is_tensor_node(logits) or example_value(logits).dim() == 0:
+            return True
+        value = example_value(logits)
+        vocab = size_hint(value.shape[0 if value.dim() == 1 else site.call.class_dim])
+        projection = site.projection
+        if projection is None and site.stop is not None and site.stop.args:
+            projection = as_projection(site.stop.args[0])
+        hidden = projection.hidden if projection is not None else None
+        hidden_size = size_hint(example_value(hidden).shape[-1]) if is_tensor_node(hidden) else None
+        return no_site.is_vocabulary(vocab, hidden_size)
+    except Exception:  # noqa: BLE001 - only a log level depends on it: warn
+        log.debug("chunkce: could not tell the width of a refused site's logits", exc_info=True)
+        return True
 
 
 def failed(where: str, reason: Reason) -> SiteRecord:
@@ -246,7 +275,8 @@ def publish(report: PassReport) -> None:
             stats[f"refused_{record.reason_key}"] += 1
             module = f" (module {record.module})" if record.module else ""
             advice = SOFT_CAP_BY_DESIGN if record.reason_key == "soft_cap" else record.fix
-            log.log(_once(record.source, record.reason_key), "chunkce: left %s unfused%s: %s; %s",
+            level = _once(record.source, record.reason_key) if record.warns else logging.INFO
+            log.log(level, "chunkce: left %s unfused%s: %s; %s",
                     record.source, module, record.reason, advice)
     for unmatched_record in report.unmatched:
         stats["unmatched_projections"] += 1
