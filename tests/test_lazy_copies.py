@@ -265,3 +265,19 @@ def test_in_place_writes_under_autograd_get_stocks_gradients(steps32, where):
                        **{name: p.grad.clone() for name, p in model.named_parameters()}}
     for name, expected in grads["stock"].items():
         torch.testing.assert_close(grads["lazy"][name], expected, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_in_place_shape_changes_are_refused_rather_than_wrong(steps):
+    """``unsqueeze_`` / ``t_`` / ``resize_`` change a tensor's metadata in place; a LazyLogits' views
+    read their values through it, so it refuses them (it used to keep its old shape and answer
+    with values of the new one). ``detach_`` changes nothing but autograd's view of it."""
+    _, _, _, logits = step(steps, "lazy")
+    for name, op in {"unsqueeze_": lambda x: x.unsqueeze_(0), "t_": lambda x: x[0].t_(),
+                     "resize_": lambda x: x.resize_(4)}.items():
+        with pytest.raises(RuntimeError, match=f"{name}\\(\\) would change the shape"):
+            op(logits.detach())
+    detached = logits.detach()
+    assert detached.detach_() is detached and detached.shape == (B, T, V)
+    got = values(detached)
+    _, _, _, expected = step(steps, "stock")
+    torch.testing.assert_close(got, values(expected), rtol=0, atol=0)

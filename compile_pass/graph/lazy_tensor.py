@@ -4,11 +4,19 @@ Made by :func:`compile_pass.graph.lazy_logits.wrap` around a compiled graph from
 :func:`compile_pass.graph.lazy_logits.defer_if_only_returned` took the returned logits
 out (the module docstring there says when, and what the graph returns instead).
 
-A :class:`LazyLogits` has the logits' shape, dtype, device and ``requires_grad``. Views,
-casts, ``detach``, ``clone``, ``.to(device)``, ``.shape`` and ``len()`` give another
-lazy tensor. The first op that reads a value runs the graph's own nodes from the
-projection to the returned value (:class:`Recipe`) eagerly on the tensors the step
-returned, keeps the result, and answers from it; later reads use the kept values.
+A :class:`LazyLogits` has the logits' shape, dtype, device and ``requires_grad``; ``.shape``
+and ``len()`` read no values. Views (``view``, ``transpose``, indexing, ``detach``, ...)
+give a lazy view: the same values, so a write through either side is seen by the other, and
+torch's aliasing (``_base``, ``_is_view``, shared storage: ``return_and_correct_aliasing``).
+Copies (``clone``, ``contiguous`` of a non-contiguous view, ``.to()`` / ``.float()`` that change
+the dtype or device) hold the values of the moment they were made, as torch's do: made from
+values already computed, a plain tensor at once; otherwise a lazy copy, computed when read
+(without keeping its source's values) or, at the latest, just before its source's values
+can change: when they are computed and kept, or at an ``optimizer.step()`` of a tensor they
+are computed from (the pre-hook below). The first other op that reads a value runs the
+graph's own nodes from the projection to the returned value (:class:`Recipe`) eagerly on the
+tensors the step returned, keeps the result, and answers from it; later reads use the kept
+values. ``repr`` and ``copy_`` into a plain tensor compute the values and keep none.
 Under grad mode the tensor is the output of an autograd node (:class:`_Recompute`) over
 those tensors: a loss built from it backpropagates into the compiled step's hidden
 states (through the step's own backward) and into the head's parameters.
@@ -18,7 +26,8 @@ size) of every tensor the recipe reads are recorded, and for an FSDP2 unsharded 
 parameter also its sharded parameter's version (FSDP2 all-gathers into the unsharded
 one without bumping its version). The first read, and a backward through it, check
 them (host metadata only, no device sync) and raise :class:`StaleLogitsError` if any
-changed: ``optimizer.step()``, ``zero_()``, ``load_state_dict()``, FSDP2's resharding.
+changed: ``optimizer.step()``, ``zero_()``, ``load_state_dict()``, FSDP2's resharding. A lazy
+copy not computed before such a change outside an optimizer step raises the same way.
 """
 
 from __future__ import annotations
@@ -396,6 +405,8 @@ class LazyLogits(torch.Tensor):
         if func in METADATA_OPS and isinstance(args[0], LazyLogits) and not any(isinstance(a, LazyLogits)
                                                                                for a in rest):
             return _metadata_op(func, args, kwargs)
+        if torch.Tag.inplace_view in func.tags and isinstance(args[0], LazyLogits):
+            return _inplace_view(func, args, kwargs)
         if func is _aten.copy_.default and isinstance(args[1], LazyLogits) and not isinstance(args[0], LazyLogits):
             func(args[0], args[1]._transient(), *args[2:], **kwargs)  # a copy: the source stays lazy
             return args[0]
@@ -428,6 +439,18 @@ def _metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
     lazy_copy = LazyLogits(layout, copy_of=(base, func, args[1:], kwargs))
     base._inputs().copied(lazy_copy)
     return lazy_copy
+
+
+def _inplace_view(func: Any, args: tuple, kwargs: dict) -> LazyLogits:
+    """``detach_`` (autograd's business only): the tensor itself. Ops that change a tensor's
+    shape or storage in place (``unsqueeze_``, ``t_``, ``resize_``, ``set_``, ...) are refused:
+    the views already taken of it read its values through it."""
+    if func is _aten.detach_.default:
+        return args[0]
+    name = func.overloadpacket.__name__
+    raise RuntimeError(f"chunkce: {name}() would change the shape or storage of a LazyLogits in place, which it "
+                       f"does not support (its views read their values through it): use the out-of-place "
+                       f"{name.rstrip('_')}() (a view), or logits.compute() (the values, a plain tensor)")
 
 
 def _same_layout(values: torch.Tensor, like: torch.Tensor) -> bool:
