@@ -4,11 +4,19 @@ Made by :func:`compile_pass.graph.lazy_logits.wrap` around a compiled graph from
 :func:`compile_pass.graph.lazy_logits.defer_if_only_returned` took the returned logits
 out (the module docstring there says when, and what the graph returns instead).
 
-A :class:`LazyLogits` has the logits' shape, dtype, device and ``requires_grad``. Views,
-casts, ``detach``, ``clone``, ``.to(device)``, ``.shape`` and ``len()`` give another
-lazy tensor. The first op that reads a value runs the graph's own nodes from the
-projection to the returned value (:class:`Recipe`) eagerly on the tensors the step
-returned, keeps the result, and answers from it; later reads use the kept values.
+A :class:`LazyLogits` has the logits' shape, dtype, device and ``requires_grad``; ``.shape``
+and ``len()`` read no values. Views (``view``, ``transpose``, indexing, ``detach``, ...)
+give a lazy view: the same values, so a write through either side is seen by the other, and
+torch's aliasing (``_base``, ``_is_view``, shared storage: ``return_and_correct_aliasing``).
+Copies (``clone``, ``contiguous`` of a non-contiguous view, ``.to()`` / ``.float()`` that change
+the dtype or device) hold the values of the moment they were made, as torch's do: made from
+values already computed, a plain tensor at once; otherwise a lazy copy, computed when read
+(without keeping its source's values) or, at the latest, just before its source's values
+can change: when they are computed and kept, or at an ``optimizer.step()`` of a tensor they
+are computed from (the pre-hook below). The first other op that reads a value runs the
+graph's own nodes from the projection to the returned value (:class:`Recipe`) eagerly on the
+tensors the step returned, keeps the result, and answers from it; later reads use the kept
+values. ``repr`` and ``copy_`` into a plain tensor compute the values and keep none.
 Under grad mode the tensor is the output of an autograd node (:class:`_Recompute`) over
 those tensors: a loss built from it backpropagates into the compiled step's hidden
 states (through the step's own backward) and into the head's parameters.
@@ -18,7 +26,8 @@ size) of every tensor the recipe reads are recorded, and for an FSDP2 unsharded 
 parameter also its sharded parameter's version (FSDP2 all-gathers into the unsharded
 one without bumping its version). The first read, and a backward through it, check
 them (host metadata only, no device sync) and raise :class:`StaleLogitsError` if any
-changed: ``optimizer.step()``, ``zero_()``, ``load_state_dict()``, FSDP2's resharding.
+changed: ``optimizer.step()``, ``zero_()``, ``load_state_dict()``, FSDP2's resharding. A lazy
+copy not computed before such a change outside an optimizer step raises the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule
+from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_map
 
 from compile_pass.graph.logits_drop import METADATA_OPS
@@ -79,6 +89,8 @@ class _Inputs:
                     if (sharded := _fsdp_sharded_parameter(t)) is not None]
         self.watched = tuple((role, t, t._version, _storage_of(t)) for role, t in watched)
         self.stale: str | None = None  # why, once an optimizer stepped a tensor it reads
+        self.pending: list[weakref.ref] = []  # lazy copies over these inputs not computed yet, oldest first
+        self.flushing = False
         _watch_optimizer_steps(self)
 
     def check(self, when: str) -> None:
@@ -102,6 +114,37 @@ class _Inputs:
         self.check("read")
         with torch.no_grad():
             return self.recipe(self.tensors)
+
+    def copied(self, copy: LazyLogits) -> None:
+        """Record a lazy copy whose values are read from these inputs (through its source)."""
+        if len(self.pending) >= 64:
+            self.pending = [ref for ref in self.pending if (c := ref()) is not None and c._value is None]
+        self.pending.append(weakref.ref(copy))
+
+    def flush(self, everything: bool = False) -> None:
+        """Compute and keep the pending copies whose source's values are kept now (they can
+        change from here on), or every pending copy (``everything``: before an optimizer
+        step changes these inputs). In creation order, so a copy of a copy sees its source
+        kept. A copy that cannot be computed any more (stale) stays pending and raises on
+        read, as its source does."""
+        if self.flushing:
+            return
+        self.flushing, still = True, []
+        try:
+            for ref in self.pending:
+                copy = ref()
+                if copy is None or copy._value is not None:
+                    continue
+                if everything or copy._copy_of[0]._root()._value is not None:
+                    try:
+                        copy.compute()
+                        continue
+                    except StaleLogitsError:
+                        pass
+                still.append(ref)
+            self.pending = still
+        finally:
+            self.flushing = False
 
 
 def _were(role: str) -> str:
@@ -138,6 +181,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
             continue
         for role, tensor, _, _ in source.watched:
             if id(tensor) in stepped:
+                source.flush(everything=True)  # copies hold the values from before the step
                 source.stale = f"an optimizer step ({type(optimizer).__name__}) updated the {role}"
                 break
 
@@ -230,11 +274,18 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 class LazyLogits(torch.Tensor):
     """Returned logits the compiled step did not compute; computed exactly on first read.
 
-    Shape, dtype, device and ``requires_grad`` are the logits'. Metadata ops (views,
-    casts, ``detach``, ``clone``, ``.to``) give another ``LazyLogits`` over this one;
-    any other op computes the values once (:class:`Recipe`), keeps them, and runs on
-    them. ``repr`` / ``print`` read the values like any op (and show the error text
-    instead of raising when they can no longer be computed).
+    Shape, dtype, device and ``requires_grad`` are the logits'. Views (``view``,
+    ``transpose``, indexing, ``detach``, ...) give another ``LazyLogits`` over the same
+    values: a write through either side is seen by the other, as in torch. Copies
+    (``clone``, ``contiguous`` of a non-contiguous view, ``.to()`` / ``.float()`` that
+    change the dtype or device) hold the values as they were when the copy was made: taken
+    from values already computed, a plain tensor at once; otherwise a lazy copy, computed
+    when read, or before its source's values can change (the source computed and kept, or
+    an ``optimizer.step()`` of a tensor they are computed from), whichever comes first.
+    Any other op computes the values once (:class:`Recipe`), keeps them, and runs on them.
+    ``repr`` / ``print`` and ``copy_`` into a plain tensor compute the values without
+    keeping them (and ``repr`` shows the error text instead of raising when they can no
+    longer be computed).
 
     Raises:
         StaleLogitsError: on the first read, when a tensor the logits are computed
@@ -245,32 +296,63 @@ class LazyLogits(torch.Tensor):
 
     @staticmethod
     def __new__(cls, layout: _Layout, *, source: _Inputs | None = None,
-                parent: tuple[LazyLogits, Any, tuple, dict] | None = None) -> LazyLogits:
+                parent: tuple[LazyLogits, Any, tuple, dict] | None = None,
+                copy_of: tuple[LazyLogits, Any, tuple, dict] | None = None) -> LazyLogits:
         self = torch.Tensor._make_wrapper_subclass(cls, layout.shape, strides=layout.stride, dtype=layout.dtype,
                                                    device=layout.device, requires_grad=False)
-        self._source, self._parent, self._value = source, parent, None
+        # a root has its own values (``source``: the recipe's; ``copy_of``: a copy's), a view its ``parent``'s
+        self._source, self._parent, self._copy_of, self._value = source, parent, copy_of, None
         return self
 
     def compute(self) -> torch.Tensor:
         """The values, computed on the first call and kept (a plain tensor, no autograd)."""
         if self._value is None:
-            if self._source is not None:
-                value = self._source.compute()
-            else:
+            if self._parent is not None:
                 base, func, args, kwargs = self._parent
                 with torch.no_grad():
-                    value = func(base.compute(), *args, **kwargs)
-            self._value = value
+                    self._value = func(base.compute(), *args, **kwargs)  # a view of the base's kept values
+            else:
+                self._value = self._make()
+                self._inputs().flush()  # copies of these values are taken now: from here on they can change
         return self._value
 
     @property
     def is_computed(self) -> bool:
-        """Whether the values were computed (read) already."""
+        """Whether the values were computed (read) and kept already."""
         return self._value is not None
+
+    def _root(self) -> LazyLogits:
+        return self if self._parent is None else self._parent[0]._root()
+
+    def _inputs(self) -> _Inputs:
+        root = self._root()
+        return root._source if root._source is not None else root._copy_of[0]._inputs()
+
+    def _make(self) -> torch.Tensor:
+        """A root's values, computed afresh (nothing kept)."""
+        if self._source is not None:
+            return self._source.compute()
+        source, func, args, kwargs = self._copy_of
+        fresh = source._root()._value is None  # the source's values are computed for this copy alone
+        with torch.no_grad():
+            values = source._transient()
+            if fresh and func in _COPIES and _same_layout(values, self) and _owns_storage(values):
+                return values  # already a copy: no second [N, V]
+            return func(values, *args, **kwargs)
+
+    def _transient(self) -> torch.Tensor:
+        """The values without keeping any: the kept ones if computed, else computed afresh."""
+        if self._value is not None:
+            return self._value
+        if self._parent is None:
+            return self._make()
+        base, func, args, kwargs = self._parent
+        with torch.no_grad():
+            return func(base._transient(), *args, **kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         try:
-            values = self.compute()
+            values = self._transient()  # a log line or a debugger does not keep [N, V] alive
         except StaleLogitsError as exc:
             return f"LazyLogits(shape={tuple(self.shape)}, dtype={self.dtype}, not computed: {exc})"
         text = repr(values)
@@ -322,16 +404,63 @@ class LazyLogits(torch.Tensor):
         rest = (*args[1:], *kwargs.values())
         if func in METADATA_OPS and isinstance(args[0], LazyLogits) and not any(isinstance(a, LazyLogits)
                                                                                for a in rest):
-            base = args[0]
-            on_meta = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta")
-            out = func(on_meta, *args[1:], **{**kwargs, "device": "meta"} if "device" in kwargs else kwargs)
-            device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
-            return LazyLogits(_Layout(out.shape, out.stride(), out.dtype, device), parent=(base, func, args[1:], kwargs))
+            return _metadata_op(func, args, kwargs)
+        if torch.Tag.inplace_view in func.tags and isinstance(args[0], LazyLogits):
+            return _inplace_view(func, args, kwargs)
+        if func is _aten.copy_.default and isinstance(args[1], LazyLogits) and not isinstance(args[0], LazyLogits):
+            func(args[0], args[1]._transient(), *args[2:], **kwargs)  # a copy: the source stays lazy
+            return args[0]
         values, kwargs_values = tree_map(lambda t: t.compute() if isinstance(t, LazyLogits) else t, (args, kwargs))
         out = func(*values, **kwargs_values)
         if _writes_first_argument(func) and isinstance(args[0], LazyLogits):
             return args[0]  # an in-place op changed its kept values: it returns itself, as in-place ops do
+        if isinstance(kwargs.get("out"), LazyLogits):
+            return kwargs["out"]
         return out
+
+
+_aten = torch.ops.aten
+_COPIES = {_aten.clone.default, _aten._to_copy.default}  # of METADATA_OPS, those that copy; the rest are views
+
+
+def _metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A view of a LazyLogits (another LazyLogits over its values, aliasing it as torch's
+    views do), or a copy (values computed now if the source's are, else a lazy copy)."""
+    base = args[0]
+    on_meta = torch.empty_strided(base.shape, base.stride(), dtype=base.dtype, device="meta")
+    out = func(on_meta, *args[1:], **{**kwargs, "device": "meta"} if "device" in kwargs else kwargs)
+    device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
+    layout = _Layout(out.shape, out.stride(), out.dtype, device)
+    if func not in _COPIES:
+        view = LazyLogits(layout, parent=(base, func, args[1:], kwargs))
+        return return_and_correct_aliasing(func, args, kwargs, view)
+    if base._root()._value is not None:  # values to copy exist (and may change later): copied now
+        return func(base.compute(), *args[1:], **kwargs)
+    lazy_copy = LazyLogits(layout, copy_of=(base, func, args[1:], kwargs))
+    base._inputs().copied(lazy_copy)
+    return lazy_copy
+
+
+def _inplace_view(func: Any, args: tuple, kwargs: dict) -> LazyLogits:
+    """``detach_`` (autograd's business only): the tensor itself. Ops that change a tensor's
+    shape or storage in place (``unsqueeze_``, ``t_``, ``resize_``, ``set_``, ...) are refused:
+    the views already taken of it read its values through it."""
+    if func is _aten.detach_.default:
+        return args[0]
+    name = func.overloadpacket.__name__
+    raise RuntimeError(f"chunkce: {name}() would change the shape or storage of a LazyLogits in place, which it "
+                       f"does not support (its views read their values through it): use the out-of-place "
+                       f"{name.rstrip('_')}() (a view), or logits.compute() (the values, a plain tensor)")
+
+
+def _same_layout(values: torch.Tensor, like: torch.Tensor) -> bool:
+    return (values.shape, values.stride(), values.dtype, values.device) == (
+        like.shape, like.stride(), like.dtype, like.device)
+
+
+def _owns_storage(values: torch.Tensor) -> bool:
+    """Whether ``values`` spans its whole storage (a view of part of it would keep the rest alive)."""
+    return values.storage_offset() == 0 and values.untyped_storage().nbytes() == values.numel() * values.element_size()
 
 
 def _writes_first_argument(func: Any) -> bool:
