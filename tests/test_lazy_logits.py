@@ -352,3 +352,32 @@ def test_holding_the_output_across_backward_and_the_next_step_keeps_only_the_hid
     assert lazy_end - free_end <= hidden_bytes + 4096, (lazy_end, free_end)
     assert kept_end - free_end >= logits_bytes  # what the held logits cost when kept
     assert abs(lazy_next - free_next) <= hidden_bytes + 4096, (lazy_next, free_next)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stock(grad):
+    """The pre-grad pass cannot make returned logits lazy (it cannot wrap the compiled graph), so in a
+    graph without grad it would keep them and project again: it leaves that site as stock (the graph
+    after the pass runs stock's ops, outputs exact); in a training graph it rewrites the loss and keeps
+    the logits. The pass is run, as Inductor runs it, on the graph Dynamo captured."""
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    model = LM(bias=True)
+    h, labels = batch()
+    with torch.set_grad_enabled(grad):
+        torch.compile(model, backend=capture)(h, labels)
+        ((gm, example_inputs),) = captured
+        compile_pass.ChunkcePreGradPass()(gm.graph)
+        gm.recompile()
+        got, expected = gm(*example_inputs), model(h, labels)
+    (record,) = compile_pass.last_report().records
+    ops = [n for n in gm.graph.nodes if n.target is OP]
+    if grad:
+        assert (record.decision, len(ops)) == ("rewritten", 1)
+    else:
+        assert (record.decision, record.reason_key, ops) == (LEFT, "no_grad_logits_read", [])
+    torch.testing.assert_close(tuple(got), tuple(expected))
