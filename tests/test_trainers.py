@@ -229,14 +229,14 @@ def token_accuracy(prediction):
 
 
 def evaluate_with(model, evaluation, tmp_path, **trainer_kwargs):
-    """``Trainer.evaluate`` of ``model`` on ``evaluation`` (batches of 4), twice (the first compiles);
-    returns the second's metrics and the trainer."""
+    """``Trainer.evaluate`` of ``model`` on ``evaluation`` (batches of 4; it compiles), then
+    ``Trainer.predict``: returns the latter's output (metrics and predictions) and the trainer."""
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
                              per_device_eval_batch_size=4, seed=0)
     trainer = RecordingTrainer(model=model, args=args, **trainer_kwargs)
     trainer.micro_batches, trainer.evaluation_logits_types = [], set()
     trainer.evaluate(evaluation)
-    return trainer.evaluate(evaluation), trainer
+    return trainer.predict(evaluation), trainer
 
 
 def test_evaluate_with_preprocess_logits_for_metrics_reads_lazy_logits_exactly(text, tmp_path):
@@ -251,14 +251,17 @@ def test_evaluate_with_preprocess_logits_for_metrics_reads_lazy_logits_exactly(t
     model.compile(backend="chunkce", options={"inner_backend": recording(graphs, "aot_eager")})
     reference.compile(backend="eager")
     kwargs = dict(compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_logits)
-    metrics, trainer = evaluate_with(model, evaluation, tmp_path / "chunkce", **kwargs)
+    prediction, trainer = evaluate_with(model, evaluation, tmp_path / "chunkce", **kwargs)
     expected, _ = evaluate_with(reference, evaluation, tmp_path / "eager", **kwargs)
     assert trainer.evaluation_logits_types == {LazyLogits}
     (graph,) = [g for grad, g in graphs if not grad]
     assert head_readers(graph) == [OP]
     assert_logits_lazy(graph, tokenizer.get_vocab_size())
-    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-5)
-    assert metrics["eval_accuracy"] == expected["eval_accuracy"] and 0 < metrics["eval_accuracy"] < 1
+    assert prediction.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-5)
+    assert prediction.metrics["test_accuracy"] == expected.metrics["test_accuracy"]
+    assert prediction.predictions.shape == (8, SEQ_LEN)  # the argmax's tokens, read from the lazy logits
+    assert (prediction.predictions == expected.predictions).all()
+    assert len(set(prediction.predictions.ravel().tolist())) > 1  # not a constant: a read of real values
 
 
 def test_evaluate_without_metrics_reads_no_logits_and_peaks_below_a_quarter_of_inductors(text, tmp_path):
