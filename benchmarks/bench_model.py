@@ -4,6 +4,8 @@
     python -m benchmarks.bench_model --configs gpu-1b --isolate --csv model.csv   # on a GPU: bf16
     python -m benchmarks.bench_model --compile model --configs cpu-example cpu-example-128k --isolate \
         --backends inductor chunkce chunkce-drop chunkce-keep     # the whole model, no options vs the others
+    python -m benchmarks.bench_model --configs cpu-example --isolate --backends inductor chunkce \
+        --step eval eval-read --steps 3    # evaluation steps (no_grad, labels), logits unread / read
 
 A ``transformers`` ``LlamaForCausalLM`` built from a registry config (random
 weights, same seed everywhere), trained on one fixed random batch. Per backend:
@@ -17,6 +19,14 @@ median step time, tokens/s, and each step's loss against eager's.
 caches nor allocator state of one run colour the next one's numbers. The tables are
 markdown (``benchmarks.tables``), the docs' own (``run_cpu``); a backend that fails
 makes the exit status 1.
+
+``--step eval`` / ``eval-read``: instead of training, the evaluation step
+(``model.eval()``; under ``torch.no_grad()`` ``out = model(input_ids=ids, labels=ids)``, the
+whole model compiled), with the logits left unread (``eval``: a loss-only evaluation
+loop, ``Trainer.evaluate()`` without ``compute_metrics``) or read after the step
+(``eval-read``: ``out.logits.argmax(-1)``, what ``preprocess_logits_for_metrics``
+usually does). Peak is that of one step (the output dropped before the next), above the
+parameters; time is the median step.
 """
 
 from __future__ import annotations
@@ -114,6 +124,65 @@ def loss_function(model, backend: str, compile_what: str, chunk_size: int | None
     return torch.compile(loss, backend=backend, **kwargs)
 
 
+def eval_function(model, backend: str, read: bool, chunk_size: int | None):
+    """One evaluation step under ``backend`` (the whole model compiled): ``no_grad``,
+    ``model(input_ids=ids, labels=ids)``; ``read``: ``out.logits.argmax(-1)`` after it.
+    Returns the loss; the output object is dropped when the step returns."""
+    model.eval()
+    compiled = model
+    if backend != "eager":
+        kwargs = {}
+        if backend in CHUNKCE_OPTIONS:
+            import compile_pass  # noqa: F401
+
+            options = {**CHUNKCE_OPTIONS[backend], **({"chunk_size": chunk_size} if chunk_size else {})}
+            kwargs = {"options": options} if options else {}
+            backend = "chunkce"
+        compiled = torch.compile(model, backend=backend, **kwargs)
+
+    def step(ids):
+        with torch.no_grad():
+            out = compiled(input_ids=ids, labels=ids)
+            if read:
+                out.logits.argmax(-1)  # [B, T]: reads every logit
+            return out.loss
+
+    return step
+
+
+def run_eval(name: str, backend: str, args: argparse.Namespace) -> dict:
+    """One (config, backend) evaluation run (``--step eval`` / ``eval-read``) in this process."""
+    config, device = CONFIGS[name], args.device
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, ids = build(config, device, args.seed)
+    step = eval_function(model, backend, args.step == "eval-read", args.chunk_size)
+    losses = []
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        losses.append(step(ids))
+    harness.synchronize(device)
+    warmup_s = time.perf_counter() - start
+    harness.release_memory(device)
+    with harness.PeakMemory(device) as mem:
+        losses.append(step(ids))
+    stats = harness.time_region(lambda _: losses.append(step(ids)), lambda: None, device, warmup=0,
+                                reps=args.steps)
+    chunkce_counters = dict(torch._dynamo.utils.counters.get("chunkce", {}))
+    static = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "config": name, "backend": backend, "step": args.step, "compile": "model" if backend != "eager" else "-",
+        "device": device.type, "dtype": config.dtype, "tokens": config.tokens,
+        "chunk_size": (args.chunk_size or "auto") if backend in CHUNKCE_OPTIONS else "",
+        "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
+        "step_ms_p20": stats.p20, "step_ms_p50": stats.p50, "step_ms_p80": stats.p80,
+        "tokens_per_s": config.tokens / (stats.p50 / 1e3), "peak_mib": mem.peak_bytes / MiB,
+        "peak_fwd_bwd_mib": "", "static_mib": static / MiB, "warmup_s": warmup_s,
+        "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
+        "losses": [float(x) for x in losses],
+    }
+
+
 def _start(name: str, backend: str, args: argparse.Namespace):
     """A fresh Dynamo, the config's model and batch, AdamW and the loss function to step."""
     torch._dynamo.reset()
@@ -171,7 +240,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     stats = harness.time_region(timed, prepare, device, warmup=0, reps=args.steps)
     chunkce_counters = dict(torch._dynamo.utils.counters.get("chunkce", {}))
     return {
-        "config": name, "backend": backend, "compile": args.compile if backend != "eager" else "-",
+        "config": name, "backend": backend, "step": "train", "compile": args.compile if backend != "eager" else "-",
         "device": device.type, "dtype": config.dtype, "tokens": config.tokens,
         "chunk_size": (args.chunk_size or "auto") if backend in CHUNKCE_OPTIONS else "",
         "vocab": config.vocab_size, "hidden": config.hidden_size, "layers": config.layers,
@@ -255,6 +324,7 @@ def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
     child = isolate.run(["-m", "benchmarks.bench_model", "--configs", name, "--backends", backend,
                          "--device", str(args.device), "--warmup", str(args.warmup), "--steps", str(args.steps),
                          "--lr", str(args.lr), "--seed", str(args.seed), "--compile", args.compile,
+                         "--step", args.step,
                          *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else []),
                          *(["--cap-mib", str(args.cap_mib), "--max-batch", str(args.max_batch)]
                            if args.cap_mib else [])], timeout=args.run_timeout)
@@ -263,7 +333,7 @@ def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
     return child.records[0]  # a failure inside the child comes back as its note
 
 
-COLUMNS = ("config", "backend", "compile", "chunk_size", "device", "dtype", "tokens", "vocab", "hidden", "layers",
+COLUMNS = ("config", "backend", "step", "compile", "chunk_size", "device", "dtype", "tokens", "vocab", "hidden", "layers",
            "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "peak_fwd_bwd_mib",
            "static_mib",
            "warmup_s", "loss_first", "loss_last", "max_loss_diff_vs_eager", "max_loss_diff_vs_inductor",
@@ -279,7 +349,7 @@ def summarize(results: list[dict]) -> list[dict]:
             row["loss_first"], row["loss_last"] = r["losses"][0], r["losses"][-1]
             for other in ("eager", "inductor"):
                 ref = next((x["losses"] for x in results if x["backend"] == other and x["config"] == r["config"]
-                            and x.get("losses")), None)
+                            and x.get("step") == r.get("step") and x.get("losses")), None)
                 if ref is not None and r["backend"] != other:
                     row[f"max_loss_diff_vs_{other}"] = max(abs(a - b) for a, b in zip(r["losses"], ref))
         rows.append(row)
@@ -288,23 +358,26 @@ def summarize(results: list[dict]) -> list[dict]:
 
 def step_table(rows: list[dict]) -> str:
     """The training-step runs as markdown (``summarize``'s rows, from memory or a CSV); the docs' model table."""
-    base = {r["config"]: r for r in rows if r["backend"] == "inductor" and num(r["peak_mib"])}
+    base = {(r["config"], r.get("step", "train")): r for r in rows
+            if r["backend"] == "inductor" and num(r["peak_mib"])}
     body = []
     for r in rows:
         if not num(r["peak_mib"]):
-            body.append([r["config"], r["backend"], r["tokens"], f"failed: {r['note']}", *[""] * 9])
+            body.append([r["config"], r.get("step", "train"), r["backend"], r["tokens"], f"failed: {r['note']}",
+                         *[""] * 9])
             continue
-        b = base.get(r["config"])
+        b = base.get((r["config"], r.get("step", "train")))
 
         def vs(key: str) -> str:
             return f" ({ratio(r[key], b[key])})" if b is not None and b is not r else ""
 
-        body.append([r["config"], r["backend"], r["tokens"], fmt(r["step_ms_p50"], ".0f") + vs("step_ms_p50"),
+        body.append([r["config"], r.get("step", "train"), r["backend"], r["tokens"],
+                     fmt(r["step_ms_p50"], ".0f") + vs("step_ms_p50"),
                      fmt(r["tokens_per_s"], ".0f"), fmt(r["peak_mib"], ".1f") + vs("peak_mib"),
                      fmt(r["peak_fwd_bwd_mib"], ".1f"), fmt(r["static_mib"], ".1f"), fmt(r["warmup_s"], ".0f"),
                      fmt(r["loss_first"], ".5f"), r["sites_rewritten"] or "-",
                      fmt(r["max_loss_diff_vs_eager"], ".1e") or "-", fmt(r["max_loss_diff_vs_inductor"], ".1e") or "-"])
-    return markdown(["config", "backend", "tokens", "step ms (p50)", "tokens/s", "step peak MiB (above params + AdamW)",
+    return markdown(["config", "step", "backend", "tokens", "step ms (p50)", "tokens/s", "step peak MiB (above params + AdamW)",
                      "fwd + bwd peak MiB", "params + AdamW MiB", "warm-up s", "loss[0]", "sites rewritten",
                      "max loss diff vs eager", "max loss diff vs inductor"], body)
 
@@ -359,6 +432,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", choices=("loss", "model"), default="loss",
                    help="compile a function returning only the loss (logits dead) or the whole model "
                         "(its output, loss and logits, held across backward until the next step)")
+    p.add_argument("--step", nargs="+", choices=("train", "eval", "eval-read"), default=["train"],
+                   help="the step measured: training; evaluation under no_grad with labels, the logits unread "
+                        "(eval) or read after it (eval-read: out.logits.argmax(-1)); the whole model compiled")
     p.add_argument("--chunk-size", type=int, default=None,
                    help="chunkce's chunk_size option; default: the op's automatic size")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (compilation)")
@@ -388,25 +464,28 @@ def main(argv: list[str] | None = None) -> int:
         harness.print_environment(args.device)
     child = args.result_json is not None
     results = []
-    for name in args.configs:
-        if not child:
+    kinds = args.step
+    for name, kind, backend in ((n, k, b) for n in args.configs for k in kinds for b in args.backends):
+        args.step = kind
+        if not child and kind == kinds[0] and backend == args.backends[0]:
             print(f"config {name}: {asdict(CONFIGS[name])}", flush=True)
-        for backend in args.backends:
-            if not child:
-                print(f"  {name} / {backend} ...", flush=True)
-            try:
-                if args.isolate:
-                    result = run_isolated(name, backend, args)
-                else:
-                    result = (search_cap if args.cap_mib else run_one)(name, backend, args)
-            except Exception as e:  # noqa: BLE001 - one failing backend must not end the sweep
-                message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                print(f"  {name} / {backend} failed: {message}", flush=True)
-                result = {"config": name, "backend": backend, "note": message}
-            results.append(result)
-            harness.release_memory(args.device)
-            if args.csv and not child and not args.cap_mib:  # after each run: a sweep cut short keeps its rows
-                harness.write_csv(summarize(results), args.csv)
+        if not child:
+            print(f"  {name} / {kind} / {backend} ...", flush=True)
+        try:
+            if args.isolate:
+                result = run_isolated(name, backend, args)
+            elif args.cap_mib:
+                result = search_cap(name, backend, args)
+            else:
+                result = (run_one if kind == "train" else run_eval)(name, backend, args)
+        except Exception as e:  # noqa: BLE001 - one failing backend must not end the sweep
+            message = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            print(f"  {name} / {kind} / {backend} failed: {message}", flush=True)
+            result = {"config": name, "backend": backend, "step": kind, "note": message}
+        results.append(result)
+        harness.release_memory(args.device)
+        if args.csv and not child and not args.cap_mib:  # after each run: a sweep cut short keeps its rows
+            harness.write_csv(summarize(results), args.csv)
     if child:
         for result in results:
             isolate.Reporter(args.result_json).record(result)

@@ -42,7 +42,7 @@ class Options:
             registered with Dynamo, or a backend callable.
         inductor_config: Inductor config patches, forwarded to ``compile_fx`` as
             ``config_patches`` when the inner backend is Inductor.
-        returned_logits: backend only: what a training step does with logits that fed a
+        returned_logits: backend only: what a step does with logits that fed a
             rewritten loss and that nothing in the graph reads but its output (HF's
             ``outputs.logits``, also through dtype casts, copies and an absorbed scale that
             only the output reads, as accelerate's mixed-precision ``.float()``):
@@ -57,7 +57,10 @@ class Options:
               :class:`compile_pass.graph.logits_drop.DroppedLogits`, which raises on any
               read of values.
 
-            Eval and generation graphs (no grad) always keep their logits. The pre-grad
+            A graph without grad (evaluation) makes such logits lazy under ``"lazy"`` and
+            ``"drop"`` alike (``"drop"`` drops training logits only); a site of such a graph whose
+            logits are still computed (``"keep"``, another reader) is left as stock (the rewrite
+            would only add a projection). ``generate()`` has no loss: real logits. The pre-grad
             pass cannot wrap the compiled graph: there ``"lazy"`` means ``"keep"``, and
             ``"drop"`` is refused. See ``docs/models.md``.
         drop_unused_logits: the older spelling of ``returned_logits="drop"`` (True); kept

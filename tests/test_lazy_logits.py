@@ -8,6 +8,7 @@ and each way the tensors they are computed from can change makes the read raise.
 """
 
 import copy
+import logging
 import pickle
 
 import pytest
@@ -15,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import compile_pass
 from compile_pass.graph.lazy_tensor import LazyLogits, StaleLogitsError
+from compile_pass.graph.report import LEFT, NO_GRAD_LOGITS_READ
 from compile_pass.graph.logits_drop import DROPPED
 from compile_pass.memory import PeakMemory
 
@@ -225,13 +228,73 @@ def test_a_read_in_the_next_graph_after_a_graph_break_is_exact():
     torch.testing.assert_close(probs, expected_logits.softmax(-1))
 
 
-def test_no_grad_graphs_return_real_logits():
-    compiled, _, model, _ = compiled_pair(LM())
+@pytest.mark.parametrize("options", [{}, {"returned_logits": "drop"}, {"drop_unused_logits": True}],
+                         ids=["no_options", "drop", "drop_unused_logits"])
+@pytest.mark.parametrize("head", [LM(bias=True), LM(returned_dtype=torch.float64)], ids=["bias", "cast"])
+def test_no_grad_graphs_return_lazy_logits_exact_when_read(head, options):
+    """An evaluation step (no grad) computes no [N, V] logits either: the graph holds the op and the
+    lazy stand-in only, and the step returns a LazyLogits (under "drop" too: drop is for training
+    logits, an evaluation loop reads them), exact when read. Failed before: a plain tensor, the
+    projection kept in the graph beside the op (logits_kept)."""
+    graphs = []
+    compiled, stock, model, reference = compiled_pair(head, options, graphs=graphs)
     h, labels = batch()
     with torch.no_grad():
-        _, logits = compiled(h, labels)
+        loss, logits = compiled(h, labels)
+        expected_loss, expected_logits = stock(h, labels)
+    assert type(logits) is LazyLogits and not logits.is_computed and not logits.requires_grad
+    (graph,) = graphs
+    assert_no_logits_in(graph)
+    stats = counters["chunkce"]
+    assert (stats["logits_lazy"], stats["logits_kept"], stats["logits_dropped"]) == (1, 0, 0)
+    torch.testing.assert_close(loss, expected_loss)
+    assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+    torch.testing.assert_close(logits * 1, expected_logits)
+    assert logits.is_computed
+
+
+class ReadsLogits(LM):
+    """An evaluation step that reads the logits inside the compiled region (an argmax beside the loss)."""
+
+    def forward(self, h, labels):
+        loss, logits = super().forward(h, labels)
+        return loss, logits, logits.argmax(-1)
+
+
+def test_no_grad_graph_that_reads_its_logits_is_left_as_stock_with_the_reason(chunkce_logs):
+    """Without grad, logits another reader needs are computed anyway, and stock Inductor fuses the
+    upcast and log-softmax into reductions over them: the rewrite would only add a projection. The
+    site is left as stock (no op node, the graph's projection read by the loss), said in the report
+    and explain(), logged at INFO, never warned. Under grad the same model is rewritten (the
+    rewrite saves the log-softmax kept for backward). Failed before: rewritten with the logits kept."""
+    graphs = []
+    compiled, stock, model, reference = compiled_pair(ReadsLogits(), graphs=graphs)
+    h, labels = batch()
+    with torch.no_grad():
+        loss, logits, predicted = compiled(h, labels)
+        expected = stock(h, labels)
+    (graph,) = graphs
+    assert not [n for n in graph.nodes if n.target is OP]
+    assert any(n.op == "call_function" and n.target is F.cross_entropy for n in graph.nodes)
     assert type(logits) is torch.Tensor
-    torch.testing.assert_close(logits, model(h, labels)[1].detach())
+    torch.testing.assert_close((loss, logits, predicted), expected)
+    stats = counters["chunkce"]
+    assert (stats["sites_found"], stats["sites_left"], stats["sites_rewritten"], stats["sites_refused"]) == (
+        1, 1, 0, 0)
+    (record,) = compile_pass.last_report().records
+    assert (record.decision, record.reason, record.reason_key) == (LEFT, NO_GRAD_LOGITS_READ, "no_grad_logits_read")
+    assert not [r for r in chunkce_logs.records if r.levelno >= logging.WARNING and r.name.startswith("compile_pass")]
+    assert any("left" in r.getMessage() and r.levelno == logging.INFO for r in chunkce_logs.records)
+    with torch.no_grad():
+        explained = str(compile_pass.explain(ReadsLogits(), h, labels))
+    assert "left as stock" in explained and "computes no gradient" in explained
+
+    counters.clear()
+    torch._dynamo.reset()
+    loss, logits, predicted = torch.compile(ReadsLogits(), backend="chunkce",
+                                            options={"inner_backend": "aot_eager"})(h, labels)
+    assert counters["chunkce"]["sites_rewritten"] == 1 and counters["chunkce"]["sites_left"] == 0
+    torch.testing.assert_close((loss, logits, predicted), tuple(t.detach() for t in expected))
 
 
 def test_the_other_behaviours_are_one_option_away():
@@ -289,3 +352,32 @@ def test_holding_the_output_across_backward_and_the_next_step_keeps_only_the_hid
     assert lazy_end - free_end <= hidden_bytes + 4096, (lazy_end, free_end)
     assert kept_end - free_end >= logits_bytes  # what the held logits cost when kept
     assert abs(lazy_next - free_next) <= hidden_bytes + 4096, (lazy_next, free_next)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
+def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stock(grad):
+    """The pre-grad pass cannot make returned logits lazy (it cannot wrap the compiled graph), so in a
+    graph without grad it would keep them and project again: it leaves that site as stock (the graph
+    after the pass runs stock's ops, outputs exact); in a training graph it rewrites the loss and keeps
+    the logits. The pass is run, as Inductor runs it, on the graph Dynamo captured."""
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    model = LM(bias=True)
+    h, labels = batch()
+    with torch.set_grad_enabled(grad):
+        torch.compile(model, backend=capture)(h, labels)
+        ((gm, example_inputs),) = captured
+        compile_pass.ChunkcePreGradPass()(gm.graph)
+        gm.recompile()
+        got, expected = gm(*example_inputs), model(h, labels)
+    (record,) = compile_pass.last_report().records
+    ops = [n for n in gm.graph.nodes if n.target is OP]
+    if grad:
+        assert (record.decision, len(ops)) == ("rewritten", 1)
+    else:
+        assert (record.decision, record.reason_key, ops) == (LEFT, "no_grad_logits_read", [])
+    torch.testing.assert_close(tuple(got), tuple(expected))

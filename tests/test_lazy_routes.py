@@ -11,7 +11,7 @@ and every trainable gradient.
 Routes: gradient accumulation with ``num_items_in_batch`` (a micro-step's logits read
 after the next micro-step's forward), activation checkpointing (HF's, and
 ``torch.utils.checkpoint`` around the compiled call) with ``fullgraph=True``,
-``generate()`` and evaluation under ``no_grad`` (real tensors), a warmed-up model under
+evaluation under ``no_grad`` (lazy too), ``generate()`` (no loss: real tensors), a warmed-up model under
 ``error_on_recompile`` over several lengths, and a loss built from the logits outside
 the compiled region (``(out.loss + z_loss(out.logits)).backward()``), aot_eager and Inductor.
 """
@@ -130,9 +130,11 @@ def test_activation_checkpointing_with_fullgraph(where):
     assert_logits_lazy(graphs_with_grad[0], V)
 
 
-def test_generate_and_no_grad_evaluation_get_real_logits():
-    """Under ``no_grad`` (an evaluation loop, ``generate()``) the graph keeps the logits: a plain
-    ``torch.Tensor``, equal to stock's; generate's tokens and per-step logits too."""
+def test_no_grad_evaluation_gets_lazy_logits_and_generate_real_ones():
+    """Under ``no_grad`` an evaluation step with labels computes no logits either: its graph holds the
+    op and the lazy stand-in only (``assert_logits_lazy``), the step returns a LazyLogits equal to
+    stock's when read. ``generate()`` passes no labels: no loss, nothing rewritten, real logits, its
+    tokens and per-step logits equal to stock's."""
     model = build()
     reference = copy.deepcopy(model)
     graphs = GraphCopies()
@@ -141,16 +143,19 @@ def test_generate_and_no_grad_evaluation_get_real_logits():
     ids, labels = batch()
     with torch.no_grad():
         out, expected = model(input_ids=ids, labels=labels), reference(input_ids=ids, labels=labels)
-    assert type(out.logits) is torch.Tensor
-    torch.testing.assert_close(out.logits, expected.logits)
+    assert isinstance(out.logits, LazyLogits) and not out.logits.is_computed
+    (evaluation,) = [graph for grad, graph in graphs.graphs if not grad]
+    assert_logits_lazy(evaluation, V)
     torch.testing.assert_close(out.loss, expected.loss)
-    assert counters["chunkce"]["logits_kept"] == 1 and counters["chunkce"]["logits_lazy"] == 0
+    torch.testing.assert_close(out.logits * 1, expected.logits)
+    assert counters["chunkce"]["logits_kept"] == 0 and counters["chunkce"]["logits_lazy"] == 1
+    counters.clear()
     settings = dict(max_new_tokens=2, do_sample=False, output_logits=True, return_dict_in_generate=True)
     generated, expected_generated = model.generate(ids[:, :4], **settings), reference.generate(ids[:, :4], **settings)
     torch.testing.assert_close(generated.sequences, expected_generated.sequences)
     assert all(type(step) is torch.Tensor for step in generated.logits)
     torch.testing.assert_close(generated.logits, expected_generated.logits)
-    assert graphs.graphs and not graphs.training()
+    assert counters["chunkce"]["sites_found"] == 0 and not graphs.training()
 
 
 def test_warmed_up_model_does_not_recompile_over_sequence_lengths():

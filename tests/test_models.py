@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
+from compile_pass.graph.lazy_tensor import LazyLogits
 from compile_pass.graph.logits_drop import DROPPED, DroppedLogits
 from compile_pass.graph.report import LOGITS_DROPPED
 from conftest import OP, op_node, reduction_of
@@ -428,15 +429,15 @@ def test_dropped_logits_raise_on_any_read_and_allow_metadata_ops():
             read(logits)
 
 
-def test_logits_are_kept_without_grad_when_read_in_graph_and_by_default():
+def test_logits_are_lazy_without_grad_kept_when_read_in_graph_and_by_default():
     h, labels = toy_batch()
     eager_loss, eager_logits = ReturnsLogits()(h, labels)
     compiled = torch.compile(ReturnsLogits(), backend="chunkce", options={**DROP, "inner_backend": "aot_eager"})
-    with torch.no_grad():  # evaluation / generation read the logits: a no-grad graph keeps them
+    with torch.no_grad():  # evaluation reads the logits: a no-grad graph makes them lazy, not dropped
         loss, logits = compiled(h, labels)
-    assert type(logits) is torch.Tensor
-    torch.testing.assert_close(logits, eager_logits.detach())
-    assert counters["chunkce"]["logits_kept"] == 1 and counters["chunkce"]["logits_dropped"] == 0
+    assert type(logits) is LazyLogits
+    torch.testing.assert_close(logits * 1, eager_logits.detach())
+    assert counters["chunkce"]["logits_lazy"] == 1 and counters["chunkce"]["logits_dropped"] == 0
     counters.clear()
     in_graph = torch.compile(ReturnsLogits(use_logits_in_graph=True), backend="chunkce",
                              options={**DROP, "inner_backend": "aot_eager"})

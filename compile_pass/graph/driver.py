@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from torch.fx import Graph, GraphModule
+import torch
+from torch.fx import Graph, GraphModule, Node
 
 from compile_pass.graph import guard, lazy_logits, logits_drop, report
-from compile_pass.graph.nodes import Edit, module_attr
+from compile_pass.graph.nodes import Edit, example_value, module_attr
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.rewrite import rewrite_site
 from compile_pass.graph.sites import Site, find_sites
@@ -140,24 +141,50 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
         return records
 
 
+class _OnlyCosts(Exception):
+    """Raised inside a site's :class:`Edit` to undo a rewrite that would only cost."""
+
+
 def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
     """The record of a refused site, or rewrite an accepted one (and take its returned
-    logits out of the graph, lazy or dropped, as ``options.logits`` says), all or nothing."""
+    logits out of the graph, lazy or dropped, as ``options.logits`` says), all or nothing.
+
+    ``"drop"`` drops training logits only (:func:`compile_pass.graph.logits_drop.droppable`);
+    only-returned logits of a graph without grad are lazy under ``"drop"`` as under ``"lazy"``.
+    A site whose loss computes no gradient and whose logits the graph still computes after
+    the rewrite (another reader; ``"keep"``; the pre-grad pass) is left as it was
+    (``report.LEFT``): without grad stock Inductor holds only the logits (it fuses the fp32
+    upcast and the log-softmax into reductions), so the rewrite would add a second projection
+    and save nothing (measured: docs/models.md)."""
     if reason is not None:
         return report.refused(site, reason)
     record = report.rewritten(site, options)  # before the rewrite: it reads the site's nodes
+    without_grad = not _requires_grad(site.node)
     graph = site.node.graph
-    with Edit(graph) as edit:
-        done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
-                            grads_in_forward=options.grads_in_forward)
-        dropped, mode = 0, options.logits
-        if done.logits_kept and not in_subgraph and mode == "drop":
-            dropped = logits_drop.drop_if_only_returned(site.projection, edit)
-        elif done.logits_kept and not in_subgraph and mode == "lazy":
-            dropped = lazy_logits.defer_if_only_returned(site.projection, edit)
-        graph.lint()
-    note = (report.LOGITS_DROPPED if mode == "drop" else report.LOGITS_LAZY) if dropped else ""  # kept: _settle_logits
+    try:
+        with Edit(graph) as edit:
+            done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
+                                grads_in_forward=options.grads_in_forward)
+            dropped, mode = 0, options.logits
+            lazy = done.logits_kept and not in_subgraph and mode in ("lazy", "drop")
+            if lazy and mode == "drop" and logits_drop.droppable(site.projection.node):
+                dropped, lazy = logits_drop.drop_if_only_returned(site.projection, edit), False
+            elif lazy:
+                dropped = lazy_logits.defer_if_only_returned(site.projection, edit)
+            if without_grad and site.projection.node.users:
+                raise _OnlyCosts
+            graph.lint()
+    except _OnlyCosts:  # the graph is as it was
+        return dataclasses.replace(record, decision=report.LEFT, reason=report.NO_GRAD_LOGITS_READ,
+                                   reason_key="no_grad_logits_read", chunk_size=None)
+    note = (report.LOGITS_LAZY if lazy else report.LOGITS_DROPPED) if dropped else ""  # kept: _settle_logits
     return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped)
+
+
+def _requires_grad(loss: Node) -> bool:
+    """Whether the loss node's value requires grad (True when unknown: rewriting is the safe default)."""
+    value = example_value(loss)
+    return not isinstance(value, torch.Tensor) or value.requires_grad
 
 
 def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> report.SiteRecord:
@@ -169,7 +196,7 @@ def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> 
     node = site.projection.node
     if not node.users:
         return dataclasses.replace(record, reason="", fix="")
-    fix = report.DROP_LOGITS_FIX if not in_subgraph and logits_drop.droppable(node) else ""
+    fix = report.DROP_LOGITS_FIX if not in_subgraph and logits_drop.only_returned(node) else ""
     return dataclasses.replace(record, reason=report.LOGITS_KEPT, fix=fix)
 
 

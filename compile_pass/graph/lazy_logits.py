@@ -6,10 +6,13 @@
     out.logits.argmax(-1)                       # computed now, from the step's hidden states and head
 
 HF causal LMs return ``logits`` beside ``loss``. Once the loss is rewritten, the
-projection stays in the graph only for that output. In a training graph, logits that
+projection stays in the graph only for that output. In a training graph and in a graph
+without grad (an evaluation step under ``no_grad``) alike, logits that
 fed a rewritten loss and that nothing but the graph output reads (directly, or
-through dtype casts, copies and an absorbed scale: :func:`compile_pass.graph.logits_drop.droppable`)
-are taken out of the graph. The graph returns, instead, the tensors they are made from
+through dtype casts, copies and an absorbed scale: :func:`compile_pass.graph.logits_drop.only_returned`)
+are taken out of the graph. (An evaluation step that kept them would compute the
+``[N, V]`` projection for them and the op would project every tile again: two
+projections for stock's one, and no memory saved.) The graph returns, instead, the tensors they are made from
 (the hidden states ``[..., H]``, the head's weight and bias, a scale), and the
 backend's wrapper hands the caller a :class:`compile_pass.graph.lazy_tensor.LazyLogits` in the logits' slot.
 
@@ -31,7 +34,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.lazy_tensor import Recipe, lazy_logits
-from compile_pass.graph.logits_drop import DROPPED, DroppedLogits, droppable, returned_chain, take_out
+from compile_pass.graph.logits_drop import DROPPED, DroppedLogits, only_returned, returned_chain, take_out
 from compile_pass.graph.nodes import Edit, example_value, is_tensor_node
 
 
@@ -45,11 +48,11 @@ class Deferred:
 
 def defer_if_only_returned(projection: Projection, edit: Edit) -> int:
     """Take a kept projection (and the casts up to the graph output) out of the graph if
-    it is :func:`compile_pass.graph.logits_drop.droppable`, as part of the site's ``edit``:
+    it is :func:`compile_pass.graph.logits_drop.only_returned`, as part of the site's ``edit``:
     a stand-in carrying a :class:`Deferred` takes the returned value's place
     (:func:`add_outputs` then returns its inputs from the graph). Returns the bytes of
     logits no longer computed (0: left as is, e.g. an input the recipe cannot take)."""
-    if not droppable(projection.node):
+    if not only_returned(projection.node):
         return 0
     chain = returned_chain(projection.node)
     graph: Graph = projection.node.graph

@@ -17,8 +17,9 @@ rewrote in the same top-level graph, (2) are read by nothing in the graph but
 the graph output (directly, or through dtype casts: accelerate's mixed-precision
 wrapper ``.float()``s every output inside the traced forward; copies such as
 OPT's ``.contiguous()``; the scale the pass absorbs, Cohere's and Granite's), and (3) require
-grad (a training graph: eval and generation under ``no_grad`` keep theirs) are
-dropped. Code that reads a dropped tensor's values fails with an error naming the
+grad (a training graph) are dropped. In a graph without grad (evaluation under
+``no_grad``) such logits are lazy instead, as with the default option
+(:mod:`compile_pass.graph.lazy_logits`): an evaluation loop reads them. Code that reads a dropped tensor's values fails with an error naming the
 option; it never sees wrong numbers.
 """
 
@@ -137,12 +138,20 @@ def _is_step_of(node: Node, source: Node) -> bool:
     return read is not None and read.scale is not None and read.scale.logits is source
 
 
-def droppable(node: Node) -> bool:
-    """Whether ``node`` (a kept projection of a top-level graph) is training logits read
-    by nothing but the graph output, directly or through dtype casts."""
+def only_returned(node: Node) -> bool:
+    """Whether ``node`` (a kept projection of a top-level graph) is logits read by nothing
+    but the graph output, directly or through dtype casts, copies and an absorbed scale
+    (:func:`returned_chain`), in a training graph or a graph without grad alike: what
+    ``returned_logits="lazy"`` takes out of the graph."""
     chain = returned_chain(node) if node.users else None
-    logits = example_value(chain[-1]) if chain else None
-    return isinstance(logits, torch.Tensor) and logits.requires_grad
+    return chain is not None and isinstance(example_value(chain[-1]), torch.Tensor)
+
+
+def droppable(node: Node) -> bool:
+    """Whether ``node`` is :func:`only_returned` training logits (they require grad): what
+    ``returned_logits="drop"`` drops. Logits of a graph without grad (evaluation) are not
+    dropped: they are lazy (:mod:`compile_pass.graph.lazy_logits`)."""
+    return only_returned(node) and example_value(returned_chain(node)[-1]).requires_grad
 
 
 def drop_if_only_returned(projection: Projection, edit: Edit) -> int:
@@ -153,7 +162,7 @@ def drop_if_only_returned(projection: Projection, edit: Edit) -> int:
 
 
 def take_out(projection: Projection, edit: Edit, mark: Any) -> int:
-    """Replace a :func:`droppable` projection and its :func:`returned_chain` by a stand-in
+    """Replace an :func:`only_returned` projection and its :func:`returned_chain` by a stand-in
     (:func:`stand_in_for`) whose ``meta[DROPPED]`` is ``mark``, as part of ``edit``;
     returns the bytes of the values no longer computed."""
     chain = returned_chain(projection.node)

@@ -16,7 +16,10 @@ classifier's score layer: nothing to save) is logged at INFO, and stays in the r
 A soft-capped head (``soft_cap``) says that it is refused by design.
 :func:`compile_pass.explain` does not publish: it returns the full report, and logs no site.
 
-Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``,
+A site left as stock (``LEFT``: the rewrite would only cost, e.g. a graph without grad
+that still reads the logits) is logged at INFO with its reason, never warned.
+
+Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``, ``sites_left``,
 ``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
 sites whose logits other users still need), ``logits_lazy`` (returned logits
 computed only when read, the default ``returned_logits="lazy"``), ``logits_dropped``
@@ -44,6 +47,12 @@ from compile_pass.options import Options
 log = logging.getLogger(__name__)
 
 REWRITTEN, REFUSED = "rewritten", "refused"
+LEFT = "left as stock"  # a site the pass could rewrite but does not: the rewrite would only cost (not a refusal)
+NO_GRAD_LOGITS_READ = (
+    "not rewritten: this graph computes no gradient and still computes the [N, V] logits for another reader; "
+    "without grad Inductor fuses the fp32 upcast and the log-softmax into reductions over them, so the rewrite "
+    "would save no memory and add a second projection (measured in docs/models.md); exact as stock"
+)
 LOGITS_KEPT = "logits still materialized for other users"
 LOGITS_DROPPED = "returned logits not computed (returned_logits='drop')"
 LOGITS_LAZY = "returned logits computed only when read (returned_logits='lazy')"
@@ -59,8 +68,8 @@ class SiteRecord:
 
     source: str  # "file.py:12 in forward: loss = F.cross_entropy(...)"
     module: str  # module path of the projection, e.g. "lm_head"; "" when unknown
-    decision: str  # REWRITTEN or REFUSED
-    reason: str  # why refused; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
+    decision: str  # REWRITTEN, REFUSED or LEFT
+    reason: str  # why refused or left; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
     reason_key: str = ""
     chunk_size: int | None = None  # tokens per chunk of a rewritten site: given, or the automatic choice
     logits_bytes_avoided: int = 0
@@ -187,6 +196,8 @@ class PassReport:
     def __str__(self) -> str:
         header = (f"chunkce: {len(self.records)} cross-entropy site(s), {len(self.rewritten)} rewritten, "
                   f"{len(self.refused)} refused")
+        left = [r for r in self.records if r.decision == LEFT]
+        header += f", {len(left)} left as stock" if left else ""
         columns = ("#", "decision", "loss", "source", "module", "chunk", "logits avoided", "reason")
         rows = [(str(i), r.decision, r.form or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",
                  str(r.chunk_size or "-"), format_bytes(r.logits_bytes_avoided), r.reason or "-")
@@ -270,6 +281,9 @@ def publish(report: PassReport) -> None:
             log.info("chunkce: rewrote %s (%s, module %s, chunk size %s, logits bytes avoided %s)%s",
                      record.source, record.form or "loss", record.module or "?", record.chunk_size,
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
+        elif record.decision == LEFT:  # nothing is lost: no warning
+            stats["sites_left"] += 1
+            log.info("chunkce: left %s as stock compiles it: %s", record.source, record.reason)
         else:
             stats["sites_refused"] += 1
             stats[f"refused_{record.reason_key}"] += 1
