@@ -239,17 +239,22 @@ def test_the_other_behaviours_are_one_option_away():
     _, kept = torch.compile(LM(), backend="chunkce", options={"returned_logits": "keep",
                                                                "inner_backend": "aot_eager"})(h, labels)
     assert type(kept) is torch.Tensor and counters["chunkce"]["logits_kept"] == 1
-    for options in ({"returned_logits": "drop"}, {"drop_unused_logits": True}):
-        _, dropped = torch.compile(LM(), backend="chunkce", options={**options, "inner_backend": "aot_eager"})(
-            h, labels)
-        with pytest.raises(RuntimeError, match="were not computed"):
-            dropped.sum()
+    _, dropped = torch.compile(LM(), backend="chunkce", options={"returned_logits": "drop",
+                                                                  "inner_backend": "aot_eager"})(h, labels)
+    with pytest.raises(RuntimeError, match="were not computed"):
+        dropped.sum()
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
                        match="returned_logits to be one of 'lazy', 'keep', 'drop', got 'eager'"):
         torch.compile(LM(), backend="chunkce", options={"returned_logits": "eager"})(h, labels)
     from compile_pass import Options
-    with pytest.raises(ValueError, match="pass only returned_logits"):
-        Options(drop_unused_logits=True, returned_logits="keep")
+    removed = "option drop_unused_logits was removed; pass returned_logits='drop'"
+    for given in (True, False):  # the removed spelling, either value, in both ways of giving options
+        with pytest.raises(ValueError, match=removed):
+            Options(drop_unused_logits=given)
+        with pytest.raises(ValueError, match=removed):
+            Options.from_mapping({"drop_unused_logits": given, "returned_logits": "drop"})
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=removed):
+            torch.compile(LM(), backend="chunkce", options={"drop_unused_logits": given})(h, labels)
 
 
 def test_holding_the_output_across_backward_and_the_next_step_keeps_only_the_hidden_states():

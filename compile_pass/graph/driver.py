@@ -142,22 +142,22 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
 
 def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
     """The record of a refused site, or rewrite an accepted one (and take its returned
-    logits out of the graph, lazy or dropped, as ``options.logits`` says), all or nothing."""
+    logits out of the graph, lazy or dropped, as ``options.returned_logits`` says), all or nothing."""
     if reason is not None:
         return report.refused(site, reason)
-    record = report.rewritten(site, options)  # before the rewrite: it reads the site's nodes
+    record = report.rewritten(site)  # before the rewrite: it reads the site's nodes
     graph = site.node.graph
     with Edit(graph) as edit:
-        done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
-                            grads_in_forward=options.grads_in_forward)
-        dropped, mode = 0, options.logits
+        done = rewrite_site(site, edit, options)
+        dropped, mode = 0, options.returned_logits
         if done.logits_kept and not in_subgraph and mode == "drop":
             dropped = logits_drop.drop_if_only_returned(site.projection, edit)
         elif done.logits_kept and not in_subgraph and mode == "lazy":
             dropped = lazy_logits.defer_if_only_returned(site.projection, edit)
         graph.lint()
     note = (report.LOGITS_DROPPED if mode == "drop" else report.LOGITS_LAZY) if dropped else ""  # kept: _settle_logits
-    return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped)
+    return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped,
+                               tiles=done.tiles)
 
 
 def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> report.SiteRecord:
