@@ -262,15 +262,11 @@ class LMHeadLoss(nn.Module):
 def chunkce_chunk_size(inputs: OpInputs) -> int:
     """Tokens per chunk chunkce uses for these inputs.
 
-    Asks the op's own rule (``compile_pass.op.chunking.resolve_chunk_size``), so an
+    Asks the op's own rule (``compile_pass.op.chunking.resolve_tiles``: its ``n``), so an
     explicit ``chunk_size`` and ``CHUNKCE_CHUNK_SIZE`` count as they do in the op;
     raises whatever the rule raises (ours: a changed signature must fail loudly).
     """
-    from compile_pass.op.chunking import resolve_chunk_size
-
-    n, v = inputs.hidden.shape[0], inputs.weight.shape[0]
-    return int(resolve_chunk_size(inputs.chunk_size, n, v, inputs.hidden.element_size(),
-                                  inputs.hidden.device.type))
+    return int(chunkce_tiles(inputs).tokens)
 
 
 def chunkce_tiles(inputs: OpInputs, whole_rows: bool = False):

@@ -11,7 +11,7 @@ Each architecture of the installed transformers' causal-LM registry is built tin
 ``model(input_ids=..., labels=...).loss.backward()``, is run three ways from the same
 weights: eagerly (must work, or the architecture is ``not_built``), compiled by stock
 ``aot_eager``, and compiled by ``backend="chunkce"`` with ``aot_eager`` inside
-(``drop_unused_logits``, so a rewritten graph holds no ``[N, V]`` node at all); one
+(``returned_logits="drop"``, so a rewritten graph holds no ``[N, V]`` node at all); one
 outcome per architecture (``benchmarks.sweep_step``).
 
 Architectures run in fresh processes (``benchmarks.isolate``), a few at a time
@@ -140,7 +140,7 @@ def _what(row: dict[str, Any]) -> str:
     """The row's explanation column: why, where, how much."""
     outcome = row["outcome"]
     if outcome == "rewritten":
-        logits = {"dropped": "logits dropped", "kept": "logits KEPT (computed although drop_unused_logits is on)"}
+        logits = {"dropped": "logits dropped", "kept": "logits KEPT (computed although returned_logits='drop')"}
         notes = [f"max abs diff {row['max_abs_diff']:.1e}", logits.get(row.get("logits"), "logits ?")]
         if row.get("note"):
             notes.append(row["note"])
@@ -218,7 +218,7 @@ def render(results: dict[str, Any]) -> str:
         f"{meta.get('transformers')}; {meta.get('cpus')} CPU cores, {meta.get('workers')} worker(s); full sweep "
         f"wall time {_minutes(meta.get('wall_s'))}). Tiny configs: hidden 64, 4 heads of 16 / 2 kv heads, "
         f"1 layer (one per layer kind of hybrids), vocab {VOCAB_SIZE}, MoE 4 experts top 2, fp32, batch "
-        f"{BATCH} x {SEQ} tokens; chunkce with `aot_eager` inside and `drop_unused_logits` vs stock "
+        f"{BATCH} x {SEQ} tokens; chunkce with `aot_eager` inside and `returned_logits=\"drop\"` vs stock "
         f"`aot_eager`, `CHUNKCE_EAGER_KERNELS=1`.",
         "",
         totals_line(rows),

@@ -5,7 +5,7 @@
 
 One outcome per architecture (:data:`OUTCOMES`); "rewritten" means the op's node is
 in the graph the inner backend was given (:class:`GraphRecorder`), no ``[N, V]``
-node is (``drop_unused_logits``), and the loss and every parameter gradient equal
+node is (``returned_logits="drop"``), and the loss and every parameter gradient equal
 stock's (``torch.testing.assert_close``, fp32). Never raises for a model's failure:
 that is the row. The models and batches come from ``benchmarks.tiny_models``.
 """
@@ -198,7 +198,7 @@ def run_architecture(model_type: str, inner: str = "aot_eager", progress=lambda 
 
     progress(f"chunkce ({inner} inside)")
     recorder = GraphRecorder(inner, BATCH * SEQ, vocab)
-    options = {"inner_backend": recorder, "drop_unused_logits": True}
+    options = {"inner_backend": recorder, "returned_logits": "drop"}
     try:
         got = train_step(torch.compile(chunkce_model, backend="chunkce", options=options), batch)
     except Exception as error:  # noqa: BLE001

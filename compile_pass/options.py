@@ -9,11 +9,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 from typing import Any
+
+from compile_pass.op.checks import check_bool, check_chunking
 
 _INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 RETURNED_LOGITS = ("lazy", "keep", "drop")
+# options that were removed, and what to pass instead
+_REMOVED = {"drop_unused_logits": "returned_logits='drop' (options={'returned_logits': 'drop'})"}
+
+
+def _refuse_removed(name: str) -> None:
+    raise ValueError(f"chunkce: option {name} was removed; pass {_REMOVED[name]} instead")
 
 
 @dataclass(frozen=True)
@@ -47,8 +55,8 @@ class Options:
             ``outputs.logits``, also through dtype casts, copies and an absorbed scale that
             only the output reads, as accelerate's mixed-precision ``.float()``):
 
-            * ``"lazy"`` (the default; None means it): not computed in the step; the step
-              returns a :class:`compile_pass.graph.lazy_logits.LazyLogits`, which computes
+            * ``"lazy"`` (the default; None means it, and becomes it): not computed in the
+              step; the step returns a :class:`compile_pass.graph.lazy_logits.LazyLogits`, which computes
               them exactly (with autograd) when first read, and raises
               ``StaleLogitsError`` if the head or the hidden states changed since;
             * ``"keep"``: computed in the step and returned, as stock compile does (the
@@ -63,34 +71,28 @@ class Options:
             would only add a projection). ``generate()`` has no loss: real logits. The pre-grad
             pass cannot wrap the compiled graph: there ``"lazy"`` means ``"keep"``, and
             ``"drop"`` is refused. See ``docs/models.md``.
-        drop_unused_logits: the older spelling of ``returned_logits="drop"`` (True); kept
-            working. Asking for both with different meanings raises ``ValueError``.
     """
 
     chunk_size: int | None = None
     strict: bool = False
     inner_backend: str | Callable[..., Any] = "inductor"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
-    drop_unused_logits: bool = False
-    returned_logits: str | None = None
+    returned_logits: str | None = "lazy"
     chunk_bytes: int | None = None
     grads_in_forward: bool = False
+    # removed (returned_logits="drop" says it): given, the constructor raises ValueError naming that
+    drop_unused_logits: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
-        for name in ("chunk_size", "chunk_bytes"):
-            size = getattr(self, name)
-            if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
-                raise ValueError(f"chunkce: expected option {name} to be a positive int or None, got {size!r}")
-        for name in ("strict", "drop_unused_logits", "grads_in_forward"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"chunkce: expected option {name} to be a bool, got {type(value).__name__}")
-        if self.returned_logits not in RETURNED_LOGITS + (None,):
+    def __post_init__(self, drop_unused_logits: Any) -> None:
+        if drop_unused_logits is not None:
+            _refuse_removed("drop_unused_logits")
+        check_chunking(self.chunk_size, self.chunk_bytes, self.grads_in_forward, where="chunkce", prefix="option ")
+        check_bool("option strict", self.strict, where="chunkce")
+        if self.returned_logits is None:
+            object.__setattr__(self, "returned_logits", "lazy")  # one spelling: equal options, one cache key
+        if self.returned_logits not in RETURNED_LOGITS:
             raise ValueError(f"chunkce: expected option returned_logits to be one of "
                              f"{', '.join(map(repr, RETURNED_LOGITS))}, got {self.returned_logits!r}")
-        if self.drop_unused_logits and self.returned_logits not in (None, "drop"):
-            raise ValueError(f"chunkce: drop_unused_logits=True asks for returned_logits='drop', but "
-                             f"returned_logits={self.returned_logits!r} was given too; pass only returned_logits")
         if self.inner_backend == "chunkce":
             raise ValueError("chunkce: expected option inner_backend to be another backend, got 'chunkce' itself; "
                              "use 'inductor', 'aot_eager' or 'eager'")
@@ -104,17 +106,13 @@ class Options:
                 f"chunkce: expected option inductor_config to be a mapping, got {type(self.inductor_config).__name__}"
             )
 
-    @property
-    def logits(self) -> str:
-        """What is done with returned logits: ``"lazy"``, ``"keep"`` or ``"drop"`` (see ``returned_logits``)."""
-        return "drop" if self.drop_unused_logits else (self.returned_logits or "lazy")
-
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | Options | None) -> Options:
         """Options from the ``options=`` dict torch.compile passes on.
 
         Raises:
-            ValueError: a key that is not an option (the message names it), or a bad value.
+            ValueError: a key that is not an option (the message names it; a removed one,
+                ``drop_unused_logits``, what to pass instead), or a bad value.
             TypeError: a value of the wrong type.
         """
         if options is None:
@@ -123,6 +121,8 @@ class Options:
             return options
         if not isinstance(options, Mapping):
             raise TypeError(f"chunkce: expected options to be a dict, got {type(options).__name__}")
+        for name in _REMOVED.keys() & options.keys():
+            _refuse_removed(name)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -135,11 +135,24 @@ class Options:
         return hash(self.cache_key())
 
     def cache_key(self) -> str:
-        """A stable text of every option that changes the rewritten graph or its compilation."""
-        inner = self.inner_backend if isinstance(self.inner_backend, str) else getattr(
-            self.inner_backend, "__qualname__", repr(self.inner_backend)
-        )
-        config = ",".join(f"{k}={self.inductor_config[k]!r}" for k in sorted(self.inductor_config))
-        return (f"chunk_size={self.chunk_size};strict={self.strict};inner={inner};inductor_config={config};"
-                f"returned_logits={self.logits};chunk_bytes={self.chunk_bytes};"
-                f"grads_in_forward={self.grads_in_forward}")
+        """A stable text of every option (each field, by name, in the class's order): equal
+        options give equal keys, in any process. A callable inner backend is named by its
+        module and qualified name, an Inductor config by its sorted items."""
+        return ";".join(f"{f.name}={_key_text(getattr(self, f.name))}" for f in fields(self))
+
+    def op_options(self) -> dict[str, Any]:
+        """What every rewritten site passes the op from these options: the keywords of
+        :func:`compile_pass.op.function.chunked_cross_entropy` (``chunk_size`` and
+        ``chunk_bytes``, None = automatic, resolved by the op at run time:
+        :func:`compile_pass.op.chunking.resolve_tiles`; ``release_cache`` None, the
+        environment's). The one place the pass turns ``Options`` into the op's options;
+        ``grads_in_forward`` picks the op per site (:func:`compile_pass.graph.rewrite.rewrite_site`)."""
+        return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes, "release_cache": None}
+
+
+def _key_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}={value[k]!r}" for k in sorted(value)) + "}"
+    if callable(value) and not isinstance(value, str):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
+    return repr(value)

@@ -39,14 +39,13 @@ class ChunkcePreGradPass(CustomGraphPass):
     second projection and save nothing (``compile_pass.graph.report.LEFT``).
 
     Raises:
-        ValueError: ``returned_logits="drop"`` (or ``drop_unused_logits=True``): it needs
-            that wrapper too.
+        ValueError: ``returned_logits="drop"``: it needs that wrapper too.
     """
 
     def __init__(self, options: Mapping[str, Any] | Options | None = None) -> None:
         options = Options.from_mapping(options)
-        if options.logits == "drop":
-            raise ValueError("chunkce: returned_logits='drop' (drop_unused_logits) needs the chunkce backend "
+        if options.returned_logits == "drop":
+            raise ValueError("chunkce: returned_logits='drop' needs the chunkce backend "
                              "(torch.compile(model, backend='chunkce', options=...)); the pre-grad pass cannot "
                              "drop logits")
         self.options = dataclasses.replace(options, returned_logits="keep")

@@ -1,6 +1,7 @@
 """The ``chunkce`` backend, its options, the pre-grad pass for stock Inductor, explain()."""
 
 import copy
+import dataclasses
 from importlib.metadata import entry_points
 
 import pytest
@@ -190,6 +191,22 @@ def test_backend_tags_the_inner_compile_with_source_and_options(eager_kernels):
         assert torch.compiler.config.cache_key_tag == "users-own-tag"
     assert seen[1] == f"users-own-tag|{ours}"
     assert torch.compiler.config.cache_key_tag == ""
+
+
+def test_cache_key_is_every_field_and_equal_for_equal_options():
+    """Options.cache_key names every field (a new option cannot be left out of the cache key),
+    and equal options, spelled differently, give one key."""
+    changed = {"chunk_size": 7, "strict": True, "inner_backend": "aot_eager", "inductor_config": {"x": 1},
+               "returned_logits": "keep", "chunk_bytes": 1024, "grads_in_forward": True}
+    assert set(changed) == {f.name for f in dataclasses.fields(Options)}
+    default = Options().cache_key()
+    assert [part.split("=", 1)[0] for part in default.split(";")] == [f.name for f in dataclasses.fields(Options)]
+    for name, value in changed.items():
+        assert Options(**{name: value}).cache_key() != default, name
+    assert Options(returned_logits=None).cache_key() == default and Options(returned_logits=None) == Options()
+    assert (Options.from_mapping({"inductor_config": {"b": 1, "a": 2}}).cache_key()
+            == Options(inductor_config={"a": 2, "b": 1}).cache_key())
+    assert hash(Options(chunk_size=3)) == hash(Options.from_mapping({"chunk_size": 3}))
 
 
 class TwoHeads(nn.Module):

@@ -1,5 +1,5 @@
 """The chunk-size rule: its values, the byte budget (argument, option, environment),
-who wins, and the working set it buys, measured."""
+how the arguments and the environment combine, and the working set it buys, measured."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from compile_pass.op.chunking import (
     choose_tiles,
     default_chunk_bytes,
     min_full_speed_tokens,
-    resolve_chunk_size,
     resolve_tiles,
 )
 
@@ -47,7 +46,6 @@ def no_chunk_environment(monkeypatch):
 ])
 def test_rule_values(shape, expected):
     assert resolve_tiles(None, *shape) == Tiles(*expected)
-    assert resolve_chunk_size(None, *shape) == expected[0]  # what the pass's report shows
 
 
 def test_rule_bounds():
@@ -71,13 +69,19 @@ def test_explicit_budget_sets_the_columns_and_is_not_raised():
     # a budget below the floor's tokens of VOCAB_ALIGN columns: fewer tokens (at least ALIGN)
     assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=64 * 1024) == Tiles(128, 128)
     assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=1) == Tiles(ALIGN, MIN_VOCAB_BLOCK)
-    assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=0) == Tiles(512, 3584)  # 0: default
+    for size in (0, -1):  # None is the one "automatic": a size below 1 is an error, not the default
+        with pytest.raises(ValueError, match=f"expected chunk_bytes to be a positive int or None .automatic., got {size}"):
+            resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=size)
+        with pytest.raises(ValueError, match=f"expected chunk_size to be a positive int or None .automatic., got {size}"):
+            resolve_tiles(size, 4096, 32768, 4, "cpu")
     # whole rows (grads-in-forward): an explicit budget is not raised to the floor
     assert resolve_tiles(None, 4096, 32768, 4, "cpu", chunk_bytes=4 * MiB, whole_rows=True) == Tiles(32, 32768)
     assert resolve_tiles(None, 4096, 32768, 4, "cpu", whole_rows=True) == Tiles(512, 32768)
 
 
-def test_who_wins(monkeypatch):
+def test_arguments_and_environment_combine(monkeypatch):
+    """CHUNKCE_CHUNK_SIZE sets n and CHUNKCE_CHUNK_BYTES the budget (Vb): both apply together,
+    neither wins; an argument chunk_bytes sets CHUNKCE_CHUNK_SIZE aside (docs/api.md says so)."""
     shape = (4096, 32768, 4, "cpu")
     monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", str(2 * MiB))
     assert resolve_tiles(None, *shape) == Tiles(512, 1024)  # the environment's budget
@@ -93,7 +97,7 @@ def test_who_wins(monkeypatch):
 def test_bad_environment_budget(monkeypatch, value):
     monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", value)
     with pytest.raises(ValueError, match=f"CHUNKCE_CHUNK_BYTES to be a positive integer, got '{value}'"):
-        resolve_chunk_size(None, 4096, 32768, 4, "cpu")
+        resolve_tiles(None, 4096, 32768, 4, "cpu")
 
 
 def count_kernel_calls(monkeypatch):
@@ -144,11 +148,32 @@ def test_backend_option_budget_is_reported_and_used(monkeypatch):
                              options={"chunk_bytes": ALIGN * 256, "inner_backend": "aot_eager"})
     loss = compiled(hidden, labels)
     (site,) = last_report().records
-    assert site.chunk_size == ALIGN  # 80 tokens at 32 a chunk: what the op uses
+    assert site.tiles == Tiles(ALIGN, 64) and site.chunk_size == ALIGN  # 80 tokens at 32 a chunk: what the op uses
     assert calls.count("chunk_forward") == 3
     torch.testing.assert_close(loss, model(hidden, labels))
     with pytest.raises(ValueError, match="option chunk_bytes to be a positive int or None, got 0"):
         Options.from_mapping({"chunk_bytes": 0})
+
+
+@pytest.mark.parametrize("grads_in_forward, expected", [(False, Tiles(80, 128)), (True, Tiles(ALIGN, 4096))])
+def test_report_shows_the_tiles_the_op_walks(monkeypatch, grads_in_forward, expected):
+    """The report's tiles are the op's (resolve_tiles, whole rows for grads-in-forward), with an
+    explicit budget: 64 KiB of fp32 logits at V 4096 is 128 x 128 tiles (80 tokens: 80 x 128)
+    for the recompute op, and whole rows, 32 x 4096 (16 rows raised to ALIGN), for the
+    grads-in-forward op. (The report re-derived the recompute op's 80 tokens for both before.)"""
+    torch._dynamo.reset()
+    calls = count_kernel_calls(monkeypatch)
+    model = Head(hidden_size=16, vocab=4096)
+    hidden, labels = torch.randn(2, 40, 16), torch.randint(0, 4096, (2, 40))
+    compiled = torch.compile(model, backend="chunkce", options={
+        "chunk_bytes": 64 * 1024, "grads_in_forward": grads_in_forward, "inner_backend": "aot_eager"})
+    loss = compiled(hidden, labels)
+    (site,) = last_report().records
+    assert site.tiles == expected and site.chunk_size == expected.tokens
+    assert f"{expected.tokens} x {expected.vocab_block}" in str(last_report())
+    tiles_walked = len(chunking.spans(80, expected.tokens)) * len(chunking.spans(4096, expected.vocab_block))
+    assert calls.count("chunk_forward") == tiles_walked  # what the op walked: those tiles
+    torch.testing.assert_close(loss, model(hidden, labels))
 
 
 def working_set(n, h, v, **kwargs):

@@ -126,13 +126,13 @@ def test_same_logits_feeding_two_losses_and_returned_are_lazy_by_default():
 
 
 def test_same_logits_feeding_two_losses_and_returned_then_dropped():
-    """drop_unused_logits: the second rewrite leaves the output as the logits' only user and
+    """returned_logits="drop": the second rewrite leaves the output as the logits' only user and
     drops them; neither site's logits are then kept."""
     model = SharedLogits(returns_logits=True)
     reference = copy.deepcopy(model)
     recorder = Recorder()
     compiled = torch.compile(model, backend="chunkce",
-                             options={"inner_backend": recorder, "drop_unused_logits": True})
+                             options={"inner_backend": recorder, "returned_logits": "drop"})
     h, labels = inputs()
     loss, logits = compiled(h, labels)
     loss.backward()

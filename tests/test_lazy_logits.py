@@ -228,8 +228,7 @@ def test_a_read_in_the_next_graph_after_a_graph_break_is_exact():
     torch.testing.assert_close(probs, expected_logits.softmax(-1))
 
 
-@pytest.mark.parametrize("options", [{}, {"returned_logits": "drop"}, {"drop_unused_logits": True}],
-                         ids=["no_options", "drop", "drop_unused_logits"])
+@pytest.mark.parametrize("options", [{}, {"returned_logits": "drop"}], ids=["no_options", "drop"])
 @pytest.mark.parametrize("head", [LM(bias=True), LM(returned_dtype=torch.float64)], ids=["bias", "cast"])
 def test_no_grad_graphs_return_lazy_logits_exact_when_read(head, options):
     """An evaluation step (no grad) computes no [N, V] logits either: the graph holds the op and the
@@ -302,17 +301,22 @@ def test_the_other_behaviours_are_one_option_away():
     _, kept = torch.compile(LM(), backend="chunkce", options={"returned_logits": "keep",
                                                                "inner_backend": "aot_eager"})(h, labels)
     assert type(kept) is torch.Tensor and counters["chunkce"]["logits_kept"] == 1
-    for options in ({"returned_logits": "drop"}, {"drop_unused_logits": True}):
-        _, dropped = torch.compile(LM(), backend="chunkce", options={**options, "inner_backend": "aot_eager"})(
-            h, labels)
-        with pytest.raises(RuntimeError, match="were not computed"):
-            dropped.sum()
+    _, dropped = torch.compile(LM(), backend="chunkce", options={"returned_logits": "drop",
+                                                                  "inner_backend": "aot_eager"})(h, labels)
+    with pytest.raises(RuntimeError, match="were not computed"):
+        dropped.sum()
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
                        match="returned_logits to be one of 'lazy', 'keep', 'drop', got 'eager'"):
         torch.compile(LM(), backend="chunkce", options={"returned_logits": "eager"})(h, labels)
     from compile_pass import Options
-    with pytest.raises(ValueError, match="pass only returned_logits"):
-        Options(drop_unused_logits=True, returned_logits="keep")
+    removed = "option drop_unused_logits was removed; pass returned_logits='drop'"
+    for given in (True, False):  # the removed spelling, either value, in both ways of giving options
+        with pytest.raises(ValueError, match=removed):
+            Options(drop_unused_logits=given)
+        with pytest.raises(ValueError, match=removed):
+            Options.from_mapping({"drop_unused_logits": given, "returned_logits": "drop"})
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=removed):
+            torch.compile(LM(), backend="chunkce", options={"drop_unused_logits": given})(h, labels)
 
 
 def test_holding_the_output_across_backward_and_the_next_step_keeps_only_the_hidden_states():

@@ -272,7 +272,7 @@ def test_docs_table_lists_the_tested_models():
     assert rows == [(m.name, m.model_class, m.outcome, m.reason_key or "-") for m in MODELS]
 
 
-# ---- drop_unused_logits: HF returns logits a training step never reads ----------------------------
+# ---- returned_logits="drop": HF returns logits a training step never reads ----------------------------
 
 H_TOY = 16
 
@@ -300,7 +300,7 @@ def toy_batch(seq=T, seed=0):
     return torch.randn(B, seq, H_TOY, generator=gen), torch.randint(0, V, (B, seq), generator=gen)
 
 
-DROP = {"drop_unused_logits": True}
+DROP = {"returned_logits": "drop"}
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -425,7 +425,7 @@ def test_dropped_logits_raise_on_any_read_and_allow_metadata_ops():
     for read in (lambda x: x.argmax(-1), lambda x: x.sum(), lambda x: x[0, 0, 0].item(), lambda x: x.tolist(),
                  lambda x: x + 1, lambda x: torch.softmax(x, -1), lambda x: x.numpy(),
                  lambda x: torch.zeros(B, T, V).copy_(x), lambda x: str(x.exp())):
-        with pytest.raises(RuntimeError, match="drop_unused_logits"):
+        with pytest.raises(RuntimeError, match="returned_logits': 'drop'"):
             read(logits)
 
 
@@ -452,14 +452,12 @@ def test_logits_are_lazy_without_grad_kept_when_read_in_graph_and_by_default():
     assert "'returned_logits': 'lazy'" in compile_pass.last_report().records[0].fix
 
 
-def test_pre_grad_pass_refuses_drop_unused_logits():
-    with pytest.raises(ValueError, match="returned_logits='drop' .drop_unused_logits. needs the chunkce backend"):
+def test_pre_grad_pass_refuses_dropped_logits():
+    with pytest.raises(ValueError, match="returned_logits='drop' needs the chunkce backend"):
         compile_pass.ChunkcePreGradPass(DROP)
-    with pytest.raises(ValueError, match="returned_logits='drop' .drop_unused_logits. needs the chunkce backend"):
-        compile_pass.ChunkcePreGradPass({"returned_logits": "drop"})
-    assert compile_pass.ChunkcePreGradPass().options.logits == "keep"  # lazy needs the backend's wrapper
-    with pytest.raises(TypeError, match="drop_unused_logits to be a bool"):
-        compile_pass.Options.from_mapping({"drop_unused_logits": "yes"})
+    assert compile_pass.ChunkcePreGradPass().options.returned_logits == "keep"  # lazy needs the backend's wrapper
+    with pytest.raises(ValueError, match="option drop_unused_logits was removed; pass returned_logits='drop'"):
+        compile_pass.ChunkcePreGradPass({"drop_unused_logits": True})
 
 
 def test_llama_with_dropped_logits_matches_stock_and_saves_two_logits_sizes():

@@ -152,16 +152,17 @@ def test_opcheck(case):
                                                bias=case != 1, ignored=case)
     class_weight = torch.rand(weight.shape[0]) if case == 2 else None
     args = (hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,
-            -100, [0.0, 0.1, 0.5][case], torch.float32, [4, 0, 2][case], None)
+            -100, [0.0, 0.1, 0.5][case], torch.float32, [4, None, 2][case], None)
     torch.library.opcheck(torch.ops.chunkce.linear_cross_entropy.default, args)
 
 
 # The registered schemas, written out: a graph, a cache entry or a caller that passes the arguments
 # by position relies on them. (compile_pass.op.schema generates them; the forward op returns the
-# row max and log-sum that backward takes, where it returned and took one lse before.)
-_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt chunk_size, bool? release_cache"
+# row max and log-sum that backward takes, where it returned and took one lse before; "automatic"
+# chunk_size and chunk_bytes are None, where they were 0 before.)
+_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size, bool? release_cache"
 _DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
-              "ScalarType? scale_dtype=None, SymInt chunk_bytes=0")
+              "ScalarType? scale_dtype=None, SymInt? chunk_bytes=None")
 _INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
 SCHEMAS = {
     "linear_cross_entropy": f"({_INPUTS}, {_OPTIONS}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
@@ -189,14 +190,14 @@ def test_options_parse_and_args_round_trip():
     (mask,), parsed = OpOptions.parse(args, extras=1)
     assert mask == [True, False, True]
     assert [getattr(parsed, name) for name in ("ignore_index", "label_smoothing", "chunk_size", "scale_divides",
-                                               "chunk_bytes")] == [-1, 0.1, 8, True, 0]
+                                               "chunk_bytes")] == [-1, 0.1, 8, True, None]
     assert parsed.scale is scale and parsed.tensors() == (scale,)
     assert parsed.without_tensors().scale is None and parsed.without_tensors().with_tensors((scale,)).scale is scale
-    (), short = OpOptions.parse((-100, 0.0, torch.float16, 0, True))  # trailing defaults left out
+    (), short = OpOptions.parse((-100, 0.0, torch.float16, None, True))  # trailing defaults left out
     assert (short.logit_scale, short.logit_scale_tensor, short.scale_divides, short.scale_dtype,
-            short.chunk_bytes) == (None, None, False, None, 0)
+            short.chunk_bytes) == (None, None, False, None, None)
     assert OpOptions.of(logit_scale=3, ignore_index=0, label_smoothing=0.0, logits_dtype=torch.float32,
-                        chunk_size=0, release_cache=None).args()[5:7] == (3.0, None)  # a number: the float one
+                        chunk_size=None, release_cache=None).args()[5:7] == (3.0, None)  # a number: the float one
 
 
 def test_inputs_not_modified():

@@ -346,7 +346,7 @@ def test_nothing_modified_on_error(bad):
 
 OPCHECK_CASES = [  # n, h, v, bias, class weights, ignored, label_smoothing, dtype, chunk_size
     (13, 8, 11, True, False, 2, 0.0, torch.float32, 4),
-    (16, 8, 17, False, True, 0, 0.1, torch.float32, 0),
+    (16, 8, 17, False, True, 0, 0.1, torch.float32, None),  # automatic
     (5, 4, 3, True, True, 5, 0.5, torch.float64, 2),
     (12, 4, 10, True, False, 3, 0.2, torch.bfloat16, 2),  # blocked vocabulary walk
 ]

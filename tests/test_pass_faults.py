@@ -97,7 +97,7 @@ def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, monkeypatch, caplog):
     before = str(gm.graph)
     FAULTS[stage](monkeypatch)
     with caplog.at_level(logging.WARNING, logger="compile_pass"):
-        result = fuse_linear_cross_entropy(gm.graph, Options(drop_unused_logits=True))
+        result = fuse_linear_cross_entropy(gm.graph, Options(returned_logits="drop"))
     monkeypatch.undo()
     assert str(gm.graph) == before
     gm.graph.lint()

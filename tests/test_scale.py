@@ -218,7 +218,7 @@ def test_opcheck_with_a_scale():
     forward = torch.ops.chunkce.linear_cross_entropy.default
     backward = torch.ops.chunkce.linear_cross_entropy_backward.default
     for scale, tensor, divides in ((0.5, None, False), (None, torch.tensor(3.0), True)):
-        scaling = (scale, tensor, divides, torch.float32, 0)
+        scaling = (scale, tensor, divides, torch.float32, None)
         options = (-100, 0.1, torch.float32, 3, None)
         torch.library.opcheck(forward, (hidden, weight, target, bias, None, *options, *scaling))
         _, row_max, row_log_sum = forward(hidden, weight, target, bias, None, *options, *scaling)

@@ -9,7 +9,7 @@ step either: it gets ``LazyLogits``, exact when the loop reads them (``compute_m
 ``preprocess_logits_for_metrics``), never computed when it does not (``evaluate()`` without
 ``compute_metrics``: ``prediction_loss_only``), whose measured peak is a fraction of Inductor's.
 Under accelerate's mixed precision the returned logits are a cast of the projection: lazy
-too, and exact when read. ``returned_logits="drop"`` (``drop_unused_logits=True``) still
+too, and exact when read. ``returned_logits="drop"`` still
 drops them: ``test_returned_cast_of_the_logits_is_dropped_or_lazy_unless_the_graph_reads_it``.
 
 TRL 1.16's SFTTrainer trains through its own fused LM head (``fused_lm_head=True``):
@@ -350,10 +350,9 @@ class ReturnsCastLogits(torch.nn.Module):
 
 
 @pytest.mark.parametrize("read_in_graph", [False, True])
-@pytest.mark.parametrize("options", [{"drop_unused_logits": True}, {"returned_logits": "drop"}, {}],
-                         ids=["drop_unused_logits", "returned_logits_drop", "no_options"])
+@pytest.mark.parametrize("options", [{"returned_logits": "drop"}, {}], ids=["returned_logits_drop", "no_options"])
 def test_returned_cast_of_the_logits_is_dropped_or_lazy_unless_the_graph_reads_it(options, read_in_graph):
-    """The drop option (either spelling) drops a returned cast of the logits; no options leaves it lazy,
+    """The drop option drops a returned cast of the logits; no options leaves it lazy,
     exact when read; a cast the graph also reads is kept."""
     hidden_states, labels = torch.randn(2, 5, 16, requires_grad=True), torch.randint(0, 37, (2, 5))
     expected = ReturnsCastLogits(read_in_graph)(hidden_states, labels)

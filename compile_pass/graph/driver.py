@@ -147,7 +147,7 @@ class _OnlyCosts(Exception):
 
 def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
     """The record of a refused site, or rewrite an accepted one (and take its returned
-    logits out of the graph, lazy or dropped, as ``options.logits`` says), all or nothing.
+    logits out of the graph, lazy or dropped, as ``options.returned_logits`` says), all or nothing.
 
     ``"drop"`` drops training logits only (:func:`compile_pass.graph.logits_drop.droppable`);
     only-returned logits of a graph without grad are lazy under ``"drop"`` as under ``"lazy"``.
@@ -158,14 +158,13 @@ def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bo
     and save nothing (measured: docs/models.md)."""
     if reason is not None:
         return report.refused(site, reason)
-    record = report.rewritten(site, options)  # before the rewrite: it reads the site's nodes
+    record = report.rewritten(site)  # before the rewrite: it reads the site's nodes
     without_grad = not _requires_grad(site.node)
     graph = site.node.graph
     try:
         with Edit(graph) as edit:
-            done = rewrite_site(site, options.chunk_size, edit, chunk_bytes=options.chunk_bytes,
-                                grads_in_forward=options.grads_in_forward)
-            dropped, mode = 0, options.logits
+            done = rewrite_site(site, edit, options)
+            dropped, mode = 0, options.returned_logits
             lazy = done.logits_kept and not in_subgraph and mode in ("lazy", "drop")
             if lazy and mode == "drop" and logits_drop.droppable(site.projection.node):
                 dropped, lazy = logits_drop.drop_if_only_returned(site.projection, edit), False
@@ -176,9 +175,10 @@ def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bo
             graph.lint()
     except _OnlyCosts:  # the graph is as it was
         return dataclasses.replace(record, decision=report.LEFT, reason=report.NO_GRAD_LOGITS_READ,
-                                   reason_key="no_grad_logits_read", chunk_size=None)
+                                   reason_key="no_grad_logits_read", tiles=None)
     note = (report.LOGITS_LAZY if lazy else report.LOGITS_DROPPED) if dropped else ""  # kept: _settle_logits
-    return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped)
+    return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped,
+                               tiles=done.tiles)
 
 
 def _requires_grad(loss: Node) -> bool:

@@ -1,6 +1,6 @@
 """Opt-in: a training step does not compute the logits it returns but never reads.
 
-    model = torch.compile(model, backend="chunkce", options={"drop_unused_logits": True})
+    model = torch.compile(model, backend="chunkce", options={"returned_logits": "drop"})
     out = model(input_ids=ids, labels=labels)   # out.loss as usual
     out.logits                                  # DroppedLogits: shape / dtype / device only
 
@@ -59,7 +59,7 @@ METADATA_OPS = {
 
 
 class DroppedLogits(torch.Tensor):
-    """Stands in for logits a training step did not compute (``drop_unused_logits=True``).
+    """Stands in for logits a training step did not compute (``returned_logits="drop"``).
 
     Has the logits' shape, dtype and device and no storage. View, cast and copy
     ops give another ``DroppedLogits``; any op that would read values raises
@@ -101,8 +101,8 @@ class DroppedLogits(torch.Tensor):
 def _not_computed(what: Any) -> RuntimeError:
     return RuntimeError(
         f"chunkce: {what} read logits that were not computed: this compiled step was built with "
-        "options={'drop_unused_logits': True}, which skips returned logits nothing in the graph reads. "
-        "Compile without it to get the logits."
+        "options={'returned_logits': 'drop'}, which skips returned logits nothing in the graph reads. "
+        "Compile with returned_logits='lazy' (the default: computed when read) or 'keep' to get the logits."
     )
 
 

@@ -41,8 +41,7 @@ from compile_pass.graph.forms import as_projection
 from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
 from compile_pass.graph.refusals import Reason, fix_for
 from compile_pass.graph.sites import Site
-from compile_pass.op.chunking import resolve_chunk_size
-from compile_pass.options import Options
+from compile_pass.op.chunking import Tiles
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,9 @@ class SiteRecord:
     decision: str  # REWRITTEN, REFUSED or LEFT
     reason: str  # why refused or left; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
     reason_key: str = ""
-    chunk_size: int | None = None  # tokens per chunk of a rewritten site: given, or the automatic choice
+    # a rewritten site's [n, Vb] tiles: what the op's own rule (op.chunking.resolve_tiles) gives
+    # for the site's sizes (their hints where symbolic), options and environment at compile time
+    tiles: Tiles | None = None
     logits_bytes_avoided: int = 0
     fix: str = ""  # how to make a refused site rewritable (never empty then), or a kept logits droppable
     # how the loss is spelled: "cross_entropy", "nll_loss" (of a log_softmax), "gather" (of a
@@ -83,6 +84,11 @@ class SiteRecord:
     def __post_init__(self) -> None:
         if self.decision == REFUSED and not self.fix:  # every refusal says what to do about it
             object.__setattr__(self, "fix", fix_for(self.reason_key))
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Tokens a tile (the ``n`` of :attr:`tiles`) of a rewritten site; None otherwise."""
+        return None if self.tiles is None else self.tiles.tokens
 
 
 def refused(site: Site, reason: Reason) -> SiteRecord:
@@ -120,15 +126,13 @@ def failed(where: str, reason: Reason) -> SiteRecord:
     return SiteRecord(where, "", REFUSED, str(reason), reason.key, fix=reason.fix)
 
 
-def rewritten(site: Site, options: Options, *, note: str = "", logits_bytes_avoided: int = 0) -> SiteRecord:
-    """The record of a site rewritten with ``options``: its chunk size is the op's own
-    rule (:func:`compile_pass.op.chunking.resolve_chunk_size`) at the traced example's
-    size (the graph passes ``chunk_size=0``, resolved at run time)."""
-    logits = example_value(site.projection.node)  # [..., V], projection dtype
-    chunk = resolve_chunk_size(options.chunk_size, size_hint(example_value(site.call.target).numel()),
-                               size_hint(logits.shape[-1]),
-                               logits.element_size(), logits.device.type, chunk_bytes=options.chunk_bytes)
-    return SiteRecord(source_of(site.node), module_of(site.projection.node), REWRITTEN, note, chunk_size=chunk,
+def rewritten(site: Site, *, note: str = "", logits_bytes_avoided: int = 0,
+              tiles: Tiles | None = None) -> SiteRecord:
+    """The record of a rewritten site; its ``tiles`` are the rewrite's
+    (:attr:`compile_pass.graph.rewrite.Rewritten.tiles`: the op's own
+    :func:`compile_pass.op.chunking.resolve_tiles` for the site's sizes, which the op calls
+    again at run time with the real ones)."""
+    return SiteRecord(source_of(site.node), module_of(site.projection.node), REWRITTEN, note, tiles=tiles,
                       logits_bytes_avoided=logits_bytes_avoided, form=_form(site))
 
 
@@ -198,9 +202,9 @@ class PassReport:
                   f"{len(self.refused)} refused")
         left = [r for r in self.records if r.decision == LEFT]
         header += f", {len(left)} left as stock" if left else ""
-        columns = ("#", "decision", "loss", "source", "module", "chunk", "logits avoided", "reason")
+        columns = ("#", "decision", "loss", "source", "module", "tiles", "logits avoided", "reason")
         rows = [(str(i), r.decision, r.form or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",
-                 str(r.chunk_size or "-"), format_bytes(r.logits_bytes_avoided), r.reason or "-")
+                 _tiles_text(r.tiles), format_bytes(r.logits_bytes_avoided), r.reason or "-")
                 for i, r in enumerate(self.records, 1)]
         widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
         lines = [header, "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
@@ -216,6 +220,10 @@ class PassReport:
 
 
 _SOURCE_WIDTH = 72
+
+
+def _tiles_text(tiles: Tiles | None) -> str:
+    return "-" if tiles is None else f"{tiles.tokens} x {tiles.vocab_block}"  # n tokens x Vb columns
 
 
 def _shorten(text: str, width: int) -> str:
@@ -278,8 +286,8 @@ def publish(report: PassReport) -> None:
             stats["logits_kept"] += record.reason == LOGITS_KEPT
             stats["logits_dropped"] += record.reason == LOGITS_DROPPED
             stats["logits_lazy"] += record.reason == LOGITS_LAZY
-            log.info("chunkce: rewrote %s (%s, module %s, chunk size %s, logits bytes avoided %s)%s",
-                     record.source, record.form or "loss", record.module or "?", record.chunk_size,
+            log.info("chunkce: rewrote %s (%s, module %s, tiles %s, logits bytes avoided %s)%s",
+                     record.source, record.form or "loss", record.module or "?", _tiles_text(record.tiles),
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
         elif record.decision == LEFT:  # nothing is lost: no warning
             stats["sites_left"] += 1

@@ -40,8 +40,10 @@ from compile_pass.graph.nodes import (
     trace_into,
 )
 from compile_pass.graph.sites import Site, cast_chains
-from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.op.chunking import Tiles
+from compile_pass.op.function import chunked_cross_entropy, planned_tiles
 from compile_pass.op.grads_in_forward import grads_wanted
+from compile_pass.options import Options
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,14 @@ class Rewritten:
     # saves for backward and the logits' gradient), plus the forward logits and their
     # casts where nothing else needs them
     logits_bytes_avoided: int
+    tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.function.planned_tiles)
 
 
-def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes: int | None = None,
-                 grads_in_forward: bool = False) -> Rewritten:
+def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
     """Rewrite an accepted ``site`` in place (the guard must have returned None), as
-    part of ``edit`` (which keeps or undoes the change as a whole).
+    part of ``edit`` (which keeps or undoes the change as a whole), with the op's options
+    from ``options`` (:meth:`compile_pass.options.Options.op_options`; ``grads_in_forward``
+    picks the grads-in-forward op where the site's loss wants gradients).
 
     The new nodes are those :func:`compile_pass.op.function.chunked_cross_entropy`
     runs, traced into the graph: token-dim indexing replayed on the hidden states,
@@ -80,7 +84,7 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
         if scale is not None and scale.item is not None:
             scale_value = _scale_from_item(graph, scale.value, scale.item, meta)
         wanted = None  # the grads-in-forward op's output_mask, from the fake values; None: recompute
-        if grads_in_forward:
+        if options.grads_in_forward:
             wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
                                     for node in (hidden, weight, projection.bias)),
                                   grad_enabled=example_value(site.node).requires_grad)
@@ -89,12 +93,15 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
-            chunk_size=chunk_size or 0, release_cache=None, chunk_bytes=chunk_bytes or 0,
             logit_scale=scale_value,
             scale_divides=scale is not None and scale.divides,
             scale_dtype=None if scale is None else scale.dtype,
-            grads_in_forward=wanted, meta=meta,
+            grads_in_forward=wanted, meta=meta, **options.op_options(),
         )
+    logits = example_value(projection.node)  # [..., V]
+    tiles = planned_tiles(size_hint(example_value(call.target).numel()), size_hint(logits.shape[-1]),
+                          projection_dtype, logits.device.type, reduction=call.reduction, grads_in_forward=wanted,
+                          **options.op_options())
     loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     edit.replace_all_uses_with(site.node, new)
@@ -103,7 +110,7 @@ def rewrite_site(site: Site, chunk_size: int | None, edit: Edit, *, chunk_bytes:
     if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
         scaled = example_value(scale.node)
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
-    return Rewritten(bool(projection.node.users), bytes_avoided)
+    return Rewritten(bool(projection.node.users), bytes_avoided, tiles)
 
 
 def replacement(call: CrossEntropyCall) -> Callable[..., Any]:

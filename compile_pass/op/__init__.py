@@ -1,6 +1,8 @@
 """The op: chunked linear + cross-entropy that never materializes the ``[N, V]`` logits.
 
-    function.py    the public function: argument checks, flatten, the custom op, the reduction
+    function.py    the public function: argument checks, flatten, the custom op, the reduction;
+                   ``planned_tiles``, the tiles a call will walk
+    checks.py      the argument checks; ``check_chunking``, which the pass's ``Options`` calls too
     schema.py      the ops' options, defined once (``OpOptions``: schemas, parsing, calls), and
                    ``ChunkPlan``: the options resolved for one call
     custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func

@@ -33,9 +33,9 @@ measurements):
   is not measured (fewer, larger tiles: each costs a few kernel launches).
 
 ``chunk_size`` (or ``CHUNKCE_CHUNK_SIZE``) overrides ``n``; the budget still sets ``Vb``.
-:func:`resolve_tiles` is the one place the op (and the graph pass's report, through
-:func:`resolve_chunk_size`) decides between the arguments, the environment and the
-default.
+:func:`resolve_tiles` is the one place the op (and the graph pass's report, which shows
+its tiles for each rewritten site) decides between the arguments, the environment and the
+default; None is "automatic" all the way there.
 
 The grads-in-forward op computes a row's gradient in the same walk as its log-sum-exp,
 so it needs the whole row's statistics before any gradient: it takes whole rows
@@ -137,7 +137,7 @@ def choose_tiles(
     """
     budget = default_chunk_bytes if chunk_bytes is None else chunk_bytes
     row_bytes = max(vocab_size, 1) * logits_itemsize
-    if chunk_size is not None and chunk_size > 0:
+    if chunk_size is not None:
         tokens = chunk_size
     else:
         rows = budget // row_bytes  # whole rows the budget holds
@@ -158,55 +158,48 @@ def choose_tiles(
     return Tiles(tokens, min(max(columns, MIN_VOCAB_BLOCK), vocab_size))
 
 
-def choose_chunk_size(num_tokens: int, vocab_size: int, logits_itemsize: int, *,
-                      chunk_bytes: int | None = None, min_tokens: int = MIN_FULL_SPEED_TOKENS_CPU) -> int:
-    """Tokens a tile by the rule (:func:`choose_tiles`'s ``n``)."""
-    return choose_tiles(num_tokens, vocab_size, logits_itemsize, chunk_bytes=chunk_bytes,
-                        min_tokens=min_tokens).tokens
-
-
 def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
                   device_type: str, *, chunk_bytes: int | None = None, whole_rows: bool = False) -> Tiles:
-    """The tiles the op uses for one call.
+    """The tiles the op uses for one call; the graph pass's report shows what it returns
+    for a rewritten site's sizes.
 
     Tokens a tile: the argument ``chunk_size``; else, when the argument ``chunk_bytes`` is
     not given, the environment's ``CHUNKCE_CHUNK_SIZE``; else the rule. The budget: the
     argument ``chunk_bytes``, else ``CHUNKCE_CHUNK_BYTES``, else the device's default
     (:func:`default_chunk_bytes`, with the device's full-speed floor): :func:`choose_tiles`.
+    So the two variables apply together (``CHUNKCE_CHUNK_SIZE`` sets ``n``,
+    ``CHUNKCE_CHUNK_BYTES`` the budget, hence ``Vb``), and an argument ``chunk_bytes``
+    sets ``CHUNKCE_CHUNK_SIZE`` aside.
 
     Args:
-        chunk_size: tokens a tile, or None / 0 for automatic (any value below 1 is automatic).
+        chunk_size: tokens a tile, or None for automatic.
         num_tokens: N, the number of (flattened) tokens.
         vocab_size: V.
         itemsize: bytes per element of the logits (the projection runs in the hidden
             states' dtype).
         device_type: the device type of the hidden states (``"cpu"``, ``"cuda"``, ...).
-        chunk_bytes: bytes of one tile of logits, or None / 0 for the default budget.
+        chunk_bytes: bytes of one tile of logits, or None for automatic.
         whole_rows: tiles of whole rows (the grads-in-forward op).
 
     Returns:
         The :class:`Tiles`.
 
     Raises:
-        ValueError: ``CHUNKCE_CHUNK_SIZE`` or ``CHUNKCE_CHUNK_BYTES`` is read and is
-            not a positive integer.
+        ValueError: ``chunk_size`` or ``chunk_bytes`` is below 1 (a direct op call: the
+            public function and ``Options`` check them first), or ``CHUNKCE_CHUNK_SIZE`` or
+            ``CHUNKCE_CHUNK_BYTES`` is read and is not a positive integer.
     """
+    for name, value in (("chunk_size", chunk_size), ("chunk_bytes", chunk_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"chunkce: expected {name} to be a positive int or None (automatic), got {value}")
     env = settings()
-    if chunk_size is None or chunk_size <= 0:
-        chunk_size = env.chunk_size if chunk_bytes is None or chunk_bytes <= 0 else None
-    if chunk_bytes is None or chunk_bytes <= 0:
+    if chunk_size is None:
+        chunk_size = env.chunk_size if chunk_bytes is None else None
+    if chunk_bytes is None:
         chunk_bytes = env.chunk_bytes
     return choose_tiles(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
                         min_tokens=min_full_speed_tokens(device_type), chunk_size=chunk_size,
                         whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type))
-
-
-def resolve_chunk_size(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
-                       device_type: str, *, chunk_bytes: int | None = None) -> int:
-    """Tokens a tile of the recompute op for one call (:func:`resolve_tiles`'s ``n``; what
-    the graph pass's report shows)."""
-    return resolve_tiles(chunk_size, num_tokens, vocab_size, itemsize, device_type,
-                         chunk_bytes=chunk_bytes).tokens
 
 
 def spans(total: int, size: int) -> list[Span]:

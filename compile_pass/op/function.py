@@ -19,128 +19,18 @@ their chunk loops in :mod:`compile_pass.op.loops`, the per-chunk math in
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
+from compile_pass.op.chunking import Tiles, resolve_tiles
 from compile_pass.op.custom_ops import FunctorchForward
 from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.loops import autocast_enabled
-from compile_pass.op.schema import NAME as _NAME
 from compile_pass.op.schema import OpOptions
-
-_REDUCTIONS = ("mean", "sum", "none")
-_TARGET_DTYPES = (torch.int64, torch.uint8)  # what F.cross_entropy accepts for class indices
-
-
-def _fail(kind: type[Exception], message: str) -> None:
-    raise kind(f"{_NAME}: {message}")
-
-
-def _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype) -> None:
-    """Types, dtypes, shapes and devices of the tensor arguments."""
-    for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
-        if not isinstance(value, Tensor):
-            _fail(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
-    if input.dim() < 1:
-        _fail(ValueError, f"expected input of shape [N, H], [B, T, H] or [H] (one token), got {tuple(input.shape)}")
-    if not input.is_floating_point():
-        _fail(TypeError, f"expected a floating-point input, got {input.dtype}")
-    if linear_weight.dim() != 2 or linear_weight.shape[1] != input.shape[-1]:
-        _fail(ValueError, f"expected linear_weight of shape [V, {input.shape[-1]}], "
-                         f"got {tuple(linear_weight.shape)}")
-    if linear_weight.dtype != input.dtype and not autocast_enabled(input.device.type):
-        _fail(TypeError, f"expected linear_weight of dtype {input.dtype} (the input's), "
-                        f"got {linear_weight.dtype}")
-    if target.is_floating_point():
-        _fail(NotImplementedError, "probability (soft) targets are not supported; "
-                                  "pass class indices of dtype torch.int64")
-    if target.dtype not in _TARGET_DTYPES:
-        _fail(TypeError, f"expected target of dtype torch.int64 (or torch.uint8, as "
-                         f"F.cross_entropy accepts), got {target.dtype}")
-    if tuple(target.shape) != tuple(input.shape[:-1]):
-        _fail(ValueError, f"expected target of shape {tuple(input.shape[:-1])} (input's without "
-                         f"the hidden dim), got {tuple(target.shape)}")
-    vocab_size = linear_weight.shape[0]
-    for name, value in (("linear_bias", linear_bias), ("weight", weight)):
-        if value is not None and (not isinstance(value, Tensor) or tuple(value.shape) != (vocab_size,)):
-            _fail(ValueError, f"expected {name} of shape [{vocab_size}], got "
-                             f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
-    if weight is not None and not weight.is_floating_point():
-        _fail(TypeError, f"expected a floating-point weight (class weights), got {weight.dtype}")
-    if weight is not None and not autocast_enabled(input.device.type):
-        expected = logits_dtype if isinstance(logits_dtype, torch.dtype) else input.dtype
-        if weight.dtype != expected:  # F.cross_entropy refuses it too
-            _fail(TypeError, f"expected weight (class weights) of dtype {expected} (the logits'), "
-                             f"got {weight.dtype}; pass weight.to({expected})")
-    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
-        _fail(NotImplementedError, "class weights (weight=) that require grad are not supported: "
-                                  "torch's cross_entropy does not differentiate them either; "
-                                  "pass weight.detach()")
-    for name, value in (("linear_weight", linear_weight), ("target", target),
-                        ("linear_bias", linear_bias), ("weight", weight)):
-        if value is not None and value.device != input.device:
-            _fail(ValueError, f"expected {name} on {input.device} (the input's device), got {value.device}")
-
-
-def _check_scale(input, logit_scale, logit_divisor, scale_dtype) -> None:
-    """The scaling arguments: at most one of the two scales, each a real Python number or
-    a real 0-d tensor that needs no gradient, and a floating ``scale_dtype`` only with one."""
-    if logit_scale is not None and logit_divisor is not None:
-        _fail(ValueError, "expected at most one of logit_scale and logit_divisor, got both; "
-                         "fold them into one: logit_scale=scale / divisor")
-    for name, value in (("logit_scale", logit_scale), ("logit_divisor", logit_divisor)):
-        if value is None:
-            continue
-        if isinstance(value, Tensor):
-            if value.dim() != 0:
-                _fail(ValueError, f"expected {name} to be a number or a 0-d tensor, got a tensor of "
-                                 f"shape {tuple(value.shape)}: a per-class scale is not supported")
-            if value.is_complex() or value.dtype == torch.bool:
-                _fail(TypeError, f"expected a real {name}, got a tensor of dtype {value.dtype}")
-            if value.device != input.device and value.device.type != "cpu":
-                _fail(ValueError, f"expected {name} on {input.device} (the input's device) or the "
-                                 f"CPU, got {value.device}")
-            if value.requires_grad and torch.is_grad_enabled():
-                _fail(NotImplementedError, f"a {name} that requires grad is not supported: the op "
-                                          f"does not differentiate the scale; pass {name}.detach() "
-                                          f"(or freeze it: requires_grad_(False))")
-        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-            _fail(TypeError, f"expected {name} to be a number or a 0-d tensor, got {type(value).__name__}")
-    if scale_dtype is not None:
-        if not isinstance(scale_dtype, torch.dtype) or not scale_dtype.is_floating_point:
-            _fail(TypeError, f"expected scale_dtype to be a floating torch.dtype, got {scale_dtype!r}")
-        if logit_scale is None and logit_divisor is None:
-            _fail(ValueError, "scale_dtype was given without logit_scale or logit_divisor")
-
-
-def _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size, chunk_bytes) -> None:
-    """The non-tensor arguments."""
-    if reduction not in _REDUCTIONS:
-        _fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        _fail(TypeError, f"expected ignore_index to be an int, got {type(ignore_index).__name__}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
-        _fail(TypeError, f"expected label_smoothing to be a float, got {type(label_smoothing).__name__}")
-    if label_smoothing > 1.0:  # F.cross_entropy's own rule: <= 0 (and nan) mean no smoothing
-        _fail(ValueError, f"expected label_smoothing of at most 1.0, got {label_smoothing}")
-    if logits_dtype is not None and (not isinstance(logits_dtype, torch.dtype)
-                                     or not logits_dtype.is_floating_point):
-        _fail(TypeError, f"expected logits_dtype to be a floating torch.dtype, got {logits_dtype!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size <= 0):
-        _fail(ValueError, f"expected chunk_size to be a positive int or None, got {chunk_size!r}")
-    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
-                                    or chunk_bytes <= 0):
-        _fail(ValueError, f"expected chunk_bytes to be a positive int or None, got {chunk_bytes!r}")
-
-
-def _check_grads_in_forward(grads_in_forward) -> None:
-    if not isinstance(grads_in_forward, bool):
-        _fail(TypeError, f"expected grads_in_forward to be a bool, got {type(grads_in_forward).__name__}")
 
 
 def linear_cross_entropy(
@@ -205,8 +95,9 @@ def linear_cross_entropy(
             ``torch.float32`` for HF's ``logits.float()``); None = the
             projection's dtype. Under ``torch.autocast`` the projection runs in
             the autocast dtype and the loss in fp32, as torch's autocast does.
-        chunk_size: tokens per chunk; None = automatic
-            (:func:`compile_pass.op.chunking.resolve_chunk_size`: ``CHUNKCE_CHUNK_SIZE``, else by size).
+        chunk_size: tokens per tile (the ``n`` of the op's ``[n, Vb]`` tiles); None = automatic
+            (:func:`compile_pass.op.chunking.resolve_tiles`: ``CHUNKCE_CHUNK_SIZE`` when
+            ``chunk_bytes`` is None too, else the rule).
         release_cache: empty the device allocator's cache after forward and
             backward; None = ``CHUNKCE_RELEASE_CACHE``. Read at run time.
         logit_scale: multiply the logits by it before the loss (Cohere's
@@ -223,9 +114,11 @@ def linear_cross_entropy(
             dtype (``lm_head(h) * s``, as Cohere and Granite do); ``torch.float32``
             for a scale after ``logits.float()``. A 0-d tensor's own dtype does not
             change it, as torch's type promotion does not.
-        chunk_bytes: the budget of one chunk's logits in bytes, from which the
-            automatic ``chunk_size`` is chosen; None = the default budget
-            (:func:`compile_pass.op.chunking.resolve_chunk_size`).
+        chunk_bytes: the budget of one tile of logits in bytes: it sets the tile's
+            vocabulary width ``Vb`` (and the automatic ``n`` where whole rows fit);
+            None = ``CHUNKCE_CHUNK_BYTES``, else the device's default
+            (:func:`compile_pass.op.chunking.resolve_tiles`). Given, it also sets
+            ``CHUNKCE_CHUNK_SIZE`` aside.
         grads_in_forward: opt-in: for ``"mean"`` / ``"sum"`` with gradients wanted,
             compute the gradients during forward (three matmuls a chunk instead of
             the recompute's four) and hold them, ``[N, H] + [V, H]``, until backward
@@ -242,10 +135,10 @@ def linear_cross_entropy(
         NotImplementedError: probability (floating) targets; a scale that requires
             grad; double backward.
     """
-    _check_options(reduction, ignore_index, label_smoothing, logits_dtype, chunk_size, chunk_bytes)
-    _check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)
-    _check_scale(input, logit_scale, logit_divisor, scale_dtype)
-    _check_grads_in_forward(grads_in_forward)
+    check_loss_options(reduction, ignore_index, label_smoothing, logits_dtype)
+    check_chunking(chunk_size, chunk_bytes, grads_in_forward)
+    check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)
+    check_scale(input, logit_scale, logit_divisor, scale_dtype)
     if target.dtype != torch.int64:
         target = target.long()  # uint8 class indices: a new tensor, the caller's is untouched
     if input.dim() == 1:  # unbatched, as F.cross_entropy takes it: logits [V], a 0-d target
@@ -258,10 +151,10 @@ def linear_cross_entropy(
         input, linear_weight, target, linear_bias, weight,
         reduction=reduction, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         logits_dtype=logits_dtype or input.dtype, projection_dtype=projection_dtype,
-        chunk_size=chunk_size or 0, release_cache=release_cache,
+        chunk_size=chunk_size, release_cache=release_cache,
         logit_scale=logit_divisor if logit_scale is None else logit_scale,
         scale_divides=logit_divisor is not None, scale_dtype=scale_dtype,
-        chunk_bytes=chunk_bytes or 0,
+        chunk_bytes=chunk_bytes,
         grads_in_forward=grads_wanted(input, linear_weight, linear_bias, torch.is_grad_enabled())
         if grads_in_forward else None,
     )
@@ -299,7 +192,7 @@ def chunked_cross_entropy(
             ``"mean"`` / ``"sum"`` (``"none"`` keeps the recompute op).
         options: the op's options by name (:class:`compile_pass.op.schema.OpOptions`:
             ``ignore_index``, ``label_smoothing``, ``logits_dtype`` (resolved, not None),
-            ``chunk_size`` (0 = automatic), ...), where ``logit_scale`` is the logits'
+            ``chunk_size`` and ``chunk_bytes`` (None = automatic), ...), where ``logit_scale`` is the logits'
             scale as a Python number or a 0-d tensor (:meth:`OpOptions.of`): they are
             divided by it when ``scale_divides``, else multiplied, in ``scale_dtype``
             (None = the projection dtype): :func:`compile_pass.op.kernels.scale_logits`.
@@ -319,7 +212,7 @@ def chunked_cross_entropy(
     flat_target = target.reshape(-1)  # [N]
     forward_op = (FunctorchForward.apply if torch._C._are_functorch_transforms_active()
                   else torch.ops.chunkce.linear_cross_entropy.default)
-    if grads_in_forward is not None and reduction != "none":  # the gradients now: grads_in_forward.py
+    if _gradients_now(grads_in_forward, reduction):  # the gradients now: grads_in_forward.py
         total = summed_loss(hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
                             grads_in_forward, op_options)  # 0-d fp32 (fp64 for fp64)
     else:
@@ -343,3 +236,32 @@ def chunked_cross_entropy(
         # a zero sum its nll's 0 / 0 makes the loss nan, where total / 0 would be inf
         mean = mean + torch.zeros_like(denominator) / denominator  # + 0, or nan when the sum is 0
     return mean.to(logits_dtype)
+
+
+def _gradients_now(grads_in_forward: list[bool] | None, reduction: str) -> bool:
+    """Whether :func:`chunked_cross_entropy` runs the grads-in-forward op (else the recompute op)."""
+    return grads_in_forward is not None and reduction != "none"
+
+
+def planned_tiles(num_tokens: int, vocab_size: int, projection_dtype: torch.dtype, device_type: str, *,
+                  reduction: str, grads_in_forward: list[bool] | None = None, **options: Any) -> Tiles:
+    """The tiles a :func:`chunked_cross_entropy` call with these arguments runs, with the
+    environment as it is now: :func:`compile_pass.op.chunking.resolve_tiles`, the function
+    the op's body calls (:meth:`compile_pass.op.schema.ChunkPlan.resolve`), for the op the
+    call picks (whole rows for the grads-in-forward op). The graph pass's report shows them
+    for each rewritten site, from its sizes (their hints where they are symbolic).
+
+    Args:
+        num_tokens: N, the flattened tokens; vocab_size: V.
+        projection_dtype: the dtype the projection runs in (a tile's logits).
+        device_type: the hidden states' device type.
+        reduction, grads_in_forward, options: as :func:`chunked_cross_entropy` takes them (of
+            the options, ``chunk_size`` and ``chunk_bytes`` set the tiles; None or absent:
+            automatic).
+
+    Raises:
+        ValueError: a ``CHUNKCE_*`` variable holds a bad value.
+    """
+    return resolve_tiles(options.get("chunk_size"), num_tokens, vocab_size, projection_dtype.itemsize,
+                         device_type, chunk_bytes=options.get("chunk_bytes"),
+                         whole_rows=_gradients_now(grads_in_forward, reduction))

@@ -53,13 +53,13 @@ class OpOptions:
     ignore_index: int  # the target value that has no loss and no gradient
     label_smoothing: float  # as F.cross_entropy's; <= 0 is none
     logits_dtype: torch.dtype  # the dtype the loss is computed in (resolved, never None)
-    chunk_size: int  # tokens per tile; 0 = automatic (chunking.resolve_tiles)
+    chunk_size: int | None  # tokens per tile; None = automatic (chunking.resolve_tiles)
     release_cache: bool | None  # empty the allocator's cache after the op; None = CHUNKCE_RELEASE_CACHE
     logit_scale: float | None = None  # a Python number's scale
     logit_scale_tensor: Tensor | None = None  # [] a 0-d tensor's scale (not differentiated)
     scale_divides: bool = False  # logits / scale, else logits * scale
     scale_dtype: torch.dtype | None = None  # the dtype it scales in; None = the projection's
-    chunk_bytes: int = 0  # the budget of one tile of logits in bytes; 0 = the default
+    chunk_bytes: int | None = None  # the budget of one tile of logits in bytes; None = automatic
 
     @classmethod
     def of(cls, *, logit_scale: float | Tensor | None = None, **options: typing.Any) -> OpOptions:
@@ -147,8 +147,8 @@ class ChunkPlan:
     def resolve(hidden_states: Tensor, weight: Tensor, options: OpOptions,
                 whole_rows: bool = False) -> ChunkPlan:
         """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]``:
-        the tiles (``chunk_size`` 0 is automatic, ``chunk_bytes`` 0 the default budget;
-        tiles of whole rows for the grads-in-forward op:
+        the tiles (``chunk_size`` and ``chunk_bytes`` None are automatic; tiles of whole
+        rows for the grads-in-forward op:
         :func:`~compile_pass.op.chunking.resolve_tiles`) and ``release_cache`` None
         (``CHUNKCE_*``) are resolved; ``scale_dtype`` None with a scale is the
         projection dtype (the hidden states').
@@ -161,7 +161,7 @@ class ChunkPlan:
             options=options,
             tiles=resolve_tiles(options.chunk_size, hidden_states.shape[0], weight.shape[0],
                                 hidden_states.element_size(), hidden_states.device.type,
-                                chunk_bytes=options.chunk_bytes or None, whole_rows=whole_rows),
+                                chunk_bytes=options.chunk_bytes, whole_rows=whole_rows),
             release_cache=env.release_cache if options.release_cache is None else options.release_cache,
             eager_kernels=env.eager_kernels,
             scale_dtype=None if options.scale is None else (options.scale_dtype or hidden_states.dtype),

@@ -5,14 +5,16 @@ lookups), so a change made between two training steps is seen by the next op
 call; nothing is cached at import time.
 
 Variables:
-    CHUNKCE_CHUNK_SIZE      tokens per chunk for every op call that passes neither
+    CHUNKCE_CHUNK_SIZE      tokens a tile (``n``) for every op call that passes neither
                             ``chunk_size`` nor ``chunk_bytes`` (positive int; unset
                             = automatic).
-    CHUNKCE_CHUNK_BYTES     the byte budget of one chunk's logits for every op call
-                            that passes neither ``chunk_size`` nor ``chunk_bytes``
-                            (positive int; unset = ``chunking.DEFAULT_CHUNK_BYTES``
-                            with the device's full-speed floor).
-                            ``CHUNKCE_CHUNK_SIZE`` wins when both are set.
+    CHUNKCE_CHUNK_BYTES     the byte budget of one tile of logits (it sets the tile's
+                            vocabulary width ``Vb``) for every op call that passes no
+                            ``chunk_bytes`` (positive int; unset = the device's
+                            default, ``chunking.default_chunk_bytes``).
+                            Both set: they apply together, ``n`` from
+                            ``CHUNKCE_CHUNK_SIZE`` and ``Vb`` from the budget
+                            (``chunking.resolve_tiles``).
     CHUNKCE_EAGER_KERNELS   ``1`` runs the per-chunk math eagerly instead of
                             compiling it with Inductor (debugging; a device
                             Inductor cannot compile for runs it eagerly anyway,
