@@ -3,6 +3,7 @@
     python -m benchmarks.precision_sweep            # the table of docs/op.md's numerics section
     python -m benchmarks.precision_sweep --grads-in-forward
     python -m benchmarks.precision_sweep --tiles           # 128-column tiles: online log-sum-exp
+    python -m benchmarks.precision_sweep --many-blocks     # V 151936 in 8-token chunks (issue 23)
 
 For each case, fp32 inputs ``hidden [N, H]``, ``weight [V, H]``, ``bias [V]`` (the head's
 logits have standard deviation ``spread`` about an offset, optionally divided by
@@ -38,19 +39,34 @@ CASES = (
     ("divisor 1e-3, spread 30 about 1e3", 0.03, 1.0, 1e-3),
 )
 QUANTITIES = ("loss", "d hidden", "d weight", "d bias")  # loss: the per-token losses
+# Many vocabulary blocks (issue 23): a freshly initialised head (logit spread 0.08: std 0.02
+# weights on unit hidden states of 16 dims) at Qwen's vocabulary, in chunks of 8 tokens, no
+# token ignored:
+# (name, N, H, V, chunk_size, chunk_bytes or None, grads_in_forward)
+MANY_BLOCKS_SPREAD = 0.08
+MANY_BLOCKS = (
+    ("8 x 3584 tiles (43 blocks)", 33, 16, 151936, 8, 8 * 3584 * 4, False),
+    ("8 x 128 tiles (1187 blocks)", 33, 16, 151936, 8, 8 * 128 * 4, False),
+    ("8-token whole rows", 33, 16, 151936, 8, None, False),
+    ("8-token whole rows, grads_in_forward", 33, 16, 151936, 8, None, True),
+)
 
 
-def make_inputs(spread: float, offset: float, seed: int = 0) -> dict:
+def make_inputs(spread: float, offset: float, seed: int = 0, shape: tuple[int, int, int] = (N, H, V),
+                ignore_every: int | None = 4) -> dict:
     """fp32 leaves: ``hidden [N, H]`` (unit rows), ``weight [V, H]`` scaled so that the
     logits have standard deviation ``spread``, ``bias [V]`` = ``offset`` + a tenth of that,
-    ``target [N]`` with every fourth token ignored."""
+    ``target [N]`` with every ``ignore_every``-th token ignored (None: none; ``shape``:
+    ``(N, H, V)``)."""
+    num_tokens, hidden_size, vocab_size = shape
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=generator)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator)
     hidden = hidden / hidden.norm(dim=1, keepdim=True)
-    weight = torch.randn(V, H, generator=generator) * spread
-    bias = offset + 0.1 * spread * torch.randn(V, generator=generator)
-    target = torch.randint(0, V, (N,), generator=generator)
-    target[::4] = -100
+    weight = torch.randn(vocab_size, hidden_size, generator=generator) * spread
+    bias = offset + 0.1 * spread * torch.randn(vocab_size, generator=generator)
+    target = torch.randint(0, vocab_size, (num_tokens,), generator=generator)
+    if ignore_every is not None:
+        target[::ignore_every] = -100
     return {"hidden": hidden, "weight": weight, "bias": bias, "target": target}
 
 
@@ -70,11 +86,16 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def case_errors(spread: float, offset: float, divisor: float | None,
-                grads_in_forward: bool = False, tiles: bool = False) -> tuple[list[float], list[float]]:
+                grads_in_forward: bool = False, tiles: bool = False, *,
+                shape: tuple[int, int, int] = (N, H, V), chunk_size: int = CHUNK,
+                chunk_bytes: int | None = None, ignore_every: int | None = 4) -> tuple[list[float], list[float]]:
     """(torch's fp32 errors, chunkce's fp32 errors) against fp64, in ``QUANTITIES`` order;
     ``tiles``: chunkce's tiles are ``BLOCK`` vocabulary columns wide (the log-sum-exp online
-    across four blocks), else whole rows."""
-    inputs = make_inputs(spread, offset)
+    across four blocks), else ``chunk_bytes`` (None: whole rows). ``shape``: ``(N, H, V)``;
+    ``chunk_size``: tokens a tile; ``ignore_every``: :func:`make_inputs`'."""
+    inputs = make_inputs(spread, offset, shape=shape, ignore_every=ignore_every)
+    if tiles:
+        chunk_bytes = chunk_size * BLOCK * 4
 
     def unfused(hidden, weight, bias, target, reduction):
         logits = F.linear(hidden, weight, bias)
@@ -84,8 +105,7 @@ def case_errors(spread: float, offset: float, divisor: float | None,
 
     def chunkce(hidden, weight, bias, target, reduction):
         return linear_cross_entropy(hidden, weight, target, linear_bias=bias, logit_divisor=divisor,
-                                    reduction=reduction, chunk_size=CHUNK,
-                                    chunk_bytes=CHUNK * BLOCK * 4 if tiles else None,
+                                    reduction=reduction, chunk_size=chunk_size, chunk_bytes=chunk_bytes,
                                     grads_in_forward=grads_in_forward)
 
     reference = losses_and_grads(unfused, inputs, torch.float64)
@@ -101,14 +121,29 @@ def sweep(grads_in_forward: bool = False, tiles: bool = False) -> list[tuple[str
             for name, spread, offset, divisor in CASES]
 
 
+def many_blocks_errors(num_tokens: int, hidden_size: int, vocab_size: int, chunk_size: int,
+                       chunk_bytes: int | None, grads_in_forward: bool) -> tuple[list[float], list[float]]:
+    """:func:`case_errors` of a ``MANY_BLOCKS`` case (logit spread ``MANY_BLOCKS_SPREAD``, no
+    token ignored: with every fourth ignored, the old sum's error did not show at this shape)."""
+    return case_errors(MANY_BLOCKS_SPREAD, 0.0, None, grads_in_forward,
+                       shape=(num_tokens, hidden_size, vocab_size), chunk_size=chunk_size,
+                       chunk_bytes=chunk_bytes, ignore_every=None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grads-in-forward", action="store_true", help="chunkce's grads_in_forward op")
     parser.add_argument("--tiles", action="store_true", help=f"tiles of {BLOCK} vocabulary columns")
+    parser.add_argument("--many-blocks", action="store_true", help="the MANY_BLOCKS cases (V 151936)")
     args = parser.parse_args()
-    rows = sweep(args.grads_in_forward, args.tiles)
-    print(f"fp32, N={N} H={H} V={V}, chunk_size={CHUNK}, {f'{BLOCK}-column tiles' if args.tiles else 'whole rows'}, "
-          f"relative error against fp64 (torch | chunkce{', grads_in_forward' if args.grads_in_forward else ''})")
+    if args.many_blocks:
+        rows = [(name, *many_blocks_errors(*case)) for name, *case in MANY_BLOCKS]
+        print(f"fp32, logit spread {MANY_BLOCKS_SPREAD}, N H V 33 16 151936, relative error against fp64")
+    else:
+        rows = sweep(args.grads_in_forward, args.tiles)
+        print(f"fp32, N={N} H={H} V={V}, chunk_size={CHUNK}, "
+              f"{f'{BLOCK}-column tiles' if args.tiles else 'whole rows'}, relative error against fp64 "
+              f"(torch | chunkce{', grads_in_forward' if args.grads_in_forward else ''})")
     header = " | ".join(f"{q} torch | {q} chunkce" for q in QUANTITIES)
     print(f"| case | {header} | chunkce / torch (loss, dh, dW, db) |")
     print("|---" * (2 + 2 * len(QUANTITIES)) + "|")

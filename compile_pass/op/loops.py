@@ -232,6 +232,54 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, sums: bool) -> None:
         torch.mm(a, b, out=out)
 
 
+REDUCTION_COLUMNS = 4096  # vocabulary columns at most in one product of the hidden-state gradient
+
+
+def _add_vocabulary_products(out: Tensor, grad_logits: Tensor, weight_block: Tensor, scratch: Tensor,
+                             sums: bool) -> None:
+    """``out (+)= grad_logits @ weight_block`` (``grad_logits [n, Vb]``, ``weight_block
+    [Vb, H]``, ``out [n, H]``): ``+=`` where ``out`` sums over the walk, else ``=``.
+
+    For a full-precision head (``out`` in the operands' dtype) the product is summed over
+    the vocabulary in pieces of at most :data:`REDUCTION_COLUMNS` columns, each multiplied
+    afresh (into ``out`` itself for the first piece of a walk that does not sum, else into
+    ``scratch [>= n, H]``) and then added to ``out``: never accumulated by the BLAS onto a
+    loaded ``out`` (``addmm_``), nor over a long row by a small-``n`` product. Both sum
+    every term onto an accumulator that already holds the target's ``-w_y`` term, and CPU
+    BLAS (MKL) then rounds each term at that magnitude: with 8-token chunks at V 151936,
+    H 16, the hidden-state gradient had 2.1x torch's error against fp64 (1.3e-6 against
+    6.0e-7, ``docs/op.md``: "Accuracy over many vocabulary blocks"). Summed in fresh pieces of
+    at most 4096 columns it had 0.5-0.7x. A half-precision head's product is accumulated
+    in fp32 as :func:`_add_matmul` does (its own rounding dominates there).
+    """
+    if not _full_precision_product(out, grad_logits):
+        _matmul_into(out, grad_logits, weight_block, sums)
+        return
+    rows, columns = grad_logits.shape
+    for start, end in spans(columns, REDUCTION_COLUMNS):
+        if start == 0 and not sums:
+            torch.mm(grad_logits[:, start:end], weight_block[start:end], out=out)
+        else:
+            product = scratch[:rows]
+            torch.mm(grad_logits[:, start:end], weight_block[start:end], out=product)
+            out.add_(product)
+
+
+def _full_precision_product(out: Tensor, grad_logits: Tensor) -> bool:
+    """``out`` is in the operands' dtype and that is a full-precision one (fp32, fp64): a
+    half-precision product is rounded once, from fp32, as one product."""
+    return out.dtype == grad_logits.dtype and kernels.accumulate_dtype(out.dtype) == out.dtype
+
+
+def _product_scratch(grad_hidden: Tensor, like: Tensor, token_chunks, hidden_size: int) -> Tensor:
+    """The ``[n, H]`` buffer of :func:`_add_vocabulary_products`' pieces for the widest of
+    ``token_chunks`` (empty ``[0]`` when ``grad_hidden`` is not wanted or not full precision)."""
+    if grad_hidden.numel() == 0 or not _full_precision_product(grad_hidden, like):
+        return grad_hidden.new_empty(0)
+    rows = max((end - start for start, end in token_chunks), default=0)
+    return grad_hidden.new_empty((rows, hidden_size))
+
+
 def _gradient_buffer(wanted: bool, like: Tensor, shape: tuple[int, ...], dtype: torch.dtype,
                      zeroed: bool) -> Tensor:
     """A gradient's buffer: empty ``[0]`` when not wanted, zeros when it sums, else uninitialised."""
@@ -261,6 +309,7 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
                                    weight.dtype, walk.zero_grad_weight)  # [V, H]
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
+    scratch = _product_scratch(grad_hidden, hidden_states, walk.token_chunks, hidden_size)  # [n, H]
     # The forward's row statistics are of whole rows, so a vocabulary block's probabilities
     # round as torch's log-softmax does, and no row is reduced again here.
     for vocab_start, vocab_end in walk.vocab_blocks:
@@ -279,7 +328,8 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
                                            vocab_start, vocab_size)  # [n, Vb] projection dtype, in place
             del logits_chunk
             if walk.want_hidden:
-                _matmul_into(grad_hidden[start:end], grad_logits, weight_block, walk.hidden_sums)
+                _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight_block, scratch,
+                                         walk.hidden_sums)
             if walk.want_weight:  # as F.linear's backward
                 _matmul_into(grad_weight_block, grad_logits.t(), hidden_chunk, walk.weight_sums)
             if walk.want_bias:
@@ -333,6 +383,7 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
     grad_weight = _gradient_buffer(want_weight, weight, (vocab_size, hidden_size), weight_accumulate,
                                    zeroed=sums or not chunks)  # [V, H]: one product is written by out=
     grad_bias = _gradient_buffer(want_bias, weight, (vocab_size,), weight_accumulate, zeroed=True)  # [V]
+    scratch = _product_scratch(grad_hidden, hidden_states, chunks, hidden_size)  # [n, H]
     for start, end in chunks:
         hidden_chunk = hidden_states[start:end]  # [n, H]
         loss[start:end], row_max, row_log_sum, logits_chunk = row_statistics(
@@ -342,7 +393,7 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
                                            class_weight, ones[start:end], 0, vocab_size)  # [n, V]
             del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
             if want_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+                _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight, scratch, sums=False)
             if want_weight:  # as F.linear's backward
                 _matmul_into(grad_weight, grad_logits.t(), hidden_chunk, sums)
             if want_bias:
