@@ -1,6 +1,6 @@
 """Shared fixtures and builders. The fixtures are not autouse (a test file opts in with
 ``pytestmark = pytest.mark.usefixtures("fresh_compile")``), but for the tiers' run-time
-check (``tiers.py``, which also marks the slow tests)."""
+check (``tiers.py``: a test not marked slow may not compile with Inductor or start a process)."""
 
 import operator
 
@@ -13,7 +13,7 @@ from torch import nn
 import compile_pass  # noqa: F401 - registers the chunkce ops
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
-from tiers import _tier_check, pytest_collection_modifyitems  # noqa: F401 - the tiers (tiers.py)
+from tiers import _tier_check  # noqa: F401 - the tiers' run-time check (tiers.py)
 
 
 OP = torch.ops.chunkce.linear_cross_entropy.default  # what a rewritten site calls

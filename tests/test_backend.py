@@ -49,6 +49,7 @@ def test_backend_is_registered_by_entry_point_and_on_import():
     assert lookup_backend("chunkce") is chunkce_backend
 
 
+@pytest.mark.slow
 def test_toy_model_matches_inductor(eager_kernels):
     recorder, code = compare_with_stock(Toy(), *make_inputs(), inner="inductor")
     recorder.assert_rewritten(B * T, V)
@@ -122,6 +123,7 @@ def test_inductor_config_and_mode_are_forwarded_to_compile_fx(monkeypatch, eager
         chunkce_backend(gm, [torch.randn(2)], options={"inner_backend": "eager", "inductor_config": {"a": 1}})
 
 
+@pytest.mark.slow
 def test_pre_grad_pass_rewrites_under_stock_inductor_and_the_cache_cannot_serve_the_unrewritten_graph(
         eager_kernels):
     h, labels = make_inputs()
