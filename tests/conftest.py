@@ -2,6 +2,7 @@
 ``pytestmark = pytest.mark.usefixtures("fresh_compile")``), but for the tiers' run-time
 check (``tiers.py``: a test not marked slow may not compile with Inductor or start a process)."""
 
+import contextlib
 import operator
 
 import pytest
@@ -97,11 +98,17 @@ class RoundTo(torch.autograd.Function):
 
 
 @pytest.fixture
-def fresh_compile():
-    """Isolation for compile tests: Dynamo reset, counters cleared, a fresh Inductor cache dir."""
+def fresh_compile(request):
+    """Isolation for compile tests: Dynamo reset, counters cleared, and for a slow test a
+    fresh Inductor cache dir.
+
+    A fast test keeps Inductor's cache, as every other fast test does: the only graphs
+    Inductor compiles in it are the op's per-chunk kernels (``tiers.py`` fails any other),
+    which the cache keys by their graph, so a hit serves what a fresh compile would. (A fresh
+    dir per test compiled each kernel variant's C++ again in every test.)"""
     torch._dynamo.reset()
     counters.clear()
-    with fresh_cache():
+    with fresh_cache() if request.node.get_closest_marker("slow") else contextlib.nullcontext():
         yield
     torch._dynamo.reset()
     counters.clear()
