@@ -264,11 +264,15 @@ COMPILED = pytest.param("inductor", id="compiled", marks=pytest.mark.slow)  # In
 @pytest.fixture(params=[EAGER_OP, COMPILED])
 def form(request):
     """The op called eagerly, or the unfused function compiled by chunkce (the parameter: its
-    inner backend, None for eager)."""
-    torch._dynamo.reset()
-    counters.clear()
+    inner backend, None for eager). Compiled, Dynamo is reset and the counters cleared around
+    the test; eagerly, the op's kernels stay compiled from one test to the next, as in a process."""
+    compiled = request.param is not None
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
     yield Form(request.param)
-    torch._dynamo.reset()
+    if compiled:
+        torch._dynamo.reset()
 
 
 def forms(*cases, compiled=None):
