@@ -1,7 +1,8 @@
 """Shared fixtures and builders. The fixtures are not autouse (a test file opts in with
 ``pytestmark = pytest.mark.usefixtures("fresh_compile")``), but for the tiers' run-time
-check (``tiers.py``, which also marks the slow tests)."""
+check (``tiers.py``: a test not marked slow may not compile with Inductor or start a process)."""
 
+import contextlib
 import operator
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 import compile_pass  # noqa: F401 - registers the chunkce ops
 from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
-from tiers import _tier_check, pytest_collection_modifyitems  # noqa: F401 - the tiers (tiers.py)
+from tiers import _tier_check  # noqa: F401 - the tiers' run-time check (tiers.py)
 
 
 OP = torch.ops.chunkce.linear_cross_entropy.default  # what a rewritten site calls
@@ -97,11 +98,17 @@ class RoundTo(torch.autograd.Function):
 
 
 @pytest.fixture
-def fresh_compile():
-    """Isolation for compile tests: Dynamo reset, counters cleared, a fresh Inductor cache dir."""
+def fresh_compile(request):
+    """Isolation for compile tests: Dynamo reset, counters cleared, and for a slow test a
+    fresh Inductor cache dir.
+
+    A fast test keeps Inductor's cache, as every other fast test does: the only graphs
+    Inductor compiles in it are the op's per-chunk kernels (``tiers.py`` fails any other),
+    which the cache keys by their graph, so a hit serves what a fresh compile would. (A fresh
+    dir per test compiled each kernel variant's C++ again in every test.)"""
     torch._dynamo.reset()
     counters.clear()
-    with fresh_cache():
+    with fresh_cache() if request.node.get_closest_marker("slow") else contextlib.nullcontext():
         yield
     torch._dynamo.reset()
     counters.clear()

@@ -257,27 +257,31 @@ class Form:
         assert recorder.logits_like(tokens, vocab) == [] and stats["logits_kept"] == 0
 
 
-EAGER_OP, COMPILED = pytest.param(None, id="eager_op"), pytest.param("inductor", id="compiled")
+EAGER_OP = pytest.param(None, id="eager_op")
+COMPILED = pytest.param("inductor", id="compiled", marks=pytest.mark.slow)  # Inductor compiles: slow
 
 
 @pytest.fixture(params=[EAGER_OP, COMPILED])
 def form(request):
     """The op called eagerly, or the unfused function compiled by chunkce (the parameter: its
-    inner backend, None for eager)."""
-    torch._dynamo.reset()
-    counters.clear()
+    inner backend, None for eager). Compiled, Dynamo is reset and the counters cleared around
+    the test; eagerly, the op's kernels stay compiled from one test to the next, as in a process."""
+    compiled = request.param is not None
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
     yield Form(request.param)
-    torch._dynamo.reset()
+    if compiled:
+        torch._dynamo.reset()
 
 
 def forms(*cases, compiled=None):
-    """Parameters ``(form, *case)``: every case eagerly, ``compiled`` (default: all) compiled."""
+    """Parameters ``(form, *case)``: every case eagerly, ``compiled`` (default: all) compiled,
+    with the form's marks (compiled: slow); ids ``form-case`` (a class by its name)."""
     compiled = cases if compiled is None else compiled
-    return [(EAGER_OP.values[0], *case) for case in cases] + [(COMPILED.values[0], *case) for case in compiled]
-
-
-def form_ids(params):
-    return [("eager_op" if form is None else "compiled") + "-" + "-".join(map(str, case)) for form, *case in params]
+    return [pytest.param(form.values[0], *case, marks=form.marks,
+                         id="-".join([form.id, *(getattr(c, "__name__", str(c)) for c in case)]))
+            for form, group in ((EAGER_OP, cases), (COMPILED, compiled)) for case in group]
 
 
 # --- saved-tensor hooks ------------------------------------------------------------------
@@ -288,8 +292,7 @@ PACKS = forms(*[(hooks, bias, class_weight, reduction) for hooks in (Recorder, C
               compiled=[(hooks, True, False, "mean") for hooks in (Recorder, CountingSaveOnCpu)])
 
 
-@pytest.mark.parametrize("form, hooks, bias, class_weight, reduction", PACKS, indirect=["form"],
-                         ids=form_ids([(f, h.__name__, *rest) for f, h, *rest in PACKS]))
+@pytest.mark.parametrize("form, hooks, bias, class_weight, reduction", PACKS, indirect=["form"])
 def test_pack_hooks_see_only_long_lived_tensors(form, hooks, bias, class_weight, reduction):
     inputs = make_inputs(bias=bias, class_weight=class_weight)
     grad_output = torch.rand(B, T) if reduction == "none" else None  # non-uniform
@@ -374,8 +377,7 @@ CHECKPOINTS = forms(*[(reentrant, hooks) for reentrant in (False, True) for hook
                     compiled=[(reentrant, Recorder) for reentrant in (False, True)])
 
 
-@pytest.mark.parametrize("form, use_reentrant, hooks", CHECKPOINTS, indirect=["form"],
-                         ids=form_ids([(f, r, getattr(h, "__name__", h)) for f, r, h in CHECKPOINTS]))
+@pytest.mark.parametrize("form, use_reentrant, hooks", CHECKPOINTS, indirect=["form"])
 def test_checkpoint(form, use_reentrant, hooks):
     """Body, head and loss recomputed under one checkpoint (a whole-model checkpoint),
     optionally inside a user's saved-tensor hooks; compiled, the pass enters the region's body."""
@@ -401,8 +403,7 @@ def test_checkpoint(form, use_reentrant, hooks):
         assert recorder.unpacked == len(recorder.packed)
 
 
-@pytest.mark.parametrize("form, use_reentrant", forms((False,), compiled=[(False,), (True,)]), indirect=["form"],
-                         ids=form_ids(forms((False,), compiled=[(False,), (True,)])))
+@pytest.mark.parametrize("form, use_reentrant", forms((False,), compiled=[(False,), (True,)]), indirect=["form"])
 def test_checkpointed_body_then_op_under_save_on_cpu(form, use_reentrant):
     """The common layout: checkpointed layers, the head and loss outside, all under save_on_cpu."""
     inputs = make_inputs(bias=True)
@@ -730,6 +731,7 @@ def test_release_cache_env_is_read_per_call(form, monkeypatch):
 # --- a real model ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")
 def test_llama_gradient_checkpointing_under_save_on_cpu():
     torch._dynamo.reset()

@@ -25,6 +25,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+pytestmark = pytest.mark.slow  # spawns ranks
+
 
 TIMEOUT_S = 480  # ~80 s of CPU time; ~4 min wall measured on 2 cores shared with a load of ~9
 BF16 = {"rtol": 2e-2, "atol": 2e-3}  # the bf16 policy against the same model run eagerly

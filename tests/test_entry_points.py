@@ -38,6 +38,7 @@ def run_fresh(script: str) -> None:
     assert result.stdout.split()[-1:] == ["ok"], result.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_import_changes_no_dynamo_setting_and_the_first_compile_installs_the_scope():
     run_fresh("""
         import sys
@@ -64,6 +65,7 @@ def test_import_changes_no_dynamo_setting_and_the_first_compile_installs_the_sco
     """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("metadata", "first"), [("installed", "lookup"), ("absent", "lookup"), ("absent", "list")])
 def test_dynamo_lookup_finds_chunkce(metadata, first):
     """Installed: the distribution's entry point alone (no ``import compile_pass``). Absent (a
@@ -86,6 +88,7 @@ def test_dynamo_lookup_finds_chunkce(metadata, first):
     """)
 
 
+@pytest.mark.slow
 def test_scope_reaches_every_thread_that_compiles():
     """A thread started after the first use reads the scoped set; a thread that read the set
     before it has it wrapped by its own first chunkce compile (its first frame traced as stock)."""

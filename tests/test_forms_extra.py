@@ -68,6 +68,7 @@ def assert_rewritten(n=1):
     assert (stats["sites_rewritten"], stats["sites_refused"]) == (n, 0), dict(stats)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_packed_single_row_batch(backend):
     recorder, code = compare_with_stock(Head(), *packed_batch(), inner=backend)
@@ -113,6 +114,7 @@ class Autocast(nn.Module):
             return self.inner(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_head_under_autocast_bf16(backend):
     """fp32 weights, bf16 autocast: the projection runs in bf16 and the loss in fp32, as torch's does."""
@@ -143,6 +145,7 @@ def test_under_autocast_the_op_upcasts_as_the_graph_did_and_matches_eager():
     torch.testing.assert_close(loss, expected, atol=1e-2, rtol=1.6e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cast", ["float", "to_dtype", "type"])
 def test_bf16_logits_cast_to_fp32_through_inductor(cast):
     """bf16 weights: logits in bf16, then an fp32 upcast however it is spelled."""

@@ -153,6 +153,7 @@ def _train_step(model, backend, ids, options=None):
     return loss.detach(), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiny_llama_chunkce_matches_inductor(dtype):
     model = _tiny_llama(dtype)

@@ -186,7 +186,7 @@ def test_backward_hands_over_the_saved_gradients_with_no_copy():
         assert_close(t.grad, r, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_backend_retain_graph_second_backward_is_exact_or_raises(inner):
     # Compiled, AOTAutograd owns the backward graph: a second backward is either exact (its
     # graph computes the product out of place) or refused (its donated-buffer check), never wrong.
@@ -289,6 +289,7 @@ def test_bad_flag_type():
         linear_cross_entropy(hidden, weight, target, grads_in_forward=1)
 
 
+@pytest.mark.slow
 def test_opcheck():
     hidden, weight, target, bias = make_inputs(bias=True)
     args = (hidden.detach(), weight.detach(), target, bias.detach(), None, -100, 0.1, torch.float32, 8, None)
@@ -332,6 +333,7 @@ def test_backend_option_reduction_none_keeps_recompute():
     assert not any(fact.target is GIF_OP for graph in recorder.graphs for fact in graph)
 
 
+@pytest.mark.slow
 def test_backend_option_through_inductor():
     torch.manual_seed(0)
     model = Head("mean")

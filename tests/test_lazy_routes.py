@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from compile_pass.graph.lazy_tensor import LazyLogits
 
-pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile", "eager_kernels")]
 
 V = 257  # odd vocabulary
 B, T = 2, 8

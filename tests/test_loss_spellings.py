@@ -187,6 +187,7 @@ def test_log_probs_with_another_user_are_kept_and_the_loss_rewritten():
     assert record.decision == "rewritten" and record.reason == LOGITS_KEPT
 
 
+@pytest.mark.slow
 def test_rewritten_with_inductor():
     code = rewritten(Head(lambda m, h, y: nll_functional(m, h, y, weight=m.class_weight)), hidden(),
                      labels(ignored=True), inner="inductor")

@@ -62,6 +62,7 @@ def test_logits_are_counted(device):
     torch.testing.assert_close(loss, loss_fn(hidden, weight, labels))
 
 
+@pytest.mark.slow
 def test_inductor_buffers_are_counted():
     """Buffers allocated by Inductor-generated code go through c10's allocator too."""
     torch._dynamo.reset()
@@ -105,6 +106,7 @@ def test_unsupported_device_is_a_clear_error():
             pass
 
 
+@pytest.mark.slow
 def test_cpu_measurement_prints_no_profiler_lines():
     """Kineto's profiler_start / profiler_stop lines are dropped; other stderr output is kept.
 

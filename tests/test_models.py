@@ -147,6 +147,7 @@ def assert_same_step(model, reference, got, expected):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}.grad: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "form"), CASES)
 def test_model_matches_stock_compile(name, form):
     spec = BY_NAME[name]
@@ -172,6 +173,7 @@ def test_model_matches_stock_compile(name, form):
     assert_same_step(model, reference, got, expected)
 
 
+@pytest.mark.slow
 def test_tied_embedding_gradient_has_both_uses():
     """GPT-2's lm_head.weight is wte.weight: its gradient is the head's plus the embedding's."""
     model = build(BY_NAME["GPT-2"])
@@ -190,6 +192,7 @@ def test_tied_embedding_gradient_has_both_uses():
     assert head_grad.abs().sum() > 0 and embedding_grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_num_items_in_batch_division_stays_in_the_graph():
     """HF's fixed_cross_entropy: sum-reduced loss / num_items_in_batch, a tensor graph input."""
     graphs = []
@@ -219,6 +222,7 @@ def _ancestors(node):
     return seen
 
 
+@pytest.mark.slow
 def test_transformers_one_shot_logging_is_skipped_only_when_tracing_for_chunkce():
     """GPT-2's loss path calls logger.warning_once: under stock compile the graph breaks
     there (logits reach the loss as a graph input); under chunkce the call is skipped."""
@@ -253,6 +257,7 @@ def test_transformers_one_shot_logging_is_skipped_only_when_tracing_for_chunkce(
     assert hf_logging.warning_once not in ignored and hf_logging.warning_once not in set(ignored)
 
 
+@pytest.mark.slow
 def test_explain_agrees_with_the_registry():
     """What benchmarks/coverage_table.py prints into docs/models.md: explain's outcome per model."""
     for spec in MODELS:
@@ -303,7 +308,7 @@ def toy_batch(seq=T, seed=0):
 DROP = {"returned_logits": "drop"}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_dropped_logits_are_not_computed_and_the_step_matches_stock(backend):
     model, reference = ReturnsLogits(), ReturnsLogits()
     graphs = []
@@ -352,6 +357,7 @@ def assert_only_the_stand_in(graph, logits_numel):
     assert logits_like == [], logits_like
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Cohere", "Granite"])
 def test_dropped_logits_through_an_absorbed_scale(name):
     """Cohere's ``logits * logit_scale`` and Granite's ``logits / logits_scaling`` return the
@@ -460,6 +466,7 @@ def test_pre_grad_pass_refuses_dropped_logits():
         compile_pass.ChunkcePreGradPass({"drop_unused_logits": True})
 
 
+@pytest.mark.slow
 def test_llama_with_dropped_logits_matches_stock_and_saves_two_logits_sizes():
     """Measured (CPU allocator events): with ``returned_logits="keep"`` the forward still holds
     the returned [N, V] logits and backward a zero [N, V] gradient for them; the default (lazy)

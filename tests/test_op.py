@@ -135,6 +135,7 @@ def test_half_precision_error_no_worse_than_unfused(dtype, logits_dtype, chunk_s
         assert our_error <= their_error + 2e-3 * scale, (name, our_error, their_error)
 
 
+@pytest.mark.slow
 def test_gradcheck_float64():
     hidden, weight, target, bias = make_inputs(n=11, h=5, v=7, dtype=torch.float64, bias=True, ignored=2)
     for kwargs in ({}, {"reduction": "none", "label_smoothing": 0.2},
@@ -146,6 +147,7 @@ def test_gradcheck_float64():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(3))
 def test_opcheck(case):
     hidden, weight, target, bias = make_inputs(n=[13, 16, 5][case], h=8, v=[11, 17, 3][case],

@@ -29,15 +29,16 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
+pytestmark = pytest.mark.slow  # hypothesis searches
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _eager_kernels():
-    old = os.environ.get("CHUNKCE_EAGER_KERNELS")
-    os.environ["CHUNKCE_EAGER_KERNELS"] = "1"
-    yield
-    if old is None:
-        del os.environ["CHUNKCE_EAGER_KERNELS"]
-    else:
-        os.environ["CHUNKCE_EAGER_KERNELS"] = old
+    """``CHUNKCE_EAGER_KERNELS=1`` for the module's searches (pytest's ``monkeypatch`` is
+    function-scoped: one draw of a hypothesis test is not a test), restored after."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CHUNKCE_EAGER_KERNELS", "1")
+        yield
 
 
 def _strided(values: torch.Tensor, transposed: bool) -> torch.Tensor:

@@ -267,6 +267,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_imports_and_works_with_no_accelerator():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="", CHUNKCE_EAGER_KERNELS="1",
                ASCEND_RT_VISIBLE_DEVICES="", ZE_AFFINITY_MASK="")
@@ -352,6 +353,7 @@ OPCHECK_CASES = [  # n, h, v, bias, class weights, ignored, label_smoothing, dty
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck_forward_and_backward(case):
     n, h, v, bias, weighted, ignored, smoothing, dtype, chunk_size = case

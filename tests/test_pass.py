@@ -72,6 +72,7 @@ BIASED = {"f_linear_bias", "matmul_plus_bias"}
 INDUCTOR_FORMS = {"shift", "f_linear_bias", "class_dim_1"}  # "view": test_backend's toy model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", sorted(FORMS))
 def test_form_is_rewritten_and_matches_stock_compile(form):
     model = Head(form, bias=form in BIASED)
@@ -95,6 +96,7 @@ class ReturnsLogits(nn.Module):
         return loss, logits
 
 
+@pytest.mark.slow
 def test_logits_with_other_users_are_kept_and_the_loss_still_rewritten():
     """Returned logits kept in the graph (``returned_logits="keep"``; the default makes them lazy)."""
     recorder, code = compare_with_stock(ReturnsLogits(), *make_inputs(), inner="inductor",

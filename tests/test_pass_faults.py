@@ -167,6 +167,7 @@ class CheckpointedLoss(torch.nn.Module):
         return checkpoint(body, x, self.lm_head(x) * 2, labels, use_reentrant=False)
 
 
+@pytest.mark.slow
 def test_pre_grad_pass_visits_each_subgraph_once():
     """Inductor runs the pre-grad pass on every higher-order op's body itself: the pass
     must not walk into them again (counts would double, keys would be wrong)."""

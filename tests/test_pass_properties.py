@@ -72,6 +72,7 @@ def steps(draw):
     return model, labels, chunk_size
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(steps())
 def test_compiled_step_matches_stock_compile(monkeypatch, step):

@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 import compile_pass
 from compile_pass.graph.lazy_tensor import LazyLogits
 
-pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile", "eager_kernels")]
 
 V = 257  # odd vocabulary
 B, T = 2, 8

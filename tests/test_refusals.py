@@ -280,7 +280,9 @@ def assert_stops_worded_as_their_kind(stops):
         assert fnmatch.fnmatch(reason.key, key_pattern(reason.kind)), (reason.key, reason.kind)
 
 
-@pytest.mark.parametrize("name, case", sorted(CASES.items()), ids=sorted(CASES))
+@pytest.mark.parametrize("name, case", [  # a case that compiles with Inductor is slow
+    pytest.param(name, case, id=name, marks=pytest.mark.slow if case.inner == "inductor" else ())
+    for name, case in sorted(CASES.items())])
 def test_refused_site_is_left_as_stock_compile_leaves_it(name, case, chunkce_logs, reasons):
     recorder, _ = compare_with_stock(RefusedHead(case.loss), *case.inputs(), inner=case.inner,
                                      dynamic=case.dynamic, exact=True)

@@ -213,6 +213,7 @@ def test_bad_scale_arguments_are_refused(kwargs, error, words):
         linear_cross_entropy(hidden, weight, target, **kwargs)
 
 
+@pytest.mark.slow
 def test_opcheck_with_a_scale():
     hidden, weight, bias, target = (x.detach() for x in make_inputs(n=7, h=4, v=9))
     forward = torch.ops.chunkce.linear_cross_entropy.default
@@ -425,6 +426,7 @@ def test_scaling_the_op_cannot_take_is_refused_and_exact(key, chunkce_logs):
     assert any(words in r.getMessage() for r in chunkce_logs.records if r.name.startswith("compile_pass"))
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 def test_inductor_scaled_head_matches_stock_inductor():
     """Inductor end to end (Cohere's spelling, ``logit_scale`` 0.0625): the op in the generated code."""

@@ -60,6 +60,7 @@ def installed_registry() -> tuple[str, dict[str, str]]:
     return transformers.__version__, dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+@pytest.mark.slow
 def test_table_agrees_with_the_installed_causal_lm_registry():
     rows = committed_rows()
     assert all(r["outcome"] in (*OUTCOMES, "pending") for r in rows.values()), rows

@@ -102,6 +102,7 @@ def test_a_soft_capped_head_says_it_is_refused_by_design_once(logs):
     assert "by design: the op has no soft cap" in message and "stock compile" in message
 
 
+@pytest.mark.slow
 def test_a_refused_site_warns_under_the_pre_grad_pass_once(logs):
     """Inductor runs the pre-grad pass at each compile: two sequence lengths, one warning."""
     with torch._inductor.config.patch(pre_grad_custom_pass=compile_pass.ChunkcePreGradPass()):
