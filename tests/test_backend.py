@@ -357,6 +357,7 @@ def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_dynamic_true_compiles_the_models_frame_as_often_as_stock(monkeypatch):
     """``dynamic=True`` over six sequence lengths (issue 23, part 5): chunkce's three distinct graphs
     (``counters["stats"]["unique_graphs"]``) against stock's one are the model's one frame and the op's

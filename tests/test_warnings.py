@@ -263,6 +263,7 @@ def test_a_refused_site_with_few_classes_logs_no_warning_and_stays_in_the_report
                for r in logs.records)
 
 
+@pytest.mark.slow
 def test_a_sequence_classifier_logs_no_warning_and_matches_eager(logs):
     """``LlamaForSequenceClassification(num_labels=3)``: its loss reads the score layer's logits
     at each row's last token (a getitem with tensor indices), a refused site of 3 classes that
