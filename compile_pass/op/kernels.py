@@ -149,10 +149,7 @@ def chunk_forward(
     block = logits.shape[-1]
     z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb], fused, never stored
-    # max(row_max, amax(z)) as one reduction (nan propagates through both): Inductor then
-    # writes the new maximum straight from the reduction, with no [n] pass before the
-    # exp-sum (one synchronisation of the kernel's threads fewer per tile on CPU)
-    new_max = torch.amax(torch.maximum(z, row_max.unsqueeze(1)), dim=-1)  # [n]
+    new_max = torch.maximum(row_max, torch.amax(z, dim=-1))  # [n]
     old_shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # [n]
     shift = torch.where(new_max == float("-inf"), 0.0, new_max)  # [n]
     shifted = z - shift.unsqueeze(1)  # [n, Vb]
