@@ -8,7 +8,7 @@
 
 Read from the source (every ``import`` statement, at any depth), so a lazy import
 inside a function counts too. Every module is small enough to read at once (at most
-400 lines), and each graph module is listed in ``compile_pass/graph/__init__.py``.
+400 lines), and each module of ``graph/`` and ``lazy_logits/`` is listed in its ``__init__.py``.
 """
 
 import ast
@@ -68,7 +68,8 @@ def test_no_module_is_over_400_lines():
     assert long == {}, f"modules over {MAX_LINES} lines (split where one holds two things): {long}"
 
 
-def test_the_graph_package_lists_its_modules():
-    listed = (PACKAGE / "graph" / "__init__.py").read_text()
-    modules = {path.name for path in (PACKAGE / "graph").glob("*.py")} - {"__init__.py"}
+@pytest.mark.parametrize("package", ["graph", "lazy_logits"])
+def test_the_package_lists_its_modules(package):
+    listed = (PACKAGE / package / "__init__.py").read_text()
+    modules = {path.name for path in (PACKAGE / package).glob("*.py")} - {"__init__.py"}
     assert {name for name in modules if f"    {name} " not in listed} == set()
