@@ -73,3 +73,15 @@ def test_the_package_lists_its_modules(package):
     listed = (PACKAGE / package / "__init__.py").read_text()
     modules = {path.name for path in (PACKAGE / package).glob("*.py")} - {"__init__.py"}
     assert {name for name in modules if f"    {name} " not in listed} == set()
+
+
+def test_the_public_names_of_returned_logits_and_reports_are_exported():
+    """docs/api.md: everything it lists is importable from ``compile_pass``."""
+    import compile_pass
+    from compile_pass.graph.report import UnmatchedRecord
+    from compile_pass.lazy_logits import DroppedLogits, LazyLogits, StaleLogitsError
+
+    for name, value in {"LazyLogits": LazyLogits, "DroppedLogits": DroppedLogits,
+                        "StaleLogitsError": StaleLogitsError, "UnmatchedRecord": UnmatchedRecord}.items():
+        assert name in compile_pass.__all__ and getattr(compile_pass, name) is value, name
+    assert issubclass(DroppedLogits, LazyLogits) and issubclass(StaleLogitsError, RuntimeError)
