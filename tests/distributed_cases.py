@@ -407,7 +407,7 @@ def case_fsdp_root_lazy_logits(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from compile_pass.graph.lazy_tensor import LazyLogits, StaleLogitsError
+    from compile_pass import LazyLogits, StaleLogitsError
 
     def read(logits: torch.Tensor) -> torch.Tensor | str:
         """The values (an op that reads them), or the text of the StaleLogitsError raised."""
