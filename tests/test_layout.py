@@ -2,7 +2,7 @@
 
     compile_pass/op/      the op (public function, custom ops, loops, kernels, chunking, settings)
     compile_pass/graph/   the pass (nodes, forms, spellings, sites, scale, refusals, guard, diagnostics,
-                          rewrite, driver, returned_logits, report)
+                          rewrite, driver, returned_logits, report, publish)
     compile_pass/lazy_logits/  returned logits at run time (recipe, staleness, tensor, wrap)
     compile_pass/*.py     the entry points (backend, pre_grad, explain) and what they share
 

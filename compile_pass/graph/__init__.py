@@ -12,7 +12,8 @@
     rewrite.py      choose what replaces an accepted site and trace it in (the op, compile_pass.op)
     returned_logits.py  after the driver: returned logits only the output reads leave the graph (lazy / drop)
     no_site.py      a training graph's logits with no cross-entropy site (the win lost, reported)
-    report.py       what was done at each site: records, log (warnings once), counters, a table
+    report.py       what was done at each site: the records, a table
+    publish.py      a report logged (warnings once), counted, kept (last_report)
 
 Imports the op, the runtime of returned logits (:mod:`compile_pass.lazy_logits`, whose recipes
 the returned-logits pass makes) and :mod:`compile_pass.options`; never the entry points above it.

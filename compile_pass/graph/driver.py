@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from compile_pass.graph import guard, report
+from compile_pass.graph import guard, publish, report
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import Edit, example_value, module_attr
 from compile_pass.graph.refusals import Reason
@@ -57,7 +57,7 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
             ``torch.utils.checkpoint`` region), innermost first. Inductor's pre-grad
             pass passes False: Inductor calls it on every subgraph itself.
         publish: log the report, count it in ``counters["chunkce"]`` and keep it as
-            :func:`compile_pass.graph.report.last_report` (:func:`publish_report`). False:
+            :func:`compile_pass.graph.publish.last_report` (:func:`publish_report`). False:
             the caller publishes it, or not (``explain`` does not; the backend does once
             its inner backend has compiled the graph, so that a frame Dynamo traces again
             is counted once).
@@ -111,9 +111,9 @@ def rewrite_losses(graph: Graph, options: Options | None = None, *, subgraphs: b
 
 
 def publish_report(result: report.PassReport, strict: bool = False) -> None:
-    """:func:`compile_pass.graph.report.publish`; a failure is logged, not raised, unless ``strict``."""
+    """:func:`compile_pass.graph.publish.publish`; a failure is logged, not raised, unless ``strict``."""
     try:
-        report.publish(result)
+        publish.publish(result)
     except Exception:
         if strict:
             raise
