@@ -281,3 +281,76 @@ def test_in_place_shape_changes_are_refused_rather_than_wrong(steps):
     got = values(detached)
     _, _, _, expected = step(steps, "stock")
     torch.testing.assert_close(got, values(expected), rtol=0, atol=0)
+
+
+# --- found by a new user (issue 23's fresh-eyes run) -------------------------------------------------
+
+
+def test_a_computed_copy_keeps_neither_its_source_values_nor_its_inputs(steps32):
+    """An evaluation loop keeping a small copy per batch (``out.logits[:, -1].clone()``) and
+    reading the logits (``argmax``) keeps, as stock does, only the copies: once computed, a copy
+    holds its own values, not a reference to the source logits (whose [N, V] values the read
+    kept) nor to the step's hidden states. Failed before: every batch's [N, V] values stayed
+    alive through the copies."""
+    import gc
+    import weakref
+
+    model, compiled, original = steps32
+    kept, sources = [], []
+    with torch.no_grad():
+        model.load_state_dict(original)
+        for seed in range(3):
+            h, labels = batch(seed)
+            _, logits = compiled(h, labels)
+            _, expected = model(h, labels)
+            assert type(logits) is LazyLogits
+            last = logits[:, -1].clone()  # a lazy copy of a view
+            assert torch.equal(logits.argmax(-1), expected.argmax(-1))  # computes and keeps the source
+            kept.append((last, expected[:, -1].clone()))
+            sources.append(weakref.ref(logits))
+            del logits, h
+    gc.collect()
+    assert [ref() for ref in sources] == [None, None, None]  # no source logits (nor their values) alive
+    for last, expected_last in kept:
+        assert last._copy_of is None
+        torch.testing.assert_close(values(last), expected_last)
+
+
+def test_inference_mode_evaluation_returns_exact_lazy_logits():
+    """``torch.inference_mode()`` with labels (a perplexity script): the step's hidden states are
+    inference tensors, which have no version counter. Failed before: the step raised
+    ``RuntimeError: Inference tensors do not track version counter``."""
+    torch._dynamo.reset()
+    model = LM(bias=True)
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})
+    h, labels = batch()
+    with torch.inference_mode():
+        loss, logits = compiled(h, labels)
+        expected_loss, expected = model(h, labels)
+        assert type(logits) is LazyLogits and not logits.is_computed
+        torch.testing.assert_close(loss, expected_loss)
+        torch.testing.assert_close(values(logits), expected)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_step_of_an_optimizer_that_skips_the_frozen_head_leaves_the_logits_readable(fused):
+    """A frozen head (``requires_grad_(False)``) left in ``AdamW(model.parameters())``: the step
+    skips it (no gradient), so the logits computed from it stay readable and exact, as stock's.
+    Failed before: the optimizer pre-hook marked them stale for any parameter in the optimizer."""
+    torch._dynamo.reset()
+    model = LM()
+    model.lm_head.weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    h, labels = batch()
+    loss, logits = compiled(h, labels)
+    loss.backward()
+    assert model.lm_head.weight.grad is None
+    optimizer.step()
+    torch.testing.assert_close(model.lm_head.weight, reference.lm_head.weight, rtol=0, atol=0)
+    with torch.no_grad():
+        expected = reference.lm_head(torch.relu(reference.body(h)))
+    torch.testing.assert_close(values(logits), expected)
+    torch._dynamo.reset()

@@ -35,7 +35,7 @@ class Inputs:
         watched = [(role, t) for role, t in zip(recipe.roles, tensors)]
         watched += [(f"{role} (its FSDP2 sharded parameter)", sharded) for role, t in zip(recipe.roles, tensors)
                     if (sharded := _fsdp_sharded_parameter(t)) is not None]
-        self.watched = tuple((role, t, t._version, _storage_of(t)) for role, t in watched)
+        self.watched = tuple((role, t, _version_of(t), _storage_of(t)) for role, t in watched)
         self.stale: str | None = None  # why, once an optimizer stepped a tensor it reads
         self.pending: list[weakref.ref] = []  # lazy copies over these inputs not computed yet, oldest first
         self.flushing = False
@@ -46,7 +46,7 @@ class Inputs:
         """Raise :class:`StaleLogitsError` if a tensor the recipe reads changed since the step."""
         changed = self.stale
         for role, tensor, version, storage in self.watched:
-            if changed is None and tensor._version != version:
+            if changed is None and _version_of(tensor) != version:
                 changed = f"the {role} {_were(role)} changed in place"
             elif changed is None and _storage_of(tensor) != storage:
                 changed = f"the {role} had {_its(role)} storage freed or resized (e.g. FSDP2 resharding after backward)"
@@ -123,7 +123,9 @@ def _watch_optimizer_steps(source: Inputs) -> None:
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _LIVE:
         return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    # what it will update: torch's optimizers skip a parameter without a gradient (a frozen head
+    # left in the optimizer), fused kernels included
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     for source in list(_LIVE):
         if source.stale is not None:
             continue
@@ -132,6 +134,13 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 source.flush(everything=True)  # copies hold the values from before the step
                 source.stale = f"an optimizer step ({type(optimizer).__name__}) updated the {role}"
                 break
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """``tensor``'s version counter; None for an inference tensor (made under
+    ``torch.inference_mode()``), which has none: only its storage is checked, and outside
+    inference mode torch refuses in-place changes of it anyway."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:

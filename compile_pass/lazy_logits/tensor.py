@@ -100,6 +100,7 @@ class LazyLogits(torch.Tensor):
             else:
                 self._value = self._make()
                 self._inputs().flush()  # copies of these values are taken now: from here on they can change
+                self._copy_of = None  # a computed copy holds its values only, not its source's
         return self._value
 
     @property
