@@ -17,7 +17,9 @@ from typing import Any
 from compile_pass.op import linear_cross_entropy
 from compile_pass.explain import explain  # imported, not lazy: the submodule of that name would shadow it
 from compile_pass.graph import fuse_linear_cross_entropy
-from compile_pass.graph.report import PassReport, SiteRecord, last_report
+from compile_pass.graph.publish import last_report
+from compile_pass.graph.report import PassReport, SiteRecord, UnmatchedRecord
+from compile_pass.lazy_logits import DroppedLogits, LazyLogits, StaleLogitsError
 from compile_pass.options import Options
 from compile_pass.pre_grad import ChunkcePreGradPass
 
@@ -34,7 +36,11 @@ __all__ = [
     "Options",
     "PassReport",
     "SiteRecord",
+    "UnmatchedRecord",
     "last_report",
+    "LazyLogits",
+    "DroppedLogits",
+    "StaleLogitsError",
 ]
 
 

@@ -25,9 +25,9 @@ from torch._dynamo.backends import registry
 from torch._dynamo.exc import RestartAnalysis
 
 from compile_pass import cache_key, dynamo_scope
-from compile_pass.graph import lazy_logits
-from compile_pass.graph import fuse_linear_cross_entropy
-from compile_pass.graph.driver import publish_report
+from compile_pass.graph.driver import publish_report, rewrite_losses
+from compile_pass.graph.returned_logits import take_out_returned_logits
+from compile_pass.lazy_logits import wrap
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,11 @@ def chunkce_backend(
     mode: str | None = None,
 ) -> Callable[..., Any]:
     """Rewrite ``linear -> cross_entropy`` sites of a Dynamo graph, then compile it.
+
+    The losses (:func:`compile_pass.graph.driver.rewrite_losses`), then the returned-logits
+    pass (:func:`compile_pass.graph.returned_logits.take_out_returned_logits`), then the
+    inner backend; the compiled graph is wrapped (:func:`compile_pass.lazy_logits.wrap`) when
+    logits were taken out, so that the caller gets a ``LazyLogits`` in their place.
 
     Args:
         gm: the graph Dynamo captured (torch-level ops).
@@ -69,11 +74,9 @@ def chunkce_backend(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
-    report = fuse_linear_cross_entropy(gm.graph, opts, publish=False)
+    fused = rewrite_losses(gm.graph, opts)  # the losses
+    plan = take_out_returned_logits(gm.graph, fused, opts)  # returned logits only the output reads: lazy, dropped
     gm.recompile()
-    plan = lazy_logits.add_outputs(gm.graph)  # returned logits taken out of the graph: lazy, or dropped
-    if plan is not None:
-        gm.recompile()
     retried = False
     try:
         compiled = _compile_inner(gm, example_inputs, opts, mode)
@@ -82,8 +85,8 @@ def chunkce_backend(
         raise
     finally:
         if not retried:  # a site is logged and counted once, by the attempt that compiles
-            publish_report(report, opts.strict)
-    return lazy_logits.wrap(compiled, plan) if plan is not None else compiled
+            publish_report(fused.report, opts.strict)
+    return wrap(compiled, plan) if plan is not None else compiled
 
 
 def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,

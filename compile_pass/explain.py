@@ -27,9 +27,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from compile_pass import dynamo_scope
-from compile_pass.graph import fuse_linear_cross_entropy
-from compile_pass.options import Options
+from compile_pass.graph.driver import rewrite_losses
 from compile_pass.graph.report import PassReport
+from compile_pass.graph.returned_logits import take_out_returned_logits
+from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,9 @@ def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         copy = torch.fx.GraphModule(gm, graph)
-        reports.append(fuse_linear_cross_entropy(copy.graph, Options(), publish=False))  # no counters, logs
+        fused = rewrite_losses(copy.graph, Options())  # no counters, no logs
+        take_out_returned_logits(copy.graph, fused, Options())  # as the backend does: the report says so
+        reports.append(fused.report)
         return gm.forward
 
     def root(*args: Any, **kwargs: Any) -> Any:

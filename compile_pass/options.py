@@ -56,13 +56,13 @@ class Options:
             only the output reads, as accelerate's mixed-precision ``.float()``):
 
             * ``"lazy"`` (the default; None means it, and becomes it): not computed in the
-              step; the step returns a :class:`compile_pass.graph.lazy_logits.LazyLogits`, which computes
+              step; the step returns a :class:`compile_pass.LazyLogits`, which computes
               them exactly (with autograd) when first read, and raises
               ``StaleLogitsError`` if the head or the hidden states changed since;
             * ``"keep"``: computed in the step and returned, as stock compile does (the
               ``[N, V]`` logits, and their zero gradient in backward);
             * ``"drop"``: not computed; the step returns a
-              :class:`compile_pass.graph.logits_drop.DroppedLogits`, which raises on any
+              :class:`compile_pass.DroppedLogits`, which raises on any
               read of values.
 
             A graph without grad (evaluation) makes such logits lazy under ``"lazy"`` and

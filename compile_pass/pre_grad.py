@@ -34,9 +34,11 @@ class ChunkcePreGradPass(CustomGraphPass):
 
     Returned logits stay computed in the step (``returned_logits="lazy"``, the default,
     means ``"keep"`` here): lazy logits need the backend's wrapper around the compiled
-    graph, which a pre-grad pass cannot add. So in a graph without grad (evaluation) a
-    site whose logits are returned is left as stock compiles it: rewriting it would add a
-    second projection and save nothing (``compile_pass.graph.report.LEFT``).
+    graph, which a pre-grad pass cannot add, so it runs the driver alone, with no
+    returned-logits pass (:mod:`compile_pass.graph.returned_logits`). So in a graph
+    without grad (evaluation) a site whose logits are returned is left as stock compiles
+    it: rewriting it would add a second projection and save nothing
+    (``compile_pass.graph.report.LEFT``).
 
     Raises:
         ValueError: ``returned_logits="drop"``: it needs that wrapper too.

@@ -218,7 +218,7 @@ def pass_outcome(recorder: GraphRecorder) -> dict[str, Any]:
     """This rank's chunkce counters, the reasons it logged, and its recorded graphs."""
     from torch._dynamo.utils import counters
 
-    from compile_pass.graph.report import last_report
+    from compile_pass.graph.publish import last_report
 
     report = last_report()
     return {
@@ -407,7 +407,7 @@ def case_fsdp_root_lazy_logits(rank: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from compile_pass.graph.lazy_tensor import LazyLogits, StaleLogitsError
+    from compile_pass import LazyLogits, StaleLogitsError
 
     def read(logits: torch.Tensor) -> torch.Tensor | str:
         """The values (an op that reads them), or the text of the StaleLogitsError raised."""

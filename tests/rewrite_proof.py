@@ -23,8 +23,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from torch.fx import GraphModule
 
-from compile_pass.graph.lazy_logits import Deferred
-from compile_pass.graph.logits_drop import DROPPED
+from compile_pass.graph.returned_logits import STAND_IN, TakenOut
+from compile_pass.lazy_logits import Recipe
 from compile_pass.graph.nodes import size_hint
 
 
@@ -91,7 +91,7 @@ class Recorder:
 
 class GraphCopies:
     """An inner backend: keeps a deep copy of each graph it is given (its nodes' meta too: fake values,
-    the stand-in's ``DROPPED`` mark) and whether grad was on, then compiles it with ``inner``."""
+    the stand-in's ``STAND_IN`` mark) and whether grad was on, then compiles it with ``inner``."""
 
     def __init__(self, inner: str = "aot_eager") -> None:
         self.inner = inner
@@ -108,14 +108,16 @@ class GraphCopies:
 
 def assert_logits_lazy(graph: torch.fx.Graph, vocab: int) -> None:
     """One op node, and the only node (not an input) holding ``[..., vocab]`` values (the logits or
-    a view of them) is the lazy stand-in (``meta[DROPPED]`` a :class:`Deferred`), read by the output alone."""
+    a view of them) is the lazy stand-in (``meta[STAND_IN]`` a :class:`TakenOut` with a :class:`Recipe`), read by
+    the output alone."""
     assert [n.target for n in graph.nodes if n.target is OP] == [OP]
     vocab_shaped = [n for n in graph.nodes if n.op != "placeholder"
                     and isinstance(value := n.meta.get("example_value"), torch.Tensor)
                     and value.dim() >= 2 and size_hint(value.shape[-1]) == vocab]
     assert len(vocab_shaped) == 1, [n.format_node() for n in vocab_shaped]
     (stand_in,) = vocab_shaped
-    assert isinstance(stand_in.meta.get(DROPPED), Deferred), stand_in.format_node()
+    taken = stand_in.meta.get(STAND_IN)
+    assert isinstance(taken, TakenOut) and isinstance(taken.recipe, Recipe), stand_in.format_node()
     assert [user.op for user in stand_in.users] == ["output"]
 
 

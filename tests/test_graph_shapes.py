@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass.graph import report
-from compile_pass.graph.logits_drop import DroppedLogits
+from compile_pass import DroppedLogits
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 

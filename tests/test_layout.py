@@ -2,12 +2,13 @@
 
     compile_pass/op/      the op (public function, custom ops, loops, kernels, chunking, settings)
     compile_pass/graph/   the pass (nodes, forms, spellings, sites, scale, refusals, guard, diagnostics,
-                          rewrite, driver, logits_drop, report)
+                          rewrite, driver, returned_logits, report, publish)
+    compile_pass/lazy_logits/  returned logits at run time (recipe, staleness, tensor, wrap)
     compile_pass/*.py     the entry points (backend, pre_grad, explain) and what they share
 
 Read from the source (every ``import`` statement, at any depth), so a lazy import
 inside a function counts too. Every module is small enough to read at once (at most
-400 lines), and each graph module is listed in ``compile_pass/graph/__init__.py``.
+400 lines), and each module of ``graph/`` and ``lazy_logits/`` is listed in its ``__init__.py``.
 """
 
 import ast
@@ -19,7 +20,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "compile_pass"
 # What each sub-package may import of the project (besides itself).
 ALLOWED = {
     "op": (),
-    "graph": ("compile_pass.op", "compile_pass.options"),
+    "lazy_logits": (),
+    "graph": ("compile_pass.op", "compile_pass.lazy_logits", "compile_pass.options"),
 }
 
 
@@ -54,7 +56,7 @@ def test_every_module_is_in_a_layer():
     top = {path.stem for path in PACKAGE.glob("*.py")}
     assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory"}
     assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("__")} == {
-        "op", "graph"}
+        "op", "graph", "lazy_logits"}
 
 
 MAX_LINES = 400
@@ -66,7 +68,20 @@ def test_no_module_is_over_400_lines():
     assert long == {}, f"modules over {MAX_LINES} lines (split where one holds two things): {long}"
 
 
-def test_the_graph_package_lists_its_modules():
-    listed = (PACKAGE / "graph" / "__init__.py").read_text()
-    modules = {path.name for path in (PACKAGE / "graph").glob("*.py")} - {"__init__.py"}
+@pytest.mark.parametrize("package", ["graph", "lazy_logits"])
+def test_the_package_lists_its_modules(package):
+    listed = (PACKAGE / package / "__init__.py").read_text()
+    modules = {path.name for path in (PACKAGE / package).glob("*.py")} - {"__init__.py"}
     assert {name for name in modules if f"    {name} " not in listed} == set()
+
+
+def test_the_public_names_of_returned_logits_and_reports_are_exported():
+    """docs/api.md: everything it lists is importable from ``compile_pass``."""
+    import compile_pass
+    from compile_pass.graph.report import UnmatchedRecord
+    from compile_pass.lazy_logits import DroppedLogits, LazyLogits, StaleLogitsError
+
+    for name, value in {"LazyLogits": LazyLogits, "DroppedLogits": DroppedLogits,
+                        "StaleLogitsError": StaleLogitsError, "UnmatchedRecord": UnmatchedRecord}.items():
+        assert name in compile_pass.__all__ and getattr(compile_pass, name) is value, name
+    assert issubclass(DroppedLogits, LazyLogits) and issubclass(StaleLogitsError, RuntimeError)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from conftest import z_loss
 from test_lazy_logits import LM, B, T, V, batch
 
-from compile_pass.graph.lazy_tensor import LazyLogits
+from compile_pass import LazyLogits
 from compile_pass.memory import PeakMemory
 
 pytestmark = pytest.mark.usefixtures("eager_kernels")

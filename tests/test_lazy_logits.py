@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.graph.lazy_tensor import LazyLogits, StaleLogitsError
+from compile_pass import LazyLogits, StaleLogitsError
 from compile_pass.graph.report import LEFT, NO_GRAD_LOGITS_READ
-from compile_pass.graph.logits_drop import DROPPED
+from compile_pass.graph.returned_logits import STAND_IN
 from compile_pass.memory import PeakMemory
 
 B, T, H, V = 2, 8, 16, 96
@@ -77,7 +77,7 @@ def assert_no_logits_in(graph):
     """The op computes the loss, and no value of the logits' size is computed (the stand-in aside)."""
     assert [n.target for n in graph.nodes if n.target == OP] == [OP]
     logits_like = [n for n in graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
-                   and v.numel() == B * T * V and n.op != "placeholder" and not n.meta.get(DROPPED)]
+                   and v.numel() == B * T * V and n.op != "placeholder" and not n.meta.get(STAND_IN)]
     assert logits_like == [], logits_like
 
 

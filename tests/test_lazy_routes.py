@@ -2,9 +2,9 @@
 
 ``torch.compile(model, backend="chunkce")`` and nothing else (a recording inner backend
 aside, to read the graph): a training step returns ``outputs.logits`` as a
-:class:`compile_pass.graph.lazy_tensor.LazyLogits`, and the graph the inner backend gets
-holds the op and no ``[..., V]`` node but the lazy stand-in (``node.meta[DROPPED]`` a
-:class:`compile_pass.graph.lazy_logits.Deferred`). Each route is compared with the stock
+:class:`compile_pass.LazyLogits`, and the graph the inner backend gets
+holds the op and no ``[..., V]`` node but the lazy stand-in (``node.meta[STAND_IN]`` a
+:class:`compile_pass.graph.returned_logits.TakenOut`). Each route is compared with the stock
 backend on a deep copy: ``torch.testing.assert_close`` on the loss, the logits when read
 and every trainable gradient.
 
@@ -29,7 +29,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass.graph.lazy_tensor import LazyLogits
+from compile_pass import LazyLogits
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile", "eager_kernels")]
 

@@ -31,9 +31,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
-from compile_pass.graph.lazy_tensor import LazyLogits
-from compile_pass.graph.logits_drop import DROPPED, DroppedLogits
+from compile_pass import DroppedLogits, LazyLogits
 from compile_pass.graph.report import LOGITS_DROPPED
+from compile_pass.graph.returned_logits import STAND_IN
 from conftest import OP, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -353,7 +353,7 @@ def assert_only_the_stand_in(graph, logits_numel):
     """One op node, and no computed value of the logits' size: only the dropped logits' stand-in."""
     assert [n.target for n in graph.nodes if n.target == OP] == [OP]
     logits_like = [n for n in graph.nodes if isinstance(v := n.meta.get("example_value"), torch.Tensor)
-                   and v.numel() == logits_numel and n.op != "placeholder" and not n.meta.get(DROPPED)]
+                   and v.numel() == logits_numel and n.op != "placeholder" and not n.meta.get(STAND_IN)]
     assert logits_like == [], logits_like
 
 

@@ -1,11 +1,13 @@
 """The pass never breaks a compile: a fault at any step leaves the site's graph as it was.
 
 Each test injects an exception into one step of the pass (finding the sites, the
-guard, the rewrite part-way through, the logits drop, reporting) and checks, on a
-graph Dynamo captured: the graph is node for node what it was, a warning names the
-failure, the site is counted as refused with key ``internal_error`` — and end to end,
-the model compiled with ``backend="chunkce"`` trains exactly as stock compile does.
-With ``strict=True`` the original exception reaches the caller instead.
+guard, the rewrite part-way through, reporting) and checks, on a graph Dynamo captured:
+the graph is node for node what it was, a warning names the failure, the site is counted
+as refused with key ``internal_error`` — and end to end, the model compiled with
+``backend="chunkce"`` trains exactly as stock compile does. A fault in the returned-logits
+pass (after the losses are rewritten) leaves the graph as the driver left it: the loss
+rewritten, the logits computed (kept), exact. With ``strict=True`` the original exception
+reaches the caller instead.
 """
 
 import logging
@@ -17,8 +19,9 @@ from conftest import OP
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass.graph import driver, guard, logits_drop, report, rewrite
-from compile_pass.graph.driver import fuse_linear_cross_entropy
+from compile_pass.graph import driver, guard, report, returned_logits, rewrite
+from compile_pass.graph.driver import fuse_linear_cross_entropy, rewrite_losses
+from compile_pass.graph.returned_logits import take_out_returned_logits
 from compile_pass.options import Options
 from compile_pass.pre_grad import ChunkcePreGradPass
 
@@ -84,16 +87,13 @@ FAULTS = {
     "rewrite_start": lambda mp: mp.setattr(driver, "rewrite_site", _raise),
     "rewrite_traced": lambda mp: mp.setattr(rewrite, "trace_into", _after(rewrite.trace_into)),
     "rewrite_erased": lambda mp: mp.setattr(rewrite, "_erase_dead", _after(rewrite._erase_dead)),
-    "logits_drop": lambda mp: mp.setattr(logits_drop, "drop_if_only_returned", _raise),
-    "logits_dropped": lambda mp: mp.setattr(logits_drop, "drop_if_only_returned",
-                                            _after(logits_drop.drop_if_only_returned)),
     "lint": lambda mp: mp.setattr(torch.fx.Graph, "lint", _raise),
 }
 
 
 @pytest.mark.parametrize("stage", FAULTS)
 def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, monkeypatch, caplog):
-    gm = _captured(Head(returns_logits=stage.startswith("logits_drop")))
+    gm = _captured(Head(returns_logits=True))
     before = str(gm.graph)
     FAULTS[stage](monkeypatch)
     with caplog.at_level(logging.WARNING, logger="compile_pass"):
@@ -107,6 +107,62 @@ def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, monkeypatch, caplog):
     assert counters["chunkce"]["refused_internal_error"] == 1
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and any(r.exc_info and r.exc_info[0] is Injected for r in warnings)
+
+
+RETURNED_FAULTS = {
+    "take_out_start": lambda mp: mp.setattr(returned_logits, "take_out", _raise),
+    "take_out_done": lambda mp: mp.setattr(returned_logits, "take_out", _after(returned_logits.take_out)),
+    "lint": lambda mp: mp.setattr(torch.fx.Graph, "lint", _raise),
+}
+
+
+@pytest.mark.parametrize("mode", ["lazy", "drop"])
+@pytest.mark.parametrize("stage", RETURNED_FAULTS)
+def test_a_fault_in_the_returned_logits_pass_leaves_the_logits_computed(stage, mode, monkeypatch, caplog):
+    """The returned-logits pass runs after the driver: a fault while it takes some logits out
+    leaves the graph as the driver left it (the loss rewritten, the projection read by the output),
+    logs a warning, and the record says the logits are kept."""
+    gm = _captured(Head(returns_logits=True))
+    options = Options(returned_logits=mode)
+    fused = rewrite_losses(gm.graph, options)
+    after_driver = str(gm.graph)
+    assert [r.reason for r in fused.report.records] == [report.LOGITS_KEPT] and len(fused.kept) == 1
+    RETURNED_FAULTS[stage](monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+        plan = take_out_returned_logits(gm.graph, fused, options)
+    monkeypatch.undo()
+    assert plan is None and str(gm.graph) == after_driver
+    gm.graph.lint()
+    assert sum(node.target is OP for node in gm.graph.nodes) == 1
+    assert [(r.decision, r.reason) for r in fused.report.records] == [(report.REWRITTEN, report.LOGITS_KEPT)]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings and any(r.exc_info and r.exc_info[0] is Injected for r in warnings)
+    with pytest.raises(Injected, match="injected fault"):  # strict: the original error
+        RETURNED_FAULTS[stage](monkeypatch)
+        take_out_returned_logits(gm.graph, fused, Options(returned_logits=mode, strict=True))
+    monkeypatch.undo()
+    assert str(gm.graph) == after_driver
+
+
+def test_a_fault_in_the_returned_logits_pass_compiles_and_trains_as_stock_compile(monkeypatch):
+    """End to end: the step returns the logits computed (a plain tensor), loss, logits and every
+    gradient equal to stock compile's."""
+    torch.manual_seed(0)
+    model, reference = Head(returns_logits=True), Head(returns_logits=True)
+    reference.load_state_dict(model.state_dict())
+    x, labels = _inputs()
+    RETURNED_FAULTS["take_out_done"](monkeypatch)
+    loss, logits = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})(x, labels)
+    monkeypatch.undo()
+    (loss + logits.sum() * 1e-3).backward()
+    expected_loss, expected_logits = torch.compile(reference, backend="aot_eager")(x, labels)
+    (expected_loss + expected_logits.sum() * 1e-3).backward()
+    assert type(logits) is torch.Tensor
+    torch.testing.assert_close((loss, logits), (expected_loss, expected_logits))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")
+    stats = counters["chunkce"]
+    assert (stats["sites_rewritten"], stats["logits_kept"], stats["logits_lazy"]) == (1, 1, 0)
 
 
 def test_a_fault_in_reporting_keeps_the_rewritten_graph(monkeypatch, caplog):

@@ -27,7 +27,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.graph.lazy_tensor import LazyLogits
+from compile_pass import LazyLogits
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile", "eager_kernels")]
 

@@ -39,9 +39,8 @@ from transformers import (
 )
 
 import compile_pass
-from compile_pass.graph.lazy_tensor import LazyLogits
 from compile_pass.memory import PeakMemory
-from compile_pass.graph.logits_drop import DroppedLogits
+from compile_pass import DroppedLogits, LazyLogits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from corpus import EOS, encode, load_docs, load_tokenizer  # examples/corpus.py

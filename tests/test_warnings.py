@@ -27,7 +27,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.graph import no_site, report
+from compile_pass.graph import no_site, publish, report
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
@@ -38,7 +38,7 @@ OPTIONS = {"inner_backend": "aot_eager"}
 @pytest.fixture(autouse=True)
 def logs(caplog, monkeypatch):
     """Every ``compile_pass`` record from DEBUG up, in a process that has warned of nothing yet."""
-    monkeypatch.setattr(report, "_warned", set())
+    monkeypatch.setattr(publish, "_warned", set())
     caplog.set_level(logging.DEBUG, logger="compile_pass")
     return caplog
 

@@ -1,6 +1,6 @@
 """The graph pass: find ``linear -> cross_entropy`` sites in a torch-level FX graph and rewrite them.
 
-    driver.py       fuse_linear_cross_entropy: every site of a graph (and its subgraphs)
+    driver.py       fuse_linear_cross_entropy / rewrite_losses: every loss of a graph (and its subgraphs)
     nodes.py        reading nodes (op names, fake values, sizes) and writing them (create_node, trace_into)
     forms.py        the two ends of a site: the projection and the cross-entropy call, normalised
     spellings.py    the older loss spellings: nll_loss(log_softmax), a gather of log_softmax
@@ -10,13 +10,13 @@
     guard.py        accept a site, or refuse it with a Reason of one kind
     diagnostics.py  what a reason says beyond the site: the op upstream of a stop, DDP / FSDP2 state
     rewrite.py      choose what replaces an accepted site and trace it in (the op, compile_pass.op)
-    lazy_logits.py  the default: returned logits nothing reads are taken out of the graph, computed on read
-    lazy_tensor.py  LazyLogits, the tensor handed out in their place (exact, checked against changes)
-    logits_drop.py  the returned logits' chain out of the graph; opt-in DroppedLogits (raises on read)
+    returned_logits.py  after the driver: returned logits only the output reads leave the graph (lazy / drop)
     no_site.py      a training graph's logits with no cross-entropy site (the win lost, reported)
-    report.py       what was done at each site: records, log (warnings once), counters, a table
+    report.py       what was done at each site: the records, a table
+    publish.py      a report logged (warnings once), counted, kept (last_report)
 
-Imports the op and :mod:`compile_pass.options`; never the entry points above it.
+Imports the op, the runtime of returned logits (:mod:`compile_pass.lazy_logits`, whose recipes
+the returned-logits pass makes) and :mod:`compile_pass.options`; never the entry points above it.
 """
 from compile_pass.graph.driver import fuse_linear_cross_entropy
 

@@ -1,6 +1,10 @@
-"""The pass: find every cross-entropy site, guard it, rewrite it, report it.
+"""The pass: find every cross-entropy site, guard it, rewrite its loss, report it.
 
     report = fuse_linear_cross_entropy(gm.graph, Options(chunk_size=1024))
+
+The driver rewrites losses only. The logits a rewritten loss read stay in the graph where
+anything still reads them; the returned-logits pass (:mod:`compile_pass.graph.returned_logits`,
+which the backend runs after :func:`rewrite_losses`) takes out those only the output reads.
 
 Works on torch-level graphs (what Dynamo captures; Inductor's pre-grad graph) and
 the subgraphs of their higher-order ops.
@@ -12,13 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from compile_pass.graph import guard, lazy_logits, logits_drop, report
+from compile_pass.graph import guard, publish, report
+from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import Edit, example_value, module_attr
 from compile_pass.graph.refusals import Reason
+from compile_pass.graph.returned_logits import only_returned, taken_out_as
 from compile_pass.graph.rewrite import rewrite_site
 from compile_pass.graph.sites import Site, find_sites
 from compile_pass.op.settings import settings
@@ -37,12 +44,20 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
     an exception while finding the sites or reporting them is logged the same way.
     The compile then goes on as it would without chunkce.
 
+    Only losses are rewritten: logits that something still reads, the graph output
+    included, stay computed (the report says ``LOGITS_KEPT``); the backend then runs the
+    returned-logits pass (:mod:`compile_pass.graph.returned_logits`) and wraps the compiled
+    graph. A site of a graph without grad whose logits stay computed is left as stock
+    unless ``options.returned_logits`` says they will be taken out (``"lazy"`` / ``"drop"``,
+    the backend's run): a caller that runs no returned-logits pass passes ``"keep"``, as
+    :class:`compile_pass.pre_grad.ChunkcePreGradPass` does.
+
     Args:
         subgraphs: also rewrite the subgraphs of higher-order ops (e.g. the body of a
             ``torch.utils.checkpoint`` region), innermost first. Inductor's pre-grad
             pass passes False: Inductor calls it on every subgraph itself.
         publish: log the report, count it in ``counters["chunkce"]`` and keep it as
-            :func:`compile_pass.graph.report.last_report` (:func:`publish_report`). False:
+            :func:`compile_pass.graph.publish.last_report` (:func:`publish_report`). False:
             the caller publishes it, or not (``explain`` does not; the backend does once
             its inner backend has compiled the graph, so that a frame Dynamo traces again
             is counted once).
@@ -57,28 +72,48 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *,
             or ``CHUNKCE_CHUNK_BYTES`` not a positive integer).
         Exception: ``options.strict`` and the pass itself failed (the original error).
     """
-    options = options or Options()
-    settings()  # a malformed CHUNKCE_* variable is the user's error to see, not a refused site
-    records = []
-    if subgraphs:
-        for subgraph in _subgraph_modules(graph):
-            records += _fuse_graph(subgraph.graph, options, in_subgraph=True)
-            subgraph.recompile()
-        records += _fuse_graph(graph, options, in_subgraph=False)
-    else:
-        records += _fuse_graph(graph, options, in_subgraph=is_subgraph(graph))
-    result = report.PassReport(records)
-    if not records and not is_subgraph(graph):  # no site: is the win lost anyway? (graph/no_site.py)
-        result.unmatched = report.unmatched(graph)
+    result = rewrite_losses(graph, options, subgraphs=subgraphs).report
     if publish:
-        publish_report(result, options.strict)
+        publish_report(result, (options or Options()).strict)
     return result
 
 
+@dataclass
+class Fused:
+    """What :func:`rewrite_losses` did to a graph: its report, and, for the returned-logits
+    pass (:func:`compile_pass.graph.returned_logits.take_out_returned_logits`), the projection
+    of each rewritten site of the top-level graph whose logits the graph still computes, with
+    the index of the site's record."""
+
+    report: report.PassReport
+    kept: list[tuple[int, Projection]]
+
+
+def rewrite_losses(graph: Graph, options: Options | None = None, *, subgraphs: bool = True) -> Fused:
+    """:func:`fuse_linear_cross_entropy` without publishing: the report, and the projections
+    the returned-logits pass reads (:class:`Fused`). Raises as it does."""
+    options = options or Options()
+    settings()  # a malformed CHUNKCE_* variable is the user's error to see, not a refused site
+    done: list[tuple[report.SiteRecord, Site | None]] = []  # a site of the top-level graph beside its record
+    if subgraphs:
+        for subgraph in _subgraph_modules(graph):
+            done += [(record, None) for record, _ in _fuse_graph(subgraph.graph, options, in_subgraph=True)]
+            subgraph.recompile()
+    in_subgraph = not subgraphs and is_subgraph(graph)
+    done += [(record, None if in_subgraph else site) for record, site in _fuse_graph(graph, options, in_subgraph)]
+    records = [record for record, _ in done]
+    result = report.PassReport(records)
+    if not records and not is_subgraph(graph):  # no site: is the win lost anyway? (graph/no_site.py)
+        result.unmatched = report.unmatched(graph)
+    kept = [(i, site.projection) for i, (record, site) in enumerate(done)
+            if site is not None and record.decision == report.REWRITTEN and site.projection.node.users]
+    return Fused(result, kept)
+
+
 def publish_report(result: report.PassReport, strict: bool = False) -> None:
-    """:func:`compile_pass.graph.report.publish`; a failure is logged, not raised, unless ``strict``."""
+    """:func:`compile_pass.graph.publish.publish`; a failure is logged, not raised, unless ``strict``."""
     try:
-        report.publish(result)
+        publish.publish(result)
     except Exception:
         if strict:
             raise
@@ -104,14 +139,15 @@ def _subgraph_modules(graph: Graph, seen: set[int] | None = None) -> list[GraphM
     return found
 
 
-def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[report.SiteRecord]:
+def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[tuple[report.SiteRecord, Site | None]]:
+    """Each site's record, beside the site (None where the graph could not be read)."""
     try:
         sites = find_sites(graph, in_subgraph)
     except Exception as exc:
         if options.strict:
             raise
         log.warning("chunkce: could not read the graph's cross-entropy sites; left it unchanged", exc_info=True)
-        return [report.failed("(whole graph)", guard.internal_error(f"{type(exc).__name__}: {exc}"))]
+        return [(report.failed("(whole graph)", guard.internal_error(f"{type(exc).__name__}: {exc}")), None)]
     order = {node: i for i, node in enumerate(graph.nodes)}
     decisions = [(site, _check(site, order)) for site in sites]
     refused = [(site, reason) for site, reason in decisions if reason is not None]
@@ -130,15 +166,16 @@ def _fuse_graph(graph: Graph, options: Options, in_subgraph: bool) -> list[repor
                 raise
             log.warning("chunkce: rewriting %s failed; left it unfused", site.node.format_node(), exc_info=True)
             records.append(report.failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
+    sites = [site for site, _ in decisions]
     try:
-        return [_settle_logits(record, site, in_subgraph) if record.decision == report.REWRITTEN else record
-                for record, (site, _) in zip(records, decisions)]
+        records = [_settle_logits(record, site, in_subgraph) if record.decision == report.REWRITTEN else record
+                   for record, site in zip(records, sites)]
     except Exception:
         if options.strict:
             raise
         log.warning("chunkce: could not tell which rewritten sites' logits are kept; the graph is rewritten",
                     exc_info=True)
-        return records
+    return list(zip(records, sites))
 
 
 class _OnlyCosts(Exception):
@@ -146,16 +183,14 @@ class _OnlyCosts(Exception):
 
 
 def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bool) -> report.SiteRecord:
-    """The record of a refused site, or rewrite an accepted one (and take its returned
-    logits out of the graph, lazy or dropped, as ``options.returned_logits`` says), all or nothing.
+    """The record of a refused site, or rewrite an accepted one's loss, all or nothing.
 
-    ``"drop"`` drops training logits only (:func:`compile_pass.graph.logits_drop.droppable`);
-    only-returned logits of a graph without grad are lazy under ``"drop"`` as under ``"lazy"``.
     A site whose loss computes no gradient and whose logits the graph still computes after
-    the rewrite (another reader; ``"keep"``; the pre-grad pass) is left as it was
-    (``report.LEFT``): without grad stock Inductor holds only the logits (it fuses the fp32
-    upcast and the log-softmax into reductions), so the rewrite would add a second projection
-    and save nothing (measured: docs/models.md)."""
+    the rewrite and the returned-logits pass (another reader; ``"keep"``; the pre-grad pass,
+    which runs no returned-logits pass: :func:`compile_pass.graph.returned_logits.taken_out_as`)
+    is left as it was (``report.LEFT``): without grad stock Inductor holds only the logits (it
+    fuses the fp32 upcast and the log-softmax into reductions), so the rewrite would add a
+    second projection and save nothing (measured: docs/models.md)."""
     if reason is not None:
         return report.refused(site, reason)
     record = report.rewritten(site)  # before the rewrite: it reads the site's nodes
@@ -164,21 +199,14 @@ def _decide(site: Site, reason: Reason | None, options: Options, in_subgraph: bo
     try:
         with Edit(graph) as edit:
             done = rewrite_site(site, edit, options)
-            dropped, mode = 0, options.returned_logits
-            lazy = done.logits_kept and not in_subgraph and mode in ("lazy", "drop")
-            if lazy and mode == "drop" and logits_drop.droppable(site.projection.node):
-                dropped, lazy = logits_drop.drop_if_only_returned(site.projection, edit), False
-            elif lazy:
-                dropped = lazy_logits.defer_if_only_returned(site.projection, edit)
-            if without_grad and site.projection.node.users:
+            if without_grad and site.projection.node.users and taken_out_as(
+                    site.projection, options.returned_logits, in_subgraph) is None:
                 raise _OnlyCosts
             graph.lint()
     except _OnlyCosts:  # the graph is as it was
         return dataclasses.replace(record, decision=report.LEFT, reason=report.NO_GRAD_LOGITS_READ,
                                    reason_key="no_grad_logits_read", tiles=None)
-    note = (report.LOGITS_LAZY if lazy else report.LOGITS_DROPPED) if dropped else ""  # kept: _settle_logits
-    return dataclasses.replace(record, reason=note, logits_bytes_avoided=done.logits_bytes_avoided + dropped,
-                               tiles=done.tiles)
+    return dataclasses.replace(record, logits_bytes_avoided=done.logits_bytes_avoided, tiles=done.tiles)
 
 
 def _requires_grad(loss: Node) -> bool:
@@ -190,13 +218,12 @@ def _requires_grad(loss: Node) -> bool:
 def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> report.SiteRecord:
     """A rewritten site's record once every site of its graph is done: its logits are
     kept only if the projection still has users (an erased node has none). (Right
-    after one site's rewrite, the next site fed by the same logits still reads them.)"""
-    if record.reason in (report.LOGITS_DROPPED, report.LOGITS_LAZY):
-        return record
+    after one site's rewrite, the next site fed by the same logits still reads them.) The
+    returned-logits pass amends the records of the logits it takes out."""
     node = site.projection.node
     if not node.users:
         return dataclasses.replace(record, reason="", fix="")
-    fix = report.DROP_LOGITS_FIX if not in_subgraph and logits_drop.only_returned(node) else ""
+    fix = report.DROP_LOGITS_FIX if not in_subgraph and only_returned(node) else ""
     return dataclasses.replace(record, reason=report.LOGITS_KEPT, fix=fix)
 
 

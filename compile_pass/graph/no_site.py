@@ -8,7 +8,7 @@ loss is computed outside the compiled region (``model(input_ids)`` then
 matcher does not read (:mod:`compile_pass.graph.sites`), leaves a graph that computes
 the full ``[N, V]`` logits, and in backward their gradient, with no site to rewrite or
 refuse. This module finds such a projection, so that the report can say so
-(:func:`compile_pass.graph.report.publish` logs it once at WARNING, with the fix).
+(:func:`compile_pass.graph.publish.publish` logs it once at WARNING, with the fix).
 
 The rule, read by the driver only on a top-level graph (not a higher-order op's body)
 in which the pass found no cross-entropy site at all (none rewritten, none refused): a
@@ -72,7 +72,7 @@ def is_vocabulary(vocab: int, hidden: int | None = None) -> bool:
     narrows, cost no more than the hidden states). ``hidden`` None (not known): the floor alone.
 
     The rule of this module's projections to the vocabulary, and of which refused sites
-    warn (:func:`compile_pass.graph.report.publish`).
+    warn (:func:`compile_pass.graph.publish.publish`).
     """
     return vocab >= VOCAB_MIN and (hidden is None or vocab > hidden)
 

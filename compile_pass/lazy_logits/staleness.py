@@ -1,0 +1,165 @@
+"""What a lazy logits value is computed from, and whether that changed since the step.
+
+When the step returns, the version counter and the storage (address, size) of every tensor
+the recipe reads are recorded, and for an FSDP2 unsharded head parameter also its sharded
+parameter's version (FSDP2 all-gathers into the unsharded one without bumping its version).
+:meth:`Inputs.check` compares them (host metadata only, no device sync) and raises
+:class:`StaleLogitsError` if any changed: ``optimizer.step()``, ``zero_()``,
+``load_state_dict()``, FSDP2's resharding. Fused optimizers (``AdamW(fused=True)``) change
+parameters without bumping their version counters: a global optimizer step pre-hook, registered
+at the first lazy logits (not at import), marks the inputs stale instead, after computing the
+lazy copies that must hold the values from before the step (:meth:`Inputs.flush`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from compile_pass.lazy_logits.recipe import KEEP_OPTION, Recipe, Refusing
+
+
+class StaleLogitsError(RuntimeError):
+    """A :class:`compile_pass.LazyLogits` read after a tensor it is computed from changed in place."""
+
+
+class Inputs:
+    """The recipe's inputs as the step returned them, with what must not change before a read."""
+
+    def __init__(self, recipe: Recipe | Refusing, tensors: Sequence[torch.Tensor]) -> None:
+        self.recipe = recipe
+        self.tensors = tuple(tensors)
+        watched = [(role, t) for role, t in zip(recipe.roles, tensors)]
+        watched += [(f"{role} (its FSDP2 sharded parameter)", sharded) for role, t in zip(recipe.roles, tensors)
+                    if (sharded := _fsdp_sharded_parameter(t)) is not None]
+        self.watched = tuple((role, t, t._version, _storage_of(t)) for role, t in watched)
+        self.stale: str | None = None  # why, once an optimizer stepped a tensor it reads
+        self.pending: list[weakref.ref] = []  # lazy copies over these inputs not computed yet, oldest first
+        self.flushing = False
+        if self.watched:
+            _watch_optimizer_steps(self)
+
+    def check(self, when: str) -> None:
+        """Raise :class:`StaleLogitsError` if a tensor the recipe reads changed since the step."""
+        changed = self.stale
+        for role, tensor, version, storage in self.watched:
+            if changed is None and tensor._version != version:
+                changed = f"the {role} {_were(role)} changed in place"
+            elif changed is None and _storage_of(tensor) != storage:
+                changed = f"the {role} had {_its(role)} storage freed or resized (e.g. FSDP2 resharding after backward)"
+        if changed is not None:
+            raise StaleLogitsError(
+                f"chunkce: cannot {when} these logits: chunkce did not compute them in the compiled step "
+                "(returned logits are computed when first read, from the step's hidden states and lm_head), "
+                f"and since the step {changed}, so they can no longer be computed as the step would have. "
+                "Read them before that (e.g. before optimizer.step(); under FSDP2 before backward), or "
+                f"compile with {KEEP_OPTION} to have the step compute and return them."
+            )
+
+    def compute(self) -> torch.Tensor:
+        self.check("read")
+        with torch.no_grad():
+            return self.recipe(self.tensors)
+
+    def copied(self, copy: Any) -> None:
+        """Record a lazy copy (a ``LazyLogits``) whose values are read from these inputs (through its source)."""
+        if len(self.pending) >= 64:
+            self.pending = [ref for ref in self.pending if (c := ref()) is not None and c._value is None]
+        self.pending.append(weakref.ref(copy))
+
+    def flush(self, everything: bool = False) -> None:
+        """Compute and keep the pending copies whose source's values are kept now (they can
+        change from here on), or every pending copy (``everything``: before an optimizer
+        step changes these inputs). In creation order, so a copy of a copy sees its source
+        kept. A copy that cannot be computed any more (stale) stays pending and raises on
+        read, as its source does."""
+        if self.flushing:
+            return
+        self.flushing, still = True, []
+        try:
+            for ref in self.pending:
+                copy = ref()
+                if copy is None or copy._value is not None:
+                    continue
+                if everything or copy._copy_of[0]._root()._value is not None:
+                    try:
+                        copy.compute()
+                        continue
+                    except StaleLogitsError:
+                        pass
+                still.append(ref)
+            self.pending = still
+        finally:
+            self.flushing = False
+
+
+def _were(role: str) -> str:
+    return "were" if role.startswith("hidden states") else "was"
+
+
+def _its(role: str) -> str:
+    return "their" if role.startswith("hidden states") else "its"
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every Inputs whose logits may still be read
+_hook_handle: Any = None
+
+
+def _watch_optimizer_steps(source: Inputs) -> None:
+    """Have every ``torch.optim`` optimizer step mark ``source`` stale when it steps a tensor
+    ``source`` reads (its weight, bias or scale). The global pre-hook is registered at the
+    first lazy logits, not at import."""
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+    _LIVE.add(source)
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _LIVE:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for source in list(_LIVE):
+        if source.stale is not None:
+            continue
+        for role, tensor, _, _ in source.watched:
+            if id(tensor) in stepped:
+                source.flush(everything=True)  # copies hold the values from before the step
+                source.stale = f"an optimizer step ({type(optimizer).__name__}) updated the {role}"
+                break
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a subclass without storage (e.g. a DTensor)
+        return (0, 0)
+    return (storage.data_ptr(), storage.nbytes())
+
+
+def _fsdp_sharded_parameter(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The FSDP2 sharded parameter behind ``tensor`` if it is an FSDP2 unsharded parameter.
+
+    FSDP2 all-gathers into the unsharded parameter under
+    ``torch.autograd._unsafe_preserve_version_counter``, so an optimizer step shows only
+    in the sharded parameter's version. Looked up each time (no weak reference is kept
+    to the parameter: ``torch.utils.swap_tensors`` refuses tensors that have one)."""
+    if not isinstance(tensor, torch.nn.Parameter):
+        return None
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+
+        for module, state in list(_module_state_mapping.items()):
+            group = getattr(state, "_fsdp_param_group", None) if isinstance(module, FSDPModule) else None
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+                    return fsdp_param.sharded_param
+    except Exception:  # noqa: BLE001 - no FSDP2 in this process: a plain parameter
+        return None
+    return None
