@@ -182,24 +182,29 @@ def test_registered_schemas_are_unchanged(name):
 
 def test_options_parse_and_args_round_trip():
     """OpOptions.args puts an op's own arguments after the options without a default, and
-    parse reads them back, the defaults of a call that leaves the trailing ones out included."""
+    parse reads them back, the defaults of a call that leaves the trailing ones out included;
+    the head transform is flattened into the schema's arguments and rebuilt."""
     from compile_pass.op.schema import OpOptions
+    from compile_pass.op.transform import HeadTransform
 
     scale = torch.tensor(2.0)
-    options = OpOptions(-1, 0.1, torch.float32, 8, None, logit_scale_tensor=scale, scale_divides=True)
+    options = OpOptions(-1, 0.1, torch.float32, 8, None, transform=HeadTransform(scale, divides=True))
     args = options.args([True, False, True])
     assert args[:6] == (-1, 0.1, torch.float32, 8, None, [True, False, True])
+    assert args[6:] == (None, scale, True, None, None)  # logit_scale, logit_scale_tensor, ..., chunk_bytes
     (mask,), parsed = OpOptions.parse(args, extras=1)
     assert mask == [True, False, True]
-    assert [getattr(parsed, name) for name in ("ignore_index", "label_smoothing", "chunk_size", "scale_divides",
-                                               "chunk_bytes")] == [-1, 0.1, 8, True, None]
-    assert parsed.scale is scale and parsed.tensors() == (scale,)
-    assert parsed.without_tensors().scale is None and parsed.without_tensors().with_tensors((scale,)).scale is scale
+    assert [getattr(parsed, name) for name in ("ignore_index", "label_smoothing", "chunk_size",
+                                               "chunk_bytes")] == [-1, 0.1, 8, None]
+    assert parsed.transform.scale is scale and parsed.transform.divides and parsed.transform.dtype is None
+    assert parsed.tensors() == (scale,)
+    assert parsed.without_tensors().transform.scale is None
+    assert parsed.without_tensors().with_tensors((scale,)).transform == HeadTransform(scale, divides=True)
     (), short = OpOptions.parse((-100, 0.0, torch.float16, None, True))  # trailing defaults left out
-    assert (short.logit_scale, short.logit_scale_tensor, short.scale_divides, short.scale_dtype,
-            short.chunk_bytes) == (None, None, False, None, None)
-    assert OpOptions.of(logit_scale=3, ignore_index=0, label_smoothing=0.0, logits_dtype=torch.float32,
-                        chunk_size=None, release_cache=None).args()[5:7] == (3.0, None)  # a number: the float one
+    assert (short.transform, short.chunk_bytes) == (HeadTransform(), None) and short.transform.is_identity
+    number = OpOptions(0, 0.0, torch.float32, None, None, transform=HeadTransform(3, dtype=torch.bfloat16))
+    assert number.args()[5:9] == (3.0, None, False, torch.bfloat16)  # a number: the float one
+    assert OpOptions.parse(number.args())[1].transform == HeadTransform(3.0, dtype=torch.bfloat16)
 
 
 def test_inputs_not_modified():

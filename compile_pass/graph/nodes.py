@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import logging
 import operator
 from collections.abc import Callable, Mapping
@@ -133,7 +134,8 @@ def create_node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: Mappi
 
 def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[str, Any] | None = None,
                **kwargs: Any) -> Node:
-    """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs``.
+    """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs`` (and
+among the fields of a dataclass instance there, e.g. the op's head transform).
 
     The tensor ops ``fn`` runs become nodes of ``graph`` at its insertion point
     (``torch.ops`` calls as ``call_function``, tensor methods as ``call_method``),
@@ -144,6 +146,9 @@ def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[s
     tracer = _MetaTracer(graph, meta or {})
 
     def wrap(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{field.name: wrap(getattr(value, field.name))
+                                                 for field in dataclasses.fields(value) if field.init})
         return Proxy(value, tracer) if isinstance(value, Node) else value
 
     result = fn(*map(wrap, args), **{name: wrap(value) for name, value in kwargs.items()})

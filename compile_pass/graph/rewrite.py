@@ -9,8 +9,9 @@ becomes
                                                        torch.float32, chunk_size, None, s, ...)
     loss = (loss.sum() / (labels.reshape(-1) != ignore_index).sum()).to(torch.float32)   # "mean"
 
-The scaling is passed to the op (``logit_scale``, ``scale_divides``, ``scale_dtype``: the
-dtype the graph scaled in) and its node erased with the casts when nothing else uses it.
+The scaling is passed to the op as its head transform (``transform=``: what
+:meth:`compile_pass.graph.scale.Scale.head_transform` read) and its node erased with the
+casts when nothing else uses it.
 Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone.
 
 What replaces the loss node is chosen here from what the reader read (:func:`replacement`):
@@ -20,7 +21,6 @@ for a gather of log-probabilities (``CrossEntropyCall.gather``).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +43,7 @@ from compile_pass.graph.sites import Site, cast_chains
 from compile_pass.op.chunking import Tiles
 from compile_pass.op.function import chunked_cross_entropy, planned_tiles
 from compile_pass.op.grads_in_forward import grads_wanted
+from compile_pass.op.transform import HeadTransform
 from compile_pass.options import Options
 
 
@@ -80,9 +81,6 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
         projection_dtype = example_value(projection.node).dtype
         casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
                            for arg in (hidden, weight) if is_tensor_node(arg))
-        scale_value = None if scale is None else scale.value
-        if scale is not None and scale.item is not None:
-            scale_value = _scale_from_item(graph, scale.value, scale.item, meta)
         wanted = None  # the grads-in-forward op's output_mask, from the fake values; None: recompute
         if options.grads_in_forward:
             wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
@@ -93,9 +91,7 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
-            logit_scale=scale_value,
-            scale_divides=scale is not None and scale.divides,
-            scale_dtype=None if scale is None else scale.dtype,
+            transform=HeadTransform() if scale is None else scale.head_transform(meta),
             grads_in_forward=wanted, meta=meta, **options.op_options(),
         )
     logits = example_value(projection.node)  # [..., V]
@@ -151,22 +147,6 @@ def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bi
                                 **options)  # [...] = -log p(target)
     log_p = nll if negated else nll.neg()  # shaped like target
     return log_p.reshape(-1, 1) if flat else log_p.unsqueeze(-1)
-
-
-def _scale_from_item(graph: Graph, tensor: Node, item: Node, meta: dict) -> Node:
-    """The op's 0-d scale tensor for ``logits / tensor.item()``: ``ones_like(tensor) * item``,
-    exactly ``tensor`` (``1 * x`` is ``x``, signed zeros, infinities and nan included).
-
-    ``tensor`` is a Python float argument Dynamo made dynamic (a 0-d fp64 input; ``item``
-    its symbolic float). AOTAutograd's ``tensorify_python_scalars`` pass turns a symbolic
-    float that a multiplication reads into tensor math; one it finds no such use of, it
-    specialises, and Dynamo then re-traces the frame with the value as a constant (a guard
-    ``temperature == 1.3``, a recompile for every new value). Passing the op ``tensor``
-    itself would leave ``item`` unread; this product keeps the float dynamic, as stock
-    compile's ``logits / item`` does.
-    """
-    ones = create_node(graph, "call_function", torch.ones_like, (tensor,), meta=meta)  # [] fp64
-    return create_node(graph, "call_function", operator.mul, (ones, item), meta=meta)  # [] fp64
 
 
 def _hidden_states(site: Site, meta: dict) -> Node:

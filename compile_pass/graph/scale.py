@@ -1,5 +1,6 @@
 """Read a scaling of the logits by a constant between projection and loss, which the op
-reproduces (its ``logit_scale``):
+reproduces (its head transform, :class:`compile_pass.op.transform.HeadTransform`:
+:meth:`Scale.head_transform`):
 
     logits * s, s * logits      call_function operator.mul / torch.mul, call_method mul
     logits / s                  call_function operator.truediv / torch.div / torch.true_divide,
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from torch.fx import Node
+from torch.fx import Graph, Node
 
-from compile_pass.graph.nodes import example_value, function_of, is_tensor_node
+from compile_pass.graph.nodes import create_node, example_value, function_of, is_tensor_node
 from compile_pass.graph.refusals import Refusal
+from compile_pass.op.transform import HeadTransform
 
 # A scaling of the logits by a constant, out of place: absorbed into the op.
 _MULTIPLY = (operator.mul, torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply)
@@ -46,6 +48,13 @@ class Scale:
     @property
     def dtype(self) -> torch.dtype:
         return example_value(self.node).dtype
+
+    def head_transform(self, meta: dict) -> HeadTransform:
+        """What the op takes for this scaling (its ``transform``), in the dtype the graph
+        scaled in; the scale a number or a 0-d tensor node (for ``tensor.item()``, a new
+        node before the loss, with ``meta``: :func:`_scale_from_item`)."""
+        value = self.value if self.item is None else _scale_from_item(self.node.graph, self.value, self.item, meta)
+        return HeadTransform(scale=value, divides=self.divides, dtype=self.dtype)
 
 
 class ScaleRead(NamedTuple):
@@ -134,3 +143,19 @@ def _scale_problem(value: Any, logits: torch.Tensor, output: torch.Tensor) -> tu
     if output.dtype != logits.dtype or not output.is_floating_point():
         return Refusal.SCALE_OPERAND, f"a scale that changes the logits' dtype ({logits.dtype} -> {output.dtype})"
     return None
+
+
+def _scale_from_item(graph: Graph, tensor: Node, item: Node, meta: dict) -> Node:
+    """The op's 0-d scale tensor for ``logits / tensor.item()``: ``ones_like(tensor) * item``,
+    exactly ``tensor`` (``1 * x`` is ``x``, signed zeros, infinities and nan included).
+
+    ``tensor`` is a Python float argument Dynamo made dynamic (a 0-d fp64 input; ``item``
+    its symbolic float). AOTAutograd's ``tensorify_python_scalars`` pass turns a symbolic
+    float that a multiplication reads into tensor math; one it finds no such use of, it
+    specialises, and Dynamo then re-traces the frame with the value as a constant (a guard
+    ``temperature == 1.3``, a recompile for every new value). Passing the op ``tensor``
+    itself would leave ``item`` unread; this product keeps the float dynamic, as stock
+    compile's ``logits / item`` does.
+    """
+    ones = create_node(graph, "call_function", torch.ones_like, (tensor,), meta=meta)  # [] fp64
+    return create_node(graph, "call_function", operator.mul, (ones, item), meta=meta)  # [] fp64

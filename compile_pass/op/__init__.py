@@ -10,7 +10,9 @@
     loops.py       the ops' tile loops (the three of them): project a tile, run its kernel, write its
                    share of the outputs; ``op_body``, what every op's body runs around its loop
     kernels.py     the per-tile math (the log-sum-exp online across vocabulary blocks), compiled
-                   by Inductor for the device
+                   by Inductor for the device; ``KernelArgs``, the constants they take as one record
+    transform.py   ``HeadTransform``: what the logits go through between projection and loss (a
+                   scale), applied and differentiated in one place for the kernels
     chunking.py    how a call is cut into [n, Vb] tiles, one rule for the three ops (``resolve_tiles``:
                    n the smallest chunk at full matmul speed, Vb from a byte budget), the backward's walk
     settings.py    the ``CHUNKCE_*`` environment variables

@@ -45,9 +45,10 @@ def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
     torch's log-softmax does, with no row reduction), fp32 (fp64 for fp64 logits).
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
-    ``class_weight [V]`` or None, then the :class:`~compile_pass.op.schema.OpOptions`. At
-    most one of ``logit_scale`` and ``logit_scale_tensor`` is given: the logits are scaled
-    by it (:func:`compile_pass.op.kernels.scale_logits`) before the loss.
+    ``class_weight [V]`` or None, then the :class:`~compile_pass.op.schema.OpOptions`
+    (the head's transform as its schema arguments: at most one of ``logit_scale`` and
+    ``logit_scale_tensor`` is given; the logits are scaled by it before the loss,
+    :class:`compile_pass.op.transform.HeadTransform`).
     """
     _, options = OpOptions.parse(options)
     with loops.op_body(hidden_states, weight, options, target) as plan:

@@ -31,6 +31,7 @@ from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.loops import autocast_enabled
 from compile_pass.op.schema import OpOptions
+from compile_pass.op.transform import HeadTransform
 
 
 def linear_cross_entropy(
@@ -152,8 +153,8 @@ def linear_cross_entropy(
         reduction=reduction, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         logits_dtype=logits_dtype or input.dtype, projection_dtype=projection_dtype,
         chunk_size=chunk_size, release_cache=release_cache,
-        logit_scale=logit_divisor if logit_scale is None else logit_scale,
-        scale_divides=logit_divisor is not None, scale_dtype=scale_dtype,
+        transform=HeadTransform(scale=logit_divisor if logit_scale is None else logit_scale,
+                                divides=logit_divisor is not None, dtype=scale_dtype),
         chunk_bytes=chunk_bytes,
         grads_in_forward=grads_wanted(input, linear_weight, linear_bias, torch.is_grad_enabled())
         if grads_in_forward else None,
@@ -192,10 +193,9 @@ def chunked_cross_entropy(
             ``"mean"`` / ``"sum"`` (``"none"`` keeps the recompute op).
         options: the op's options by name (:class:`compile_pass.op.schema.OpOptions`:
             ``ignore_index``, ``label_smoothing``, ``logits_dtype`` (resolved, not None),
-            ``chunk_size`` and ``chunk_bytes`` (None = automatic), ...), where ``logit_scale`` is the logits'
-            scale as a Python number or a 0-d tensor (:meth:`OpOptions.of`): they are
-            divided by it when ``scale_divides``, else multiplied, in ``scale_dtype``
-            (None = the projection dtype): :func:`compile_pass.op.kernels.scale_logits`.
+            ``chunk_size`` and ``chunk_bytes`` (None = automatic), ``transform``: the head's
+            transform, :class:`compile_pass.op.transform.HeadTransform`, whose scale is a
+            Python number or a 0-d tensor (or the proxy of one), ...).
 
     Returns:
         The loss in ``logits_dtype``: 0-d, or shaped like ``target`` for ``"none"``.
@@ -203,7 +203,7 @@ def chunked_cross_entropy(
     Raises:
         TypeError: a keyword in ``options`` that is not an option's name.
     """
-    op_options = OpOptions.of(**options)
+    op_options = OpOptions(**options)
     ignore_index, logits_dtype = op_options.ignore_index, op_options.logits_dtype
     label_smoothing = op_options.label_smoothing
     if projection_dtype is not None:

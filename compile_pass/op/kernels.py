@@ -16,7 +16,7 @@ is compiled is the memory-bound part, which Inductor fuses into a couple of
 reductions over the chunk.
 
 Each variant (device type, projection dtype, logits dtype, class weights present,
-label smoothing present, the form of the logits' scaling) is compiled once, with dynamic shapes (token dim
+label smoothing present, the head transform's form) is compiled once, with dynamic shapes (token dim
 unbacked, no duck sizing: :func:`run`), so no chunk length, sequence length or
 order of calls recompiles it, and with ``emulate_precision_casts`` so a cast to
 half precision rounds as it does eagerly. Where Inductor cannot
@@ -39,12 +39,12 @@ and 0 for ignored tokens (``lse_i - z_iy`` computed as torch's log-softmax round
     d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic
                         - (1 - eps) * w_y * [c == y] - eps / C * w_c
 
-Scaled logits (Cohere's ``logits * logit_scale``, Granite's ``logits / logits_scaling``):
-with a scale ``s``, ``z = (x.to(scale_dtype) op s).to(logits_dtype)`` for the projection
-``x`` (:func:`scale_logits`, rounded as torch's ``mul`` / ``div`` round), and the
-gradient w.r.t. ``x`` is the gradient w.r.t. ``z`` rounded to ``logits_dtype``, cast to
-``scale_dtype``, then multiplied (divided) by ``s`` and rounded to ``scale_dtype``:
-autograd's ``mul`` / ``div`` backward (``grad * s``, ``grad / s``) at the same point.
+The head's transform (:class:`compile_pass.op.transform.HeadTransform`, e.g. Cohere's
+``logits * logit_scale``, Granite's ``logits / logits_scaling``) gives ``z =
+transform.apply(x).to(logits_dtype)`` for the projection ``x``, and the gradient w.r.t. ``x``
+is ``transform.backward`` of the gradient w.r.t. ``z`` rounded to ``logits_dtype``: the two
+kernels call those two methods and nothing else of it. Both kernels take their constants
+as one record, :class:`KernelArgs`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import re
 import types
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch._dynamo
@@ -59,36 +60,35 @@ import torch.fx.experimental._config as fx_config
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+if TYPE_CHECKING:
+    from compile_pass.op.transform import HeadTransform
+
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for half-precision logits, else the logits' own dtype (fp64 stays fp64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def scale_logits(
-    logits: Tensor,  # [n, V] any floating dtype
-    logit_scale: float | Tensor | None,  # a Python number or a 0-d tensor; None: no scaling
-    scale_divides: bool,
-    scale_dtype: torch.dtype | None,
-) -> Tensor:
-    """``logits.to(scale_dtype) * logit_scale`` (``/ logit_scale`` when ``scale_divides``),
-    in ``scale_dtype``: ``logits`` itself without a scale.
+class KernelArgs(NamedTuple):
+    """The constants of one kernel call (every argument but its tensors), as one record.
 
-    Rounds as torch's ``mul`` / ``div`` of a tensor by a Python number or a 0-d tensor
-    of the same category (the result keeps the tensor's dtype: type promotion's rule for
-    dimensionless operands): computed in ``accumulate_dtype(scale_dtype)`` (torch's
-    ``opmath_type``, fp32 for half precision) with the scale converted to it, then rounded
-    once to ``scale_dtype``. It divides when the graph divided (``x / s`` and ``x * (1 / s)``
-    round differently). The value of ``logit_scale`` is never branched on, so a compiled
-    kernel takes it as an input and a new value does not recompile it.
+    Dynamo takes the numbers in it as graph inputs, as it takes a plain argument (an int
+    or a float of a record is not specialised either), so no new ``vocab_start``, scale or
+    smoothing value recompiles a kernel; the dtypes, ``label_smoothing``'s presence and the
+    transform's :meth:`~compile_pass.op.transform.HeadTransform.form` are in its compile key
+    (:meth:`compile_pass.op.schema.ChunkPlan.variant`), never branched on otherwise.
     """
-    if logit_scale is None:
-        return logits
-    opmath = accumulate_dtype(scale_dtype)
-    if isinstance(logit_scale, Tensor):
-        logit_scale = logit_scale.to(device=logits.device, dtype=opmath)
-    x = logits.to(scale_dtype).to(opmath)
-    return (x / logit_scale if scale_divides else x * logit_scale).to(scale_dtype)
+
+    ignore_index: int
+    label_smoothing: float | None  # None: no smoothing term in the graph
+    logits_dtype: torch.dtype  # the dtype the loss is computed in
+    vocab_start: int  # the tile's first vocabulary column
+    vocab_size: int  # V, the whole vocabulary
+    transform: HeadTransform  # resolved: applied to the projection before the loss
+
+    def detached(self) -> KernelArgs:
+        """These constants with the transform's tensors detached."""
+        return self._replace(transform=self.transform.detached())
 
 
 def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -106,14 +106,7 @@ def chunk_forward(
     sum_exp: Tensor,  # [n]
     z_target: Tensor,  # [n]
     smooth: Tensor | None,  # [n], None without label smoothing
-    ignore_index: int,
-    label_smoothing: float | None,  # None: no smoothing term in the graph
-    logits_dtype: torch.dtype,
-    vocab_start: int,
-    vocab_size: int,  # V, the whole vocabulary
-    logit_scale: float | Tensor | None = None,  # None: no scaling
-    scale_divides: bool = False,
-    scale_dtype: torch.dtype | None = None,
+    args: KernelArgs,  # the tile's block is the columns [args.vocab_start, args.vocab_start + Vb)
 ) -> tuple[Tensor, ...]:
     """One vocabulary block of the log-sum-exp, online across the row's blocks, and the
     per-token loss of the columns seen so far.
@@ -141,13 +134,14 @@ def chunk_forward(
 
     ``row_log_sum = log(sum_exp)`` and the loss is ``row_log_sum - (z_target - row_max)``,
     torch's ``-log_softmax(z)[y]`` rounded as torch rounds it; the smoothing term is
-    ``sum_c w_c (lse - z_c) = W row_log_sum - smooth``. ``label_smoothing`` and
-    ``logit_scale`` are only ever computed with, never branched on (Dynamo then passes them
-    as graph inputs, the same way in every process). The scale (:func:`scale_logits`) is
-    applied before the log-sum-exp.
+    ``sum_c w_c (lse - z_c) = W row_log_sum - smooth``. ``label_smoothing`` and the
+    transform's scale are only ever computed with, never branched on (Dynamo then passes them
+    as graph inputs, the same way in every process). The head's transform
+    (:meth:`~compile_pass.op.transform.HeadTransform.apply`) comes before the log-sum-exp.
     """
+    ignore_index, label_smoothing, logits_dtype, vocab_start, vocab_size, transform = args
     block = logits.shape[-1]
-    z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
+    z = transform.apply(logits)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb], fused, never stored
     new_max = torch.maximum(row_max, torch.amax(z, dim=-1))  # [n]
     old_shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # [n]
@@ -216,14 +210,7 @@ def chunk_backward(
     target: Tensor,  # [n] int64
     class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
     grad_loss: Tensor,  # [n] fp32
-    ignore_index: int,
-    label_smoothing: float | None,  # None: no smoothing terms in the graph
-    logits_dtype: torch.dtype,
-    vocab_start: int,
-    vocab_size: int,  # V, the whole vocabulary
-    logit_scale: float | Tensor | None = None,  # None: no scaling
-    scale_divides: bool = False,
-    scale_dtype: torch.dtype | None = None,
+    args: KernelArgs,  # the tile's block is the columns [args.vocab_start, args.vocab_start + Vb)
 ) -> None:
     """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits::
 
@@ -239,12 +226,13 @@ def chunk_backward(
     The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``.
     Returns nothing: ``logits`` is overwritten in place with the gradient ``[n, Vb]`` in
     the projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
-    through the graph's cast; with a scale, then through the scaling's backward
-    (``grad * s`` or ``grad / s`` in ``scale_dtype``). The caller's chunk of logits is
-    consumed.
+    through the graph's cast, then through the head transform's backward
+    (:meth:`~compile_pass.op.transform.HeadTransform.backward`: ``grad * s`` or ``grad / s``
+    in the scale's dtype). The caller's chunk of logits is consumed.
     """
+    ignore_index, label_smoothing, logits_dtype, vocab_start, vocab_size, transform = args
     block = logits.shape[-1]
-    z = scale_logits(logits, logit_scale, scale_divides, scale_dtype)
+    z = transform.apply(logits)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb]
     probs = torch.exp((z - row_max.unsqueeze(1)) - row_log_sum.unsqueeze(1))  # [n, Vb] p_ic
     valid, safe_target = _safe_target(target, ignore_index)
@@ -258,9 +246,7 @@ def chunk_backward(
     if coef_uniform is not None:
         uniform = coef_uniform.unsqueeze(1)  # [n, 1]
         out = out - (uniform if w is None else uniform * w.narrow(0, vocab_start, block))  # [n, Vb]
-    out = out.to(logits_dtype)
-    if logit_scale is not None:  # the backward of z = x op s: grad op s, in scale_dtype
-        out = scale_logits(out, logit_scale, scale_divides, scale_dtype)
+    out = transform.backward(out.to(logits_dtype), logits)  # the chain rule through the transform
     # Into the logits' own buffer: every element is read once, then overwritten by its
     # gradient (pointwise once the row's statistics are known), so a chunk's working set is one [n, Vb]
     # buffer, not two (Inductor stores the fused result in place).
@@ -334,7 +320,8 @@ def _symbolic(args: tuple) -> list:
     not specialised at 1 either: with two unbacked token dims Inductor 2.13 no longer
     writes ``chunk_backward``'s gradient in place but through a second ``[n, Vb]``
     buffer."""
-    args = [arg.detach() if isinstance(arg, Tensor) else arg for arg in args]
+    args = [arg.detach() if isinstance(arg, Tensor) else
+            arg.detached() if isinstance(arg, KernelArgs) else arg for arg in args]
     torch._dynamo.decorators.mark_unbacked(args[0], 0)  # the logits: [n, V] or [n, Vb]
     return args
 

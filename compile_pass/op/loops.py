@@ -103,38 +103,33 @@ class TileBuffer:
 
 
 def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
-                    state: tuple, vocab_start: int, vocab_size: int) -> tuple[Tensor, ...]:
+                    state: tuple, vocab_start: int) -> tuple[Tensor, ...]:
     """``kernels.chunk_forward`` of one tile: ``(loss, row_max, row_log_sum, *state)``, ``[n]``
     each in ``kernels.accumulate_dtype(plan.options.logits_dtype)``, from ``logits_chunk [n, Vb]``
-    (projection dtype; the vocabulary columns ``[vocab_start, vocab_start + Vb)`` of
-    ``vocab_size``), ``target [n]`` int64, ``class_weight [V]`` or None and the state of the
+    (projection dtype; the vocabulary columns ``[vocab_start, vocab_start + Vb)``),
+    ``target [n]`` int64, ``class_weight [V]`` or None and the state of the
     row's earlier blocks (``kernels.initial_state`` for the first); after a row's last
-    block, the loss and the row statistics are the whole row's. The plan's options
-    (smoothing, scaling, dtypes) are passed as the kernel takes them."""
+    block, the loss and the row statistics are the whole row's. The plan's constants
+    (smoothing, transform, dtypes) go to the kernel as one record (``plan.kernel_args``)."""
     loss, row_max, row_log_sum, *state = kernels.run(
         "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, target, class_weight, *state,
-        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype,
-        vocab_start, vocab_size, *plan.kernel_scale,
+        logits_chunk, target, class_weight, *state, plan.kernel_args(vocab_start),
     )
     return loss, row_max, row_log_sum, (row_max, *state)
 
 
 def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
-                     target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int,
-                     vocab_size: int) -> Tensor:
+                     target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int) -> Tensor:
     """``kernels.chunk_backward`` of one block: the gradient ``[n, Vb]`` (projection dtype)
-    w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``
-    of ``vocab_size``; ``grad_loss [n]``, and the forward kernel's ``row_max [n]`` and
+    w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``;
+    ``grad_loss [n]``, and the forward kernel's ``row_max [n]`` and
     ``row_log_sum [n]`` of the whole rows, fp32 (fp64 for fp64).
 
     The gradient is written into ``logits_chunk`` (which is returned): the chunk's
     logits are consumed, and a chunk costs one ``[n, Vb]`` buffer, not two."""
     kernels.run(
         "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss,
-        plan.options.ignore_index, plan.kernel_label_smoothing, plan.options.logits_dtype, vocab_start,
-        vocab_size, *plan.kernel_scale,
+        logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss, plan.kernel_args(vocab_start),
     )
     return logits_chunk
 
@@ -147,7 +142,6 @@ def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, we
     ``buffer``: the whole rows' when there is one block).
 
     ``hidden_chunk [n, H]``, ``target [n]``; ``weight``, ``bias``, ``class_weight`` whole."""
-    vocab_size = weight.shape[0]
     accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
     state = kernels.initial_state(hidden_chunk.shape[0], hidden_chunk.new_empty(0, dtype=accumulate),
                                   plan.kernel_label_smoothing is not None)
@@ -155,7 +149,7 @@ def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, we
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
         logits = buffer.project(hidden_chunk, weight[vocab_start:vocab_end], bias_block)  # [n, Vb]
         loss, row_max, row_log_sum, state = _forward_kernel(plan, logits, target, class_weight, state,
-                                                            vocab_start, vocab_size)
+                                                            vocab_start)
     return loss, row_max, row_log_sum, logits
 
 
@@ -325,7 +319,7 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
             logits_chunk = buffer.project(hidden_chunk, weight_block, bias_block)  # [n, Vb]
             grad_logits = _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
                                            target[start:end], class_weight, grad_loss[start:end],
-                                           vocab_start, vocab_size)  # [n, Vb] projection dtype, in place
+                                           vocab_start)  # [n, Vb] projection dtype, in place
             del logits_chunk
             if walk.want_hidden:
                 _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight_block, scratch,
@@ -390,7 +384,7 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
             plan, buffer, hidden_chunk, weight, target[start:end], bias, class_weight, vocab_blocks)  # [n, V]
         if want_hidden or want_weight or want_bias:
             grad_logits = _backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
-                                           class_weight, ones[start:end], 0, vocab_size)  # [n, V]
+                                           class_weight, ones[start:end], 0)  # [n, V]
             del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
             if want_hidden:
                 _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight, scratch, sums=False)
