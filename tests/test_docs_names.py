@@ -5,7 +5,8 @@ Read from the docs' text, no network, no compile:
 - a dotted ``compile_pass.x.y`` in backticks imports and resolves (module, then attributes);
 - a backticked path of the project (``compile_pass/...``, ``tests/...``, ``benchmarks/...``,
   ``examples/...``, or ``graph/x.py`` / ``op/x.py`` / ``lazy_logits/x.py`` inside the package)
-  is a file, and ``tests/test_x.py::test_name`` names a test defined in that file;
+  is a file, and ``tests/test_x.py::test_name`` names a test defined in that file; a
+  backticked ``test_name`` alone is defined in some test file;
 - every ``CHUNKCE_*`` variable is read somewhere in the package or the tests;
 - a ``python -m benchmarks.x --flag`` / ``python examples/x.py --flag`` command's script
   exists and declares each ``--flag`` it is given;
@@ -76,6 +77,13 @@ def test_paths_and_tests_exist():
             elif test and not re.search(rf"^\s*def {test}\(", file.read_text(), re.M):
                 wrong.append(f"{where}: {path} defines no {test}")
     assert wrong == []
+
+
+def test_named_tests_exist():
+    defined = {m for p in (ROOT / "tests").glob("*.py") for m in re.findall(r"^\s*def (test_\w+)\(", p.read_text(), re.M)}
+    named = [(where, text) for where, text in _backticked() if re.fullmatch(r"test_\w+", text)]
+    assert named  # the reader still finds them
+    assert [f"{where}: {text}" for where, text in named if text not in defined] == []
 
 
 def test_environment_variables_are_read():
