@@ -19,7 +19,7 @@ from conftest import OP
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass.graph import driver, guard, report, returned_logits, rewrite
+from compile_pass.graph import driver, guard, publish, report, returned_logits, rewrite
 from compile_pass.graph.driver import fuse_linear_cross_entropy, rewrite_losses
 from compile_pass.graph.returned_logits import take_out_returned_logits
 from compile_pass.options import Options
@@ -168,7 +168,7 @@ def test_a_fault_in_the_returned_logits_pass_compiles_and_trains_as_stock_compil
 def test_a_fault_in_reporting_keeps_the_rewritten_graph(monkeypatch, caplog):
     """Reporting runs after every site is rewritten and proven (lint): the graph stays rewritten."""
     gm = _captured(Head())
-    monkeypatch.setattr(report, "publish", _raise)
+    monkeypatch.setattr(publish, "publish", _raise)
     with caplog.at_level(logging.WARNING, logger="compile_pass"):
         result = fuse_linear_cross_entropy(gm.graph)
     assert [r.decision for r in result.records] == [report.REWRITTEN]

@@ -88,6 +88,7 @@ class LazyLogits(torch.Tensor):
                                                    device=layout.device, requires_grad=False)
         # a root has its own values (``source``: the recipe's; ``copy_of``: a copy's), a view its ``parent``'s
         self._source, self._parent, self._copy_of, self._value = source, parent, copy_of, None
+        self._copied_from: Inputs | None = None  # a lazy copy's: the inputs its values are read from
         return self
 
     def compute(self) -> torch.Tensor:
@@ -100,7 +101,7 @@ class LazyLogits(torch.Tensor):
             else:
                 self._value = self._make()
                 self._inputs().flush()  # copies of these values are taken now: from here on they can change
-                self._copy_of = None  # a computed copy holds its values only, not its source's
+                self._copy_of = self._copied_from = None  # a computed copy holds its values only, not its source's
         return self._value
 
     @property
@@ -113,7 +114,7 @@ class LazyLogits(torch.Tensor):
 
     def _inputs(self) -> Inputs:
         root = self._root()
-        return root._source if root._source is not None else root._copy_of[0]._inputs()
+        return root._source if root._source is not None else root._copied_from
 
     def _make(self) -> torch.Tensor:
         """A root's values, computed afresh (nothing kept)."""
@@ -233,7 +234,8 @@ def _metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
     if base._root()._value is not None:  # values to copy exist (and may change later): copied now
         return func(base.compute(), *args[1:], **kwargs)
     lazy_copy = type(base)(layout, copy_of=(base, func, args[1:], kwargs))
-    base._inputs().copied(lazy_copy)
+    lazy_copy._copied_from = base._inputs()
+    lazy_copy._copied_from.copied(lazy_copy)
     return lazy_copy
 
 
