@@ -123,9 +123,11 @@ def _watch_optimizer_steps(source: Inputs) -> None:
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _LIVE:
         return
-    # what it will update: torch's optimizers skip a parameter without a gradient (a frozen head
-    # left in the optimizer), fused kernels included
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+    # what it may update: torch's optimizers skip a parameter without a gradient, so a frozen head
+    # (requires_grad False) left in the optimizer is not stepped; one that requires grad counts even
+    # before its gradient is seen here (FSDP2's sharded parameters), which can only over-report
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]
+               if p.requires_grad or p.grad is not None}
     for source in list(_LIVE):
         if source.stale is not None:
             continue
