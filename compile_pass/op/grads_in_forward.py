@@ -6,8 +6,8 @@ the products of :mod:`compile_pass.op.gradient_products`). Per chunk: the projec
 (``[n, V]`` logits), the per-chunk forward kernel (loss and log-sum-exp), the per-chunk
 backward kernel with an upstream gradient of one per token, then ``grad_logits @ weight``
 into ``grad_hidden_states[start:end]`` and ``grad_logits.T @ hidden_chunk`` (and
-``grad_logits.sum(0)``) added into the weight (and bias) gradients. Three matmuls a chunk where the recompute op runs
-four (it projects every chunk again in backward).
+``grad_logits.sum(0)``) added into the weight (and bias) gradients. Three matmuls a
+chunk where the recompute op runs four (it projects every chunk again in backward).
 
 It returns the loss summed over tokens (0-d, fp32; fp64 for fp64 logits) and the
 gradients of that sum. Its backward scales them: ``d total / d x = grad_total *
