@@ -27,7 +27,7 @@ from torch._dynamo.exc import RestartAnalysis
 from compile_pass import cache_key, dynamo_scope
 from compile_pass.graph.driver import publish_report, rewrite_losses
 from compile_pass.graph.returned_logits import take_out_returned_logits
-from compile_pass.lazy_logits import wrap
+from compile_pass.lazy_logits import wrap_compiled
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def chunkce_backend(
 
     The losses (:func:`compile_pass.graph.driver.rewrite_losses`), then the returned-logits
     pass (:func:`compile_pass.graph.returned_logits.take_out_returned_logits`), then the
-    inner backend; the compiled graph is wrapped (:func:`compile_pass.lazy_logits.wrap`) when
+    inner backend; the compiled graph is wrapped (:func:`compile_pass.lazy_logits.wrap_compiled`) when
     logits were taken out, so that the caller gets a ``LazyLogits`` in their place.
 
     Args:
@@ -86,7 +86,7 @@ def chunkce_backend(
     finally:
         if not retried:  # a site is logged and counted once, by the attempt that compiles
             publish_report(fused.report, opts.strict)
-    return wrap(compiled, plan) if plan is not None else compiled
+    return wrap_compiled(compiled, plan) if plan is not None else compiled
 
 
 def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,

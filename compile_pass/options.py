@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import InitVar, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from compile_pass.op.checks import check_bool, check_chunking
@@ -80,12 +81,15 @@ class Options:
     returned_logits: str | None = "lazy"
     chunk_bytes: int | None = None
     grads_in_forward: bool = False
-    # removed (returned_logits="drop" says it): given, the constructor raises ValueError naming that
-    drop_unused_logits: InitVar[Any] = None
 
-    def __post_init__(self, drop_unused_logits: Any) -> None:
-        if drop_unused_logits is not None:
-            _refuse_removed("drop_unused_logits")
+    def __new__(cls, *args: Any, **kwargs: Any) -> Options:
+        # A removed option (no field, no attribute) given to the constructor: the ValueError
+        # that says what to pass instead, before the dataclass's TypeError of an unknown keyword.
+        for name in _REMOVED.keys() & kwargs.keys():
+            _refuse_removed(name)
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
         check_chunking(self.chunk_size, self.chunk_bytes, self.grads_in_forward, where="chunkce", prefix="option ")
         check_bool("option strict", self.strict, where="chunkce")
         if self.returned_logits is None:
@@ -148,6 +152,11 @@ class Options:
         environment's). The one place the pass turns ``Options`` into the op's options;
         ``grads_in_forward`` picks the op per site (:func:`compile_pass.graph.rewrite.rewrite_site`)."""
         return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes, "release_cache": None}
+
+
+# help(Options) and inspect show the fields' keywords, not ``__new__``'s (*args, **kwargs)
+_init = inspect.signature(Options.__init__)
+Options.__signature__ = _init.replace(parameters=list(_init.parameters.values())[1:])
 
 
 def _key_text(value: Any) -> str:

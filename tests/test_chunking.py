@@ -13,7 +13,7 @@ from conftest import Head
 
 from compile_pass import Options, last_report, linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
-from compile_pass.op import chunking, kernels
+from compile_pass.op import chunking, kernel_runner
 from compile_pass.op.chunking import (
     ALIGN,
     DEFAULT_CHUNK_BYTES,
@@ -102,8 +102,8 @@ def test_bad_environment_budget(monkeypatch, value):
 
 def count_kernel_calls(monkeypatch):
     calls = []
-    real_run = kernels.run
-    monkeypatch.setattr(kernels, "run", lambda name, *a: calls.append(name) or real_run(name, *a))
+    real_run = kernel_runner.run
+    monkeypatch.setattr(kernel_runner, "run", lambda name, *a: calls.append(name) or real_run(name, *a))
     return calls
 
 

@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 from compile_pass import linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
-from compile_pass.op import loops
+from compile_pass.op import grads_in_forward
 
 GIF_OP = torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default
 N, H, V = 37, 24, 123  # odd sizes: ragged last chunk with chunk_size 8
@@ -54,17 +54,17 @@ def loss_and_grads(fn, hidden, lm_weight, target, bias, grad_scale=0.7, **kwargs
 
 
 class gif_calls:
-    """Counts the grads-in-forward loop's runs (the op's body calls loops' function)."""
+    """Counts the grads-in-forward loop's runs (the op's body calls its module's loop)."""
 
     def __init__(self, monkeypatch):
         self.count = 0
-        real = loops.chunked_grads_in_forward
+        real = grads_in_forward.chunked_grads_in_forward
 
         def counting(*args, **kwargs):
             self.count += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(loops, "chunked_grads_in_forward", counting)
+        monkeypatch.setattr(grads_in_forward, "chunked_grads_in_forward", counting)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -165,18 +165,18 @@ def test_backward_hands_over_the_saved_gradients_with_no_copy():
     n, h, v = 256, 64, 512
     hidden, weight, target, bias = make_inputs(bias=True, n=n, h=h, v=v)
     pointers = []
-    real = loops.chunked_grads_in_forward
+    real = grads_in_forward.chunked_grads_in_forward
 
     def recording(*args, **kwargs):
         outputs = real(*args, **kwargs)
         pointers.extend(t.data_ptr() for t in outputs[1:4])
         return outputs
 
-    loops.chunked_grads_in_forward = recording
+    grads_in_forward.chunked_grads_in_forward = recording
     try:
         loss = gif(hidden, weight, target, bias)
     finally:
-        loops.chunked_grads_in_forward = real
+        grads_in_forward.chunked_grads_in_forward = real
     _, peak = measure_peak_bytes(loss.backward)
     assert [t.grad.data_ptr() for t in (hidden, weight, bias)] == pointers
     assert peak <= 64 * 1024, peak  # a few [N] / 0-d temporaries; one gradient is (N + V) H * 4 = 192 KiB

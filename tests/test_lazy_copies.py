@@ -316,6 +316,29 @@ def test_a_computed_copy_keeps_neither_its_source_values_nor_its_inputs(steps32)
         torch.testing.assert_close(values(last), expected_last)
 
 
+def test_the_pending_lazy_copies_stay_bounded(steps32):
+    """Each lazy copy is listed, by a weak reference, on the inputs it reads (computed before an
+    optimizer step changes them). An evaluation loop taking a copy per step from logits it never
+    reads leaves at most 64 entries (dropped copies are pruned as the list grows), and a read of
+    the logits computes the copies still held and empties the list."""
+    model, compiled, original = steps32
+    with torch.no_grad():
+        model.load_state_dict(original)
+        h, labels = batch(0)
+        _, logits = compiled(h, labels)
+        _, expected = model(h, labels)
+        inputs = logits._inputs()
+        for _ in range(1000):
+            logits[:, -1].clone()  # a lazy copy, dropped unread
+        assert len(inputs.pending) <= 64
+        held = [logits[:, t].clone() for t in range(T)]  # lazy copies, held
+        assert all(kept._value is None for kept in held) and len(inputs.pending) <= 64 + T
+        logits.compute()  # the read: the held copies are computed, the list emptied
+        assert inputs.pending == []
+        for t, kept in enumerate(held):
+            torch.testing.assert_close(values(kept), expected[:, t])
+
+
 def test_inference_mode_evaluation_returns_exact_lazy_logits():
     """``torch.inference_mode()`` with labels (a perplexity script): the step's hidden states are
     inference tensors, which have no version counter. Failed before: the step raised

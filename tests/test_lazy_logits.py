@@ -319,6 +319,24 @@ def test_the_other_behaviours_are_one_option_away():
             torch.compile(LM(), backend="chunkce", options={"drop_unused_logits": given})(h, labels)
 
 
+def test_the_removed_option_is_no_attribute_of_options():
+    """``drop_unused_logits`` is refused by name (above), and is no field or attribute of
+    ``Options``: as an ``InitVar`` with a default, ``Options().drop_unused_logits`` was None."""
+    import inspect
+    from dataclasses import fields, replace
+
+    from compile_pass import Options
+
+    options = Options(returned_logits="drop")
+    assert not hasattr(options, "drop_unused_logits") and not hasattr(Options, "drop_unused_logits")
+    assert "drop_unused_logits" not in {f.name for f in fields(Options)}
+    assert list(inspect.signature(Options).parameters) == [f.name for f in fields(Options)]
+    assert replace(options, chunk_size=8) == Options(returned_logits="drop", chunk_size=8)
+    assert pickle.loads(pickle.dumps(options)) == options and copy.copy(options) == options
+    with pytest.raises(ValueError, match="option drop_unused_logits was removed; pass returned_logits='drop'"):
+        replace(options, drop_unused_logits=True)
+
+
 def test_holding_the_output_across_backward_and_the_next_step_keeps_only_the_hidden_states():
     """What a held LazyLogits keeps alive: the step's hidden states ``[N, H]`` (and references
     to the head's tensors); kept logits would keep ``[N, V]``. Measured as the bytes still live

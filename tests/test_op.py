@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from compile_pass import linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
-from compile_pass.op import kernels
+from compile_pass.op import kernel_runner
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.float64: {"atol": 1e-10, "rtol": 1e-10}}
 
@@ -291,8 +291,8 @@ def test_bad_arguments_are_named(override, error, match):
 
 def test_chunk_size_from_environment(monkeypatch):
     calls = []
-    real_run = kernels.run
-    monkeypatch.setattr(kernels, "run", lambda name, *a: calls.append(name) or real_run(name, *a))
+    real_run = kernel_runner.run
+    monkeypatch.setattr(kernel_runner, "run", lambda name, *a: calls.append(name) or real_run(name, *a))
     hidden, weight, target, _ = make_inputs(n=37)
     monkeypatch.setenv("CHUNKCE_CHUNK_SIZE", "10")
     linear_cross_entropy(hidden, weight, target).backward()
@@ -304,7 +304,7 @@ def test_chunk_size_from_environment(monkeypatch):
 
 def test_kernels_compiled_and_no_recompile_for_new_lengths(monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
-    kernels._compiled.cache_clear()
+    kernel_runner._compiled.cache_clear()
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
@@ -314,7 +314,7 @@ def test_kernels_compiled_and_no_recompile_for_new_lengths(monkeypatch):
     # One compiled graph for each of the two per-chunk functions: the ragged last chunks
     # (5 and 2 tokens; 81 = 5 x 16 + 1 joins its one-token tail to the chunk before,
     # since Dynamo would specialise a size-1 dim) and the new lengths reused them.
-    assert kernels._compiled.cache_info().currsize == 2
+    assert kernel_runner._compiled.cache_info().currsize == 2
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 

@@ -17,7 +17,7 @@ from test_op import CLASS_WEIGHT, TOL, chunked, loss_and_grads, make_inputs, unf
 from torch._dynamo.utils import counters
 
 from compile_pass import linear_cross_entropy
-from compile_pass.op import kernels, loops
+from compile_pass.op import gradient_products, kernel_runner
 
 
 def _assert_all_close(ours, theirs, **tolerances):
@@ -56,7 +56,7 @@ RECOMPILE_CASES = [
 @pytest.mark.parametrize("dtype,warm_up", RECOMPILE_CASES)
 def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
-    kernels._compiled.cache_clear()
+    kernel_runner._compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
     _step(dtype, warm_up)
@@ -78,7 +78,7 @@ def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
                                                    (torch.bfloat16, 7)])
 def test_no_recompile_across_tile_edges(dtype, warm_up_columns, monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
-    kernels._compiled.cache_clear()
+    kernel_runner._compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
     _step(dtype, 37, columns=warm_up_columns)
@@ -137,12 +137,12 @@ def test_downcast_to_half_precision_logits_is_reproduced(logits_dtype, reduction
 
 
 def test_mixed_precision_addmm_is_a_capability_rule():
-    assert not loops.has_mixed_addmm("cpu", torch.bfloat16, torch.float32)
-    assert not loops.has_mixed_addmm("meta", torch.bfloat16, torch.float32)
-    assert not loops.has_mixed_addmm("no_such_device", torch.bfloat16, torch.float32)
-    assert not loops.has_mixed_addmm("cuda", torch.float32, torch.float32)
-    assert not loops.has_mixed_addmm("cuda", torch.bfloat16, torch.float16)
-    assert loops.has_mixed_addmm("cuda", torch.bfloat16, torch.float32) == (
+    assert not gradient_products.has_mixed_addmm("cpu", torch.bfloat16, torch.float32)
+    assert not gradient_products.has_mixed_addmm("meta", torch.bfloat16, torch.float32)
+    assert not gradient_products.has_mixed_addmm("no_such_device", torch.bfloat16, torch.float32)
+    assert not gradient_products.has_mixed_addmm("cuda", torch.float32, torch.float32)
+    assert not gradient_products.has_mixed_addmm("cuda", torch.bfloat16, torch.float16)
+    assert gradient_products.has_mixed_addmm("cuda", torch.bfloat16, torch.float32) == (
         torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA"))
 
 
@@ -166,7 +166,7 @@ def test_out_of_memory_in_mixed_addmm_propagates_and_changes_nothing(monkeypatch
             raise torch.OutOfMemoryError("injected: out of memory")
         return real_upcast(out, a.to(dtype), b.to(dtype))
 
-    monkeypatch.setattr(loops, "has_mixed_addmm", lambda *args: True, raising=False)
+    monkeypatch.setattr(gradient_products, "has_mixed_addmm", lambda *args: True)
     monkeypatch.setattr(torch.ops.aten.addmm, "dtype_out", flaky_dtype_out)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         loss_and_grads(chunked, *inputs, chunk_size=8)
@@ -180,7 +180,7 @@ def test_out_of_memory_while_compiling_propagates_and_the_next_call_compiles(mon
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
     inputs = make_inputs(n=20)
     expected = loss_and_grads(chunked, *inputs, chunk_size=8)
-    real_compiled = kernels._compiled
+    real_compiled = kernel_runner._compiled
     state = {"raised": False, "compiled_calls": 0}
 
     def flaky_compiled(fn_name, variant):
@@ -190,7 +190,7 @@ def test_out_of_memory_while_compiling_propagates_and_the_next_call_compiles(mon
         state["compiled_calls"] += 1
         return real_compiled(fn_name, variant)
 
-    monkeypatch.setattr(kernels, "_compiled", flaky_compiled)
+    monkeypatch.setattr(kernel_runner, "_compiled", flaky_compiled)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         loss_and_grads(chunked, *inputs, chunk_size=8)
     again = loss_and_grads(chunked, *inputs, chunk_size=8)
@@ -199,27 +199,27 @@ def test_out_of_memory_while_compiling_propagates_and_the_next_call_compiles(mon
 
 
 def test_eager_kernels_by_an_explicit_device_rule(monkeypatch):
-    assert kernels.inductor_compiles_for("cpu")  # this machine has a C++ compiler
-    assert not kernels.inductor_compiles_for("meta")
-    assert not kernels.inductor_compiles_for("no_such_device")
+    assert kernel_runner.inductor_compiles_for("cpu")  # this machine has a C++ compiler
+    assert not kernel_runner.inductor_compiles_for("meta")
+    assert not kernel_runner.inductor_compiles_for("no_such_device")
     from torch._inductor import cpp_builder
     from torch._inductor.exc import InvalidCxxCompiler
 
     def no_compiler():
         raise InvalidCxxCompiler
 
-    kernels.inductor_compiles_for.cache_clear()
+    kernel_runner.inductor_compiles_for.cache_clear()
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
     try:
-        assert not kernels.inductor_compiles_for("cpu")
+        assert not kernel_runner.inductor_compiles_for("cpu")
         compiled = []
-        monkeypatch.setattr(kernels, "_compiled", lambda *a: compiled.append(a))
+        monkeypatch.setattr(kernel_runner, "_compiled", lambda *a: compiled.append(a))
         inputs = make_inputs(n=20)
         _assert_all_close(loss_and_grads(chunked, *inputs, chunk_size=8),
                           loss_and_grads(unfused, *inputs))
         assert not compiled  # ran eagerly by the rule, no compile attempted
     finally:
-        kernels.inductor_compiles_for.cache_clear()
+        kernel_runner.inductor_compiles_for.cache_clear()
 
 
 # ---- any device ---------------------------------------------------------------------

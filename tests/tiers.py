@@ -8,7 +8,7 @@ one case of a parametrized test.
 
 :func:`_tier_check` (autouse, from ``conftest``) fails a test left fast that compiles a
 graph with Inductor, starts a process or runs a hypothesis search, with the fix. Not
-counted: the op's own per-chunk kernels (``compile_pass.op.kernels.run``), which Inductor
+counted: the op's own per-chunk kernels (``compile_pass.op.kernel_runner.run``), which Inductor
 compiles once per variant and process whoever calls the op, and what they start while
 compiling.
 """
@@ -35,10 +35,10 @@ def _tier_check(request, monkeypatch):
         pytest.fail(f"{request.node.nodeid} runs a hypothesis search: {FIX}")
     from torch._inductor import compile_fx
 
-    from compile_pass.op import kernels
+    from compile_pass.op import kernel_runner
 
     test_thread = threading.get_ident()
-    in_kernels = [0]  # depth of kernels.run calls on the test's thread
+    in_kernels = [0]  # depth of kernel_runner.run calls on the test's thread
     done: list[str] = []
 
     def counted(run):
@@ -58,7 +58,7 @@ def _tier_check(request, monkeypatch):
             return real(*args, **kwargs)
         return check
 
-    monkeypatch.setattr(kernels, "run", counted(kernels.run))
+    monkeypatch.setattr(kernel_runner, "run", counted(kernel_runner.run))
     monkeypatch.setattr(compile_fx, "compile_fx", refused(compile_fx.compile_fx, "compiles a graph with Inductor"))
     monkeypatch.setattr(subprocess.Popen, "__init__", refused(subprocess.Popen.__init__, "starts a process"))
     process = multiprocessing.process.BaseProcess

@@ -5,6 +5,7 @@
     forms.py        the two ends of a site: the projection and the cross-entropy call, normalised
     spellings.py    the older loss spellings: nll_loss(log_softmax), a gather of log_softmax
     sites.py        find sites: walk back from each loss to its projection, or stop with a kind
+    dtype_chains.py the dtypes a site's logits pass through (cast_chains: where the op rounds them)
     scale.py        read one scaling of the logits by a constant (the op's head transform), or a stop
     refusals.py     every kind of refusal: its counter key, message and fix (one table)
     guard.py        accept a site, or refuse it with a Reason of one kind

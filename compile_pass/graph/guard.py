@@ -20,9 +20,10 @@ from torch.fx import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from compile_pass.graph import diagnostics
+from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
 from compile_pass.graph.refusals import Reason, Refusal
-from compile_pass.graph.sites import Site, cast_chains
+from compile_pass.graph.sites import Site
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSSLESS = {  # widening casts: every value of the first dtype is exact in the second
@@ -130,7 +131,7 @@ def _check_projection(site: Site) -> Reason | None:
 
 def _check_casts(site: Site) -> Reason | None:
     """Each chain of casts the op collapses into one (to the scaling's dtype, then to the
-    loss's: ``sites.cast_chains``) passes only through widening intermediate dtypes."""
+    loss's: ``dtype_chains.cast_chains``) passes only through widening intermediate dtypes."""
     chains = cast_chains(site)
     for position, dtypes in enumerate(chains):
         for before, after in zip(dtypes, dtypes[1:-1]):

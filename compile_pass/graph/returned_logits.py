@@ -2,7 +2,7 @@
 
     fused = rewrite_losses(gm.graph, options)                       # graph/driver.py: the losses
     plan = take_out_returned_logits(gm.graph, fused, options)       # this pass: keep / lazy / drop
-    compiled = wrap(inner(gm), plan) if plan else inner(gm)         # compile_pass.lazy_logits.wrap
+    compiled = wrap_compiled(inner(gm), plan) if plan else inner(gm)  # compile_pass.lazy_logits.wrap
 
 HF causal LMs return ``logits`` beside ``loss``. Once the loss is rewritten, the projection
 stays in the graph only for that output: ``[N, V]`` in forward and, in a training graph, a
@@ -25,7 +25,7 @@ stand-in, a NaN scalar expanded to their shape (no memory), marked ``meta[STAND_
 * ``"keep"``: nothing is taken out. The pre-grad pass runs no returned-logits pass (it
   cannot wrap the compiled graph) and passes ``"keep"`` to the driver.
 
-The backend's wrapper (:func:`compile_pass.lazy_logits.wrap`) hands the caller a
+The backend's wrapper (:func:`compile_pass.lazy_logits.wrap_compiled`) hands the caller a
 :class:`compile_pass.lazy_logits.LazyLogits` (or ``DroppedLogits``) in each such slot. Each
 projection is taken out all or nothing (:class:`compile_pass.graph.nodes.Edit`): a failure
 leaves its logits computed (kept, exact), is logged at WARNING, and raises with ``strict``.
@@ -80,7 +80,7 @@ def take_out_returned_logits(graph: Graph, fused: Fused, options: Options) -> Pl
     ``options.returned_logits`` says), amend ``fused.report``'s records (``LOGITS_LAZY`` /
     ``LOGITS_DROPPED`` and the bytes, on the last site the logits fed), and append the
     recipes' inputs to the graph output (:func:`add_outputs`). Returns the plan for
-    :func:`compile_pass.lazy_logits.wrap`, or None when nothing was taken out.
+    :func:`compile_pass.lazy_logits.wrap_compiled`, or None when nothing was taken out.
 
     Raises:
         Exception: ``options.strict`` and taking some logits out failed (the original error).

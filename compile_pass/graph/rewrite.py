@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.fx import Graph, Node
 
+from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.forms import CrossEntropyCall
 from compile_pass.graph.nodes import (
     Edit,
@@ -39,7 +40,7 @@ from compile_pass.graph.nodes import (
     size_hint,
     trace_into,
 )
-from compile_pass.graph.sites import Site, cast_chains
+from compile_pass.graph.sites import Site
 from compile_pass.op.chunking import Tiles
 from compile_pass.op.function import chunked_cross_entropy, planned_tiles
 from compile_pass.op.grads_in_forward import grads_wanted

@@ -280,35 +280,3 @@ def find_sites(graph: Graph, in_subgraph: bool = False) -> list[Site]:
         except Exception as exc:  # noqa: BLE001 - a graph we cannot read never fails the compile
             sites.append(Site(node, None, stop=node, stop_kind=Refusal.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}"))
     return sites
-
-
-def logits_dtypes(site: Site) -> list[torch.dtype]:
-    """The dtypes the logits pass through: the projection's, each cast's, the scaling's,
-    and the dtype the loss is computed in (the cross-entropy output's: fp32 under
-    autocast). Consecutive repeats are dropped."""
-    chain = [example_value(site.projection.node).dtype]
-    chain += [example_value(step.node).dtype for step in site.steps if step.kind in ("cast", "scale")]
-    chain.append(example_value(site.node).dtype)
-    return _dedupe(chain)
-
-
-def cast_chains(site: Site) -> list[list[torch.dtype]]:
-    """The dtype chains between the points where the op rounds the logits: one chain,
-    :func:`logits_dtypes`, without a scaling; with one, projection -> the scaling's dtype
-    and the scaling's dtype -> the loss's (the op rounds to each chain's last dtype)."""
-    if site.scale is None:
-        return [logits_dtypes(site)]
-    chains: list[list[torch.dtype]] = [[example_value(site.projection.node).dtype]]
-    for step in site.steps:
-        if step.kind == "cast":
-            chains[-1].append(example_value(step.node).dtype)
-        elif step.kind == "scale":
-            chains[-1].append(site.scale.dtype)
-            chains.append([site.scale.dtype])
-    chains[-1].append(example_value(site.node).dtype)
-    return [_dedupe(chain) for chain in chains]
-
-
-def _dedupe(chain: list[torch.dtype]) -> list[torch.dtype]:
-    """``chain`` without consecutive repeats."""
-    return [dtype for i, dtype in enumerate(chain) if i == 0 or dtype != chain[i - 1]]

@@ -7,7 +7,7 @@
                     Refusing (DROPPED): the recipe of dropped logits, which raises
     staleness.py    Inputs: the tensors a recipe reads and their versions; StaleLogitsError
     tensor.py       LazyLogits (views, copies, reads), DroppedLogits (a LazyLogits whose recipe refuses)
-    wrap.py         Plan, wrap: the compiled step with a LazyLogits in each slot the pass emptied
+    wrap.py         Plan, wrap_compiled: the compiled step with a LazyLogits in each slot the pass emptied
 
 Made by :mod:`compile_pass.graph.returned_logits` (at compile time) and the backend; this
 package imports nothing else of the project.
@@ -15,7 +15,7 @@ package imports nothing else of the project.
 from compile_pass.lazy_logits.recipe import DROPPED, Recipe, Refusing
 from compile_pass.lazy_logits.staleness import StaleLogitsError
 from compile_pass.lazy_logits.tensor import DroppedLogits, LazyLogits
-from compile_pass.lazy_logits.wrap import Plan, Slot, wrap
+from compile_pass.lazy_logits.wrap import Plan, Slot, wrap_compiled
 
 __all__ = ["DROPPED", "DroppedLogits", "LazyLogits", "Plan", "Recipe", "Refusing", "Slot", "StaleLogitsError",
-           "wrap"]
+           "wrap_compiled"]

@@ -1,9 +1,10 @@
-"""The compiled step handing out lazy logits: :class:`Plan` (where they go), :func:`wrap`.
+"""The compiled step handing out lazy logits: :class:`Plan` (where they go),
+:func:`wrap_compiled`.
 
 The returned-logits pass (:mod:`compile_pass.graph.returned_logits`) took returned logits
 out of the graph, put a stand-in (an expanded scalar of the logits' shape, dtype and
 device) in their output slot, and appended the tensors their recipe reads to the graph's
-output; :func:`wrap` takes those extra outputs off and puts a :class:`LazyLogits` (or a
+output; :func:`wrap_compiled` takes those extra outputs off and puts a :class:`LazyLogits` (or a
 :class:`DroppedLogits`) in each slot.
 """
 
@@ -33,13 +34,13 @@ class Slot:
 
 @dataclass(frozen=True)
 class Plan:
-    """Where :func:`wrap` finds what it hands back: the graph's original output count, and its slots."""
+    """Where :func:`wrap_compiled` finds what it hands back: the graph's original output count, and its slots."""
 
     num_outputs: int
     slots: tuple[Slot, ...]
 
 
-def wrap(compiled: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
+def wrap_compiled(compiled: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
     """``compiled`` handing out a :class:`LazyLogits` at each slot of ``plan`` (a
     :class:`DroppedLogits` where the recipe refuses), with the extra outputs taken off."""
     @functools.wraps(compiled)  # keeps its attributes (e.g. _boxed_call): called as it would be

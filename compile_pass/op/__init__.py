@@ -6,11 +6,16 @@
     schema.py      the ops' options, defined once (``OpOptions``: schemas, parsing, calls), and
                    ``ChunkPlan``: the options resolved for one call
     custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func
-    grads_in_forward.py  opt-in ``chunkce::linear_cross_entropy_grads_in_forward``: gradients computed in forward
-    loops.py       the ops' tile loops (the three of them): project a tile, run its kernel, write its
-                   share of the outputs; ``op_body``, what every op's body runs around its loop
-    kernels.py     the per-tile math (the log-sum-exp online across vocabulary blocks), compiled
-                   by Inductor for the device; ``KernelArgs``, the constants they take as one record
+    grads_in_forward.py  opt-in ``chunkce::linear_cross_entropy_grads_in_forward``: gradients computed in
+                   forward, and its loop (``chunked_grads_in_forward``: one walk over whole rows)
+    loops.py       the recompute op's tile loops (forward, backward): project a tile, run its kernel,
+                   write its share of the outputs; ``op_body``, what every op's body runs around its loop
+    gradient_products.py  the backward loops' products into the gradients, and how each is accumulated
+                   (``REDUCTION_COLUMNS``, ``has_mixed_addmm``)
+    kernels.py     the per-tile math (the log-sum-exp online across vocabulary blocks);
+                   ``KernelArgs``, the constants they take as one record
+    kernel_runner.py  how the kernels run: compiled by Inductor for the device once per variant, or
+                   eagerly (``run``, ``inductor_compiles_for``)
     transform.py   ``HeadTransform``: what the logits go through between projection and loss (a
                    scale), applied and differentiated in one place for the kernels
     chunking.py    how a call is cut into [n, Vb] tiles, one rule for the three ops (``resolve_tiles``:

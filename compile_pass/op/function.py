@@ -12,9 +12,11 @@ tracing :func:`chunked_cross_entropy` into the graph, so a rewritten site and an
 eager call run the same code.
 
 The custom ops and their autograd are in :mod:`compile_pass.op.custom_ops` (and
-:mod:`compile_pass.op.grads_in_forward`), their options in :mod:`compile_pass.op.schema`,
-their chunk loops in :mod:`compile_pass.op.loops`, the per-chunk math in
-:mod:`compile_pass.op.kernels`.
+:mod:`compile_pass.op.grads_in_forward`, with its chunk loop), their options in
+:mod:`compile_pass.op.schema`, the recompute op's chunk loops in :mod:`compile_pass.op.loops`,
+their products into the gradients in :mod:`compile_pass.op.gradient_products`, the per-chunk
+math in :mod:`compile_pass.op.kernels`, and how it is compiled and run in
+:mod:`compile_pass.op.kernel_runner`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Opt-in grads-in-forward mode: the gradients computed during forward, for scalar losses.
 
 ``chunkce::linear_cross_entropy_grads_in_forward`` walks the token chunks once
-(:func:`compile_pass.op.loops.chunked_grads_in_forward`). Per chunk: the projection (``[n, V]`` logits), the per-chunk forward kernel (loss
-and log-sum-exp), the per-chunk backward kernel with an upstream gradient of one
-per token, then ``grad_logits @ weight`` into ``grad_hidden_states[start:end]``
-and ``grad_logits.T @ hidden_chunk`` (and ``grad_logits.sum(0)``) added into the
-weight (and bias) gradients. Three matmuls a chunk where the recompute op runs
-four (it projects every chunk again in backward).
+(:func:`chunked_grads_in_forward`, below: the tiles and kernels of :mod:`compile_pass.op.loops`,
+the products of :mod:`compile_pass.op.gradient_products`). Per chunk: the projection
+(``[n, V]`` logits), the per-chunk forward kernel (loss and log-sum-exp), the per-chunk
+backward kernel with an upstream gradient of one per token, then ``grad_logits @ weight``
+into ``grad_hidden_states[start:end]`` and ``grad_logits.T @ hidden_chunk`` (and
+``grad_logits.sum(0)``) added into the weight (and bias) gradients. Three matmuls a
+chunk where the recompute op runs four (it projects every chunk again in backward).
 
 It returns the loss summed over tokens (0-d, fp32; fp64 for fp64 logits) and the
 gradients of that sum. Its backward scales them: ``d total / d x = grad_total *
@@ -49,7 +50,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compile_pass.op import kernels, loops
+from compile_pass.op import kernels
+from compile_pass.op.chunking import spans
+from compile_pass.op.gradient_products import (
+    _add_vocabulary_products,
+    _gradient_buffer,
+    _matmul_into,
+    _product_scratch,
+)
+from compile_pass.op.loops import TileBuffer, _backward_kernel, _dense, op_body, row_statistics
 from compile_pass.op.schema import INPUTS, NAME, OpOptions, op_schema
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
@@ -78,6 +87,64 @@ def grads_wanted(hidden_states: Tensor | None, weight: Tensor | None, bias: Tens
     return mask if any(mask) else None
 
 
+def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                             bias: Tensor | None, class_weight: Tensor | None,
+                             output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The chunk loop over whole rows (``plan.tiles`` of ``Vb = V``: a row's gradient needs the
+    whole row's statistics, computed in the same walk): ``total`` (0-d),
+    ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` of
+    ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens that are not ignored.
+
+    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
+    ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
+    them. ``total`` is in ``kernels.accumulate_dtype(plan.options.logits_dtype)``, summed as the
+    recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
+    ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
+    tensor and costs no work; ``grad_hidden_states`` is in its dtype, ``grad_weight`` and
+    ``grad_bias`` in ``kernels.accumulate_dtype(weight.dtype)`` (fp32 for a half-precision
+    head: backward rounds them to the parameter's dtype once, after the upstream gradient).
+    """
+    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
+    want_hidden, want_weight, want_bias = output_mask
+    want_bias = want_bias and bias is not None
+    target, class_weight = _dense(target), _dense(class_weight)
+    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    weight_accumulate = kernels.accumulate_dtype(weight.dtype)
+    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
+    chunks = spans(num_tokens, plan.tiles.tokens)
+    vocab_blocks = spans(vocab_size, plan.tiles.vocab_block)
+    assert len(vocab_blocks) <= 1, "the grads-in-forward op walks whole rows"
+    buffer = TileBuffer(hidden_states, chunks, vocab_blocks)
+    # the weight gradient sums one product per chunk, or is a half-precision weight's: then it
+    # sums in (and is returned in) an fp32 accumulator, rounded once in backward, after the
+    # upstream gradient (rounded now and again then, it had 1.7x the unfused path's bf16 error)
+    sums = len(chunks) > 1 or weight_accumulate != weight.dtype
+    grad_hidden = _gradient_buffer(want_hidden, hidden_states, (num_tokens, hidden_size),
+                                   hidden_states.dtype, zeroed=False)  # [N, H]: out= fills each chunk
+    grad_weight = _gradient_buffer(want_weight, weight, (vocab_size, hidden_size), weight_accumulate,
+                                   zeroed=sums or not chunks)  # [V, H]: one product is written by out=
+    grad_bias = _gradient_buffer(want_bias, weight, (vocab_size,), weight_accumulate, zeroed=True)  # [V]
+    scratch = _product_scratch(grad_hidden, hidden_states, chunks, hidden_size)  # [n, H]
+    for start, end in chunks:
+        hidden_chunk = hidden_states[start:end]  # [n, H]
+        loss[start:end], row_max, row_log_sum, logits_chunk = row_statistics(
+            plan, buffer, hidden_chunk, weight, target[start:end], bias, class_weight, vocab_blocks)  # [n, V]
+        if want_hidden or want_weight or want_bias:
+            grad_logits = _backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
+                                           class_weight, ones[start:end], 0)  # [n, V]
+            del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
+            if want_hidden:
+                _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight, scratch, sums=False)
+            if want_weight:  # as F.linear's backward
+                _matmul_into(grad_weight, grad_logits.t(), hidden_chunk, sums)
+            if want_bias:
+                grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
+            del grad_logits
+    counted = target != plan.options.ignore_index  # [N] bool
+    return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
+
+
 @torch.library.custom_op(OP_NAME, mutates_args=(), schema=SCHEMA)
 def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                          class_weight: Tensor | None,
@@ -91,9 +158,8 @@ def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, 
     (``[grad_hidden_states, grad_weight, grad_bias]`` wanted) after the options without a
     default, as the recompute backward op takes it."""
     (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
-    with loops.op_body(hidden_states, weight, options, target, whole_rows=True) as plan:
-        return loops.chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight,
-                                              output_mask)
+    with op_body(hidden_states, weight, options, target, whole_rows=True) as plan:
+        return chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight, output_mask)
 
 
 @_grads_in_forward_op.register_fake

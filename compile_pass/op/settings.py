@@ -18,7 +18,7 @@ Variables:
     CHUNKCE_EAGER_KERNELS   ``1`` runs the per-chunk math eagerly instead of
                             compiling it with Inductor (debugging; a device
                             Inductor cannot compile for runs it eagerly anyway,
-                            by ``kernels.inductor_compiles_for``).
+                            by ``kernel_runner.inductor_compiles_for``).
     CHUNKCE_RELEASE_CACHE   ``1`` returns the allocator's cached blocks to the
                             device after the op's forward and backward.
 """

@@ -1,0 +1,46 @@
+"""The dtypes a site's logits pass through, between the projection and the loss.
+
+The guard (:mod:`compile_pass.graph.guard`) accepts a site only where the op rounds the
+logits as the graph does, and the rewrite (:mod:`compile_pass.graph.rewrite`) takes the
+op's ``logits_dtype`` from the same chains: :func:`logits_dtypes`, and :func:`cast_chains`,
+split at the site's scaling (which the op rounds to its own dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compile_pass.graph.nodes import example_value
+from compile_pass.graph.sites import Site
+
+
+def logits_dtypes(site: Site) -> list[torch.dtype]:
+    """The dtypes the logits pass through: the projection's, each cast's, the scaling's,
+    and the dtype the loss is computed in (the cross-entropy output's: fp32 under
+    autocast). Consecutive repeats are dropped."""
+    chain = [example_value(site.projection.node).dtype]
+    chain += [example_value(step.node).dtype for step in site.steps if step.kind in ("cast", "scale")]
+    chain.append(example_value(site.node).dtype)
+    return _dedupe(chain)
+
+
+def cast_chains(site: Site) -> list[list[torch.dtype]]:
+    """The dtype chains between the points where the op rounds the logits: one chain,
+    :func:`logits_dtypes`, without a scaling; with one, projection -> the scaling's dtype
+    and the scaling's dtype -> the loss's (the op rounds to each chain's last dtype)."""
+    if site.scale is None:
+        return [logits_dtypes(site)]
+    chains: list[list[torch.dtype]] = [[example_value(site.projection.node).dtype]]
+    for step in site.steps:
+        if step.kind == "cast":
+            chains[-1].append(example_value(step.node).dtype)
+        elif step.kind == "scale":
+            chains[-1].append(site.scale.dtype)
+            chains.append([site.scale.dtype])
+    chains[-1].append(example_value(site.node).dtype)
+    return [_dedupe(chain) for chain in chains]
+
+
+def _dedupe(chain: list[torch.dtype]) -> list[torch.dtype]:
+    """``chain`` without consecutive repeats."""
+    return [dtype for i, dtype in enumerate(chain) if i == 0 or dtype != chain[i - 1]]
