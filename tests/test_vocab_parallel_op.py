@@ -117,6 +117,38 @@ def test_compiled_fullgraph_traces_the_collectives_forward_and_backward(spawned)
 
 
 @pytest.mark.slow
+def test_emitted_with_fx_proxies_as_the_pass_does_and_run(spawned):
+    per_rank = spawned("fx_traced")
+    assert_pairs(per_rank)
+    for result in per_rank:
+        assert sum("_c10d_functional.all_reduce" in node for node in result["nodes"]) == 2, result["nodes"]
+
+
+def test_traces_with_fx_proxies_on_fake_tensors():
+    """The graph pass's emission (FX proxies, fake example values; no process group needed to trace):
+    only registered ops and tensor methods, a fake value on every node, the loss 0-d."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [torch.empty(2, 7, 8), torch.empty(251, 8), torch.zeros(2, 7, dtype=torch.int64),
+                 torch.empty(251), torch.empty(1001)]
+    module = cases.traced_loss("0", fakes, reduction="mean", vocab_start=502, vocab_size=1001,
+                               **cases.options(logits_dtype=torch.float32, label_smoothing=0.1,
+                                               transform=HeadTransform(scale=0.5)))
+    nodes = [node for node in module.graph.nodes if node.op not in ("placeholder", "output")]
+    assert {node.op for node in nodes} <= {"call_function", "call_method"}
+    functions = [str(node.target) for node in nodes if node.op == "call_function"]
+    for name, count in (("chunkce.vocab_parallel_statistics", 1), ("chunkce.vocab_parallel_loss", 1),
+                        ("_c10d_functional.all_reduce", 2), ("_c10d_functional.wait_tensor", 2)):
+        assert sum(name in function for function in functions) == count, functions
+    assert all(isinstance(node.meta.get("example_value"), (torch.Tensor, tuple)) for node in nodes), [
+        node.format_node() for node in nodes if "example_value" not in node.meta]
+    (output,) = next(node for node in module.graph.nodes if node.op == "output").args
+    assert output.meta["example_value"].shape == ()
+
+
+@pytest.mark.slow
 def test_checkpointing_and_saved_tensor_hooks(spawned):
     per_rank = spawned("checkpoint_and_hooks")
     assert_pairs(per_rank)

@@ -195,6 +195,41 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
     return {"pairs": pairs, "graphs": graphs}
 
 
+def traced_loss(group_name: str, fakes: list, **kwargs) -> torch.fx.GraphModule:
+    """A graph module of :func:`vocab_parallel_cross_entropy` emitted as the graph pass emits a site
+    (:func:`compile_pass.graph.nodes.trace_into`: FX proxies, placeholders carrying fake values):
+    ``(hidden_states, weight, target, bias, class_weight) -> loss``."""
+    from compile_pass.graph.nodes import trace_into
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    graph = torch.fx.Graph()
+    placeholders = []
+    for name, fake in zip(("hidden_states", "weight", "target", "bias", "class_weight"), fakes, strict=True):
+        node = graph.placeholder(name)
+        node.meta["example_value"] = fake
+        placeholders.append(node)
+    loss = trace_into(graph, vocab_parallel_cross_entropy, *placeholders, group_name=group_name, **kwargs)
+    graph.output(loss)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def case_fx_traced(shard: Shard) -> dict[str, Any]:
+    """Emitted into an FX graph with proxies, as the graph pass emits it, then run: exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_pass.op.transform import HeadTransform
+
+    weight, bias, hidden, target, class_weight = problem(1001)
+    start, size = shard.rows(*weight.shape)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(tensor) for tensor in (hidden, weight[:size], target, bias[:size], class_weight)]
+    op_options = options(label_smoothing=0.1, transform=HeadTransform(scale=0.75))
+    module = traced_loss(shard.group_name, fakes, reduction="sum", vocab_start=start, vocab_size=1001, **op_options)
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="sum", loss_fn=module,
+                     label_smoothing=0.1, transform=HeadTransform(scale=0.75))
+    return {"pairs": pairs, "nodes": [str(node.target) for node in module.graph.nodes]}
+
+
 def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
     """Inside non-reentrant activation checkpointing (its recompute repeats the collectives on every
     rank) and under saved-tensor hooks that pack every saved tensor into a copy."""
@@ -268,6 +303,7 @@ CASES: dict[str, Callable[[Shard], dict[str, Any]]] = {
     "exact_fp32": case_exact_fp32,
     "bf16": case_bf16,
     "compiled": case_compiled,
+    "fx_traced": case_fx_traced,
     "checkpoint_and_hooks": case_checkpoint_and_hooks,
     "memory": case_memory,
     "empty_shard": case_empty_shard,
