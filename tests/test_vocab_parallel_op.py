@@ -149,6 +149,24 @@ def test_traces_with_fx_proxies_on_fake_tensors():
 
 
 @pytest.mark.slow
+def test_dtensor_entry_on_a_colwise_parallel_head(spawned):
+    """``vocab_parallel_linear_cross_entropy`` on ColwiseParallel's DTensor weight and bias: exact, the
+    gradients DTensors of the same layout (a replicated DTensor input's: the fp32 hidden-state gradient of a
+    ``sum`` against fp64, no worse than twice the unfused fp32 path's error); a plain or replicated weight
+    and a plain bias are refused."""
+    per_rank = spawned("dtensor_entry")
+    assert_pairs(per_rank, **FP32)
+    for result in per_rank:
+        op, unfused = result["replicated_grad_errors"]["op"], result["replicated_grad_errors"]["unfused"]
+        assert op <= max(2 * unfused, 1e-6), result["replicated_grad_errors"]  # against fp64
+        errors = result["refusals"]
+        assert errors["plain weight"].startswith("TypeError") and "compile_pass.linear_cross_entropy" in errors[
+            "plain weight"], errors
+        assert errors["replicated weight"].startswith("ValueError") and "Shard(0)" in errors["replicated weight"]
+        assert errors["plain bias"].startswith("ValueError") and "linear_bias" in errors["plain bias"]
+
+
+@pytest.mark.slow
 def test_checkpointing_and_saved_tensor_hooks(spawned):
     per_rank = spawned("checkpoint_and_hooks")
     assert_pairs(per_rank)

@@ -230,6 +230,58 @@ def case_fx_traced(shard: Shard) -> dict[str, Any]:
     return {"pairs": pairs, "nodes": [str(node.target) for node in module.graph.nodes]}
 
 
+def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
+    """The checked eager entry on an ``nn.Linear`` parallelized by ``ColwiseParallel`` (DTensor weight and
+    bias ``Shard(0)``): with plain inputs (smoothing, class weights, a scale, ``mean``), with a replicated
+    DTensor input (``sum``); and the layouts it refuses, with their messages."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.vocab_parallel import vocab_parallel_linear_cross_entropy
+
+    weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
+    head = nn.Linear(8, 1001)
+    with torch.no_grad():
+        head.weight.copy_(weight), head.bias.copy_(bias)
+    parallelize_module(head, shard.mesh, ColwiseParallel(output_layouts=Replicate()))
+    assert isinstance(head.weight, DTensor)
+
+    def entry(h, w, t, b, cw):  # run_both's local shards stand in for the module's: their gradients
+        return vocab_parallel_linear_cross_entropy(h, head.weight, t, linear_bias=head.bias, weight=cw,
+                                                   label_smoothing=0.1, logit_scale=0.5, chunk_size=4,
+                                                   chunk_bytes=4 * 4 * 64)
+
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=entry,
+                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+    pairs["module grad_weight"] = (head.weight.grad.to_local().clone(), pairs.pop("grad_weight")[1])
+    pairs["module grad_bias"] = (head.bias.grad.to_local().clone(), pairs.pop("grad_bias")[1])
+    replicated = distribute_tensor(hidden, shard.mesh, [Replicate()]).requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(replicated, head.weight, target, reduction="sum")
+    loss.backward()
+    reference = hidden.double().requires_grad_()  # fp64: the hidden-state gradient of a sum cancels to ~1e-2
+    expected = torch.nn.functional.cross_entropy(torch.nn.functional.linear(reference, weight.double()).flatten(0, -2),
+                                                 target.flatten(), reduction="sum")
+    expected.backward()
+    unfused = hidden.clone().requires_grad_()  # its fp32 error against fp64 bounds the op's
+    torch.nn.functional.cross_entropy(torch.nn.functional.linear(unfused, weight).flatten(0, -2), target.flatten(),
+                                      reduction="sum").backward()
+    pairs["replicated input loss"] = (loss.detach(), expected.detach().float())
+    errors = {"op": (replicated.grad.to_local().double() - reference.grad).abs().max().item(),
+              "unfused": (unfused.grad.double() - reference.grad).abs().max().item()}
+    refusals = {}
+    for name, kwargs in (("plain weight", {"linear_weight": weight}),
+                         ("replicated weight", {"linear_weight": distribute_tensor(weight, shard.mesh, [Replicate()])}),
+                         ("plain bias", {"linear_bias": bias})):
+        arguments = {"linear_weight": head.weight, "linear_bias": head.bias, **kwargs}
+        try:
+            vocab_parallel_linear_cross_entropy(hidden, arguments.pop("linear_weight"), target, **arguments)
+        except (TypeError, ValueError) as error:
+            refusals[name] = f"{type(error).__name__}: {error}"
+    return {"pairs": pairs, "replicated_grad_errors": errors, "refusals": refusals}
+
+
 def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
     """Inside non-reentrant activation checkpointing (its recompute repeats the collectives on every
     rank) and under saved-tensor hooks that pack every saved tensor into a copy."""
@@ -304,6 +356,7 @@ CASES: dict[str, Callable[[Shard], dict[str, Any]]] = {
     "bf16": case_bf16,
     "compiled": case_compiled,
     "fx_traced": case_fx_traced,
+    "dtensor_entry": case_dtensor_entry,
     "checkpoint_and_hooks": case_checkpoint_and_hooks,
     "memory": case_memory,
     "empty_shard": case_empty_shard,
