@@ -27,11 +27,13 @@ BF16 = {"rtol": 2e-2, "atol": 2e-2}  # bf16 projections summed in another order 
 WORLD_SIZES = (2, 4)
 
 
-def spawn_ranks(world_size: int, out_dir: str, timeout_s: float = TIMEOUT_S) -> tuple[list[dict[str, Any]], str]:
-    """Run every case on ``world_size`` spawned ranks; kill them all after ``timeout_s``.
-    Returns each rank's results and why the run ended early ("" when it did not)."""
+def spawn_ranks(world_size: int, out_dir: str, timeout_s: float = TIMEOUT_S,
+                case_names: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Run ``case_names`` (default: every case of ``cases.CASES``) on ``world_size`` spawned ranks; kill
+    them all after ``timeout_s``. Returns each rank's results and why the run ended early ("" if it did not)."""
     start = time.monotonic()
-    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, list(cases.CASES)),
+    case_names = list(cases.CASES) if case_names is None else case_names
+    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, case_names),
                                  nprocs=world_size, join=False, start_method="spawn")
     failure = ""
     try:
@@ -87,6 +89,9 @@ def test_exact_fp64_every_reduction_smoothing_class_weights_and_scale(spawned):
     per_rank = spawned("exact_fp64")
     assert len(per_rank[0]["pairs"]) == 3 * 2 * 2 * 3 * 4  # loss and three gradients each
     assert_pairs(per_rank)
+    for result in per_rank:
+        assert not result["no_grad"]["requires_grad"]
+        torch.testing.assert_close(*result["no_grad"]["loss"])
 
 
 @pytest.mark.slow
@@ -167,6 +172,18 @@ def test_dtensor_entry_on_a_colwise_parallel_head(spawned):
 
 
 @pytest.mark.slow
+def test_inductor_with_compiled_kernels_on_2_ranks(tmp_path):
+    """The whole loss compiled by Inductor (``fullgraph=True``) and the per-tile kernels compiled too
+    (``CHUNKCE_EAGER_KERNELS=0``), two steps: exact in fp32 on 2 ranks."""
+    results, failure = spawn_ranks(2, str(tmp_path), case_names=["inductor"])
+    for rank, rank_results in enumerate(results):
+        result = rank_results.get("inductor")
+        assert result is not None and "error" not in result, (rank, failure, result)
+        assert result["graphs"] == [3, 3], result  # the loss and the two kernels, none compiled again
+    assert_pairs([rank_results["inductor"] for rank_results in results], **FP32)
+
+
+@pytest.mark.slow
 def test_checkpointing_and_saved_tensor_hooks(spawned):
     per_rank = spawned("checkpoint_and_hooks")
     assert_pairs(per_rank)
@@ -206,3 +223,47 @@ def test_grads_in_forward_is_refused_with_the_fix():
         vocab_parallel_cross_entropy(hidden, weight, target, None, None, reduction="mean", vocab_start=0,
                                      vocab_size=10, group_name="unused", grads_in_forward=[True, True, False],
                                      **cases.options(transform=HeadTransform()))
+
+
+# The registered schemas, written out (a graph, a cache entry or a positional caller relies on them):
+# the single-device op's options, then the ops' own arguments after those without a default.
+_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size, bool? release_cache"
+_DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
+              "ScalarType? scale_dtype=None, SymInt? chunk_bytes=None")
+_INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
+_SHARD = "SymInt vocab_start, SymInt vocab_size"
+SCHEMAS = {
+    "vocab_parallel_statistics": f"({_INPUTS}, {_OPTIONS}, {_SHARD}, {_DEFAULTED}) "
+                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "vocab_parallel_loss": f"(Tensor loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, {_OPTIONS}, {_SHARD}, "
+                           f"str group_name, {_DEFAULTED}) -> Tensor",
+    "vocab_parallel_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, {_OPTIONS}, "
+                               f"bool[] output_mask, {_SHARD}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_registered_schemas_are_unchanged(name):
+    assert str(getattr(torch.ops.chunkce, name).default._schema) == f"chunkce::{name}{SCHEMAS[name]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(3))
+def test_opcheck_statistics_and_backward(case):
+    """``torch.library.opcheck`` of the two ops that compute (no collective inside either): a shard in
+    the middle of V 41 (rows 10..25), with or without bias, smoothing and class weights."""
+    gen = torch.Generator().manual_seed(case)
+    hidden, weight = torch.randn(9, 8, generator=gen), torch.randn(15, 8, generator=gen)
+    target = torch.randint(0, 41, (9,), generator=gen)
+    target[case] = -100
+    target[case + 1] = 12  # one in the shard
+    bias = torch.randn(15, generator=gen) if case != 1 else None
+    class_weight = torch.rand(41, generator=gen) if case == 2 else None
+    smoothing = [0.0, 0.1, 0.3][case]
+    options = (-100, smoothing, torch.float32, [4, None, 2][case], None)
+    torch.library.opcheck(torch.ops.chunkce.vocab_parallel_statistics.default,
+                          (hidden, weight, target, bias, class_weight, *options, 10, 41))
+    row_max, row_log_sum, grad_loss = torch.randn(9, generator=gen) + 3, torch.rand(9, generator=gen) + 2, torch.rand(9)
+    torch.library.opcheck(torch.ops.chunkce.vocab_parallel_backward.default,
+                          (grad_loss, hidden, weight, target, bias, class_weight, row_max, row_log_sum, *options,
+                           [True, True, bias is not None], 10, 41))

@@ -132,8 +132,21 @@ def _sweep(shard: Shard, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def case_exact_fp64(shard: Shard) -> dict[str, Any]:
-    """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64."""
-    return _sweep(shard, torch.float64)
+    """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64. And once
+    under ``torch.no_grad()`` (no gradient attaches, the loss is the same)."""
+    result = _sweep(shard, torch.float64)
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    weight, bias, hidden, target, class_weight = problem(1001)
+    start, size = shard.rows(*weight.shape)
+    with torch.no_grad():
+        loss = vocab_parallel_cross_entropy(hidden, shard.local(weight), target, shard.local(bias), class_weight,
+                                            reduction="mean", vocab_start=start, vocab_size=1001,
+                                            group_name=shard.group_name, **options(label_smoothing=0.1))
+    expected = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), target.flatten(), weight=class_weight,
+                               ignore_index=IGNORE_INDEX, label_smoothing=0.1)
+    result["no_grad"] = {"loss": (loss, expected), "requires_grad": loss.requires_grad}
+    return result
 
 
 def case_exact_fp32(shard: Shard) -> dict[str, Any]:
@@ -282,6 +295,35 @@ def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
     return {"pairs": pairs, "replicated_grad_errors": errors, "refusals": refusals}
 
 
+def case_inductor(shard: Shard) -> dict[str, Any]:
+    """``torch.compile(backend="inductor", fullgraph=True)`` with the per-tile kernels compiled too (run
+    alone, by its own test: ``CHUNKCE_EAGER_KERNELS=0``); two steps, the second from the cache."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    os.environ["CHUNKCE_EAGER_KERNELS"] = "0"  # read at each call (compile_pass.op.settings)
+    weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
+    start, _ = shard.rows(*weight.shape)
+    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+
+    @torch.compile(backend="inductor", fullgraph=True)
+    def loss_fn(h, w, t, b, cw):
+        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+                                            group_name=shard.group_name, **op_options)
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []  # Dynamo's graphs after each step: the loss's, and the forward and backward kernels'
+    for _ in range(2):
+        pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
+                         label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+        graphs.append(counters["stats"]["unique_graphs"])
+    return {"pairs": pairs, "graphs": graphs}
+
+
 def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
     """Inside non-reentrant activation checkpointing (its recompute repeats the collectives on every
     rank) and under saved-tensor hooks that pack every saved tensor into a copy."""
@@ -350,6 +392,7 @@ def case_bad_target(shard: Shard) -> dict[str, Any]:
     return {"error_message": None}
 
 
+# run by the tests of each world size; case_inductor is run alone, on 2 ranks, by its own test
 CASES: dict[str, Callable[[Shard], dict[str, Any]]] = {
     "exact_fp64": case_exact_fp64,
     "exact_fp32": case_exact_fp32,
@@ -382,7 +425,7 @@ def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) ->
     try:
         for name in case_names:
             try:
-                results[name] = CASES[name](shard)
+                results[name] = {**CASES, "inductor": case_inductor}[name](shard)
             except BaseException:
                 results[name] = {"error": traceback.format_exc()}
                 raise
