@@ -85,9 +85,10 @@ def assert_pairs(per_rank: list[dict[str, Any]], **tolerances) -> None:
 
 @pytest.mark.slow
 def test_exact_fp64_every_reduction_smoothing_class_weights_and_scale(spawned):
-    """24 configurations a rank, several [4, 64] tiles a shard, uneven shards, ignored tokens."""
+    """36 configurations a rank, several [4, 64] tiles a shard, uneven shards, ignored tokens; and an
+    ignore_index that is one of another shard's classes."""
     per_rank = spawned("exact_fp64")
-    assert len(per_rank[0]["pairs"]) == 3 * 2 * 2 * 3 * 4  # loss and three gradients each
+    assert len(per_rank[0]["pairs"]) == (3 * 2 * 2 * 3 + 1) * 4  # loss and three gradients each
     assert_pairs(per_rank)
     for result in per_rank:
         assert not result["no_grad"]["requires_grad"]

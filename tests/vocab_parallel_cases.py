@@ -104,7 +104,7 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
         logits = logits / transform.scale if transform.divides else logits * transform.scale
     logits = logits.to(op_options["logits_dtype"])
     expected = F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=class_weight, reduction=reduction,
-                               ignore_index=IGNORE_INDEX, label_smoothing=op_options["label_smoothing"])
+                               ignore_index=op_options["ignore_index"], label_smoothing=op_options["label_smoothing"])
     expected = expected.view_as(target) if reduction == "none" else expected
     expected.backward(grad.to(expected.dtype))
     pairs = {"loss": (loss.detach(), expected.detach()), "grad_hidden_states": (h.grad, rh.grad),
@@ -146,6 +146,11 @@ def case_exact_fp64(shard: Shard) -> dict[str, Any]:
     expected = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), target.flatten(), weight=class_weight,
                                ignore_index=IGNORE_INDEX, label_smoothing=0.1)
     result["no_grad"] = {"loss": (loss, expected), "requires_grad": loss.requires_grad}
+    target = target.masked_fill(target == IGNORE_INDEX, 600)
+    target.view(-1)[4:7] = 600  # ignore_index a class of a shard other than rank 0's: ignored on every rank
+    inside = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", label_smoothing=0.1,
+                      ignore_index=600)
+    result["pairs"].update({f"ignore_index 600 {name}": pair for name, pair in inside.items()})
     return result
 
 
