@@ -6,6 +6,9 @@
     schema.py      the ops' options, defined once (``OpOptions``: schemas, parsing, calls), and
                    ``ChunkPlan``: the options resolved for one call
     custom_ops.py  ``chunkce::linear_cross_entropy`` and ``..._backward``: fakes, autograd, torch.func
+    vocab_parallel.py  ``vocab_parallel_cross_entropy``: the loss of a vocabulary-sharded
+                   (tensor-parallel) head, its statistics combined over the group by all-reduces
+    vocab_parallel_ops.py  its custom ops: the shard's row statistics, the loss rows' gradient
     grads_in_forward.py  opt-in ``chunkce::linear_cross_entropy_grads_in_forward``: gradients computed in forward
     loops.py       the ops' tile loops (the three of them): project a tile, run its kernel, write its
                    share of the outputs; ``op_body``, what every op's body runs around its loop
@@ -19,6 +22,7 @@
 
 This package never imports the graph pass (:mod:`compile_pass.graph`) or the entry points.
 """
+from compile_pass.op import vocab_parallel  # noqa: F401 - registers the chunkce::vocab_parallel_* ops
 from compile_pass.op.function import linear_cross_entropy
 
 __all__ = ["linear_cross_entropy"]
