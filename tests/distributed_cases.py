@@ -505,6 +505,15 @@ CASES: dict[str, Callable[[int], dict[str, Any]]] = {
 
 # --- the per-rank entry ------------------------------------------------------------------------
 
+def _case(name: str) -> Callable[[int], dict[str, Any]]:
+    """The case ``name``: of :data:`CASES`, or a tensor-parallel one (``tests/tp_cases.py``)."""
+    if name in CASES:
+        return CASES[name]
+    import tp_cases
+
+    return {**tp_cases.TP_CASES, **tp_cases.TP_CASES_4}[name]
+
+
 def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) -> None:
     """Entry of each spawned process: join the gloo group, run ``case_names`` in order, and after each
     write every result so far to ``out_dir/rank<rank>.pt``. An exception is written there with its
@@ -525,7 +534,7 @@ def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) ->
             torch._dynamo.reset()
             counters.clear()
             try:
-                results[name] = CASES[name](rank)
+                results[name] = _case(name)(rank)
             except BaseException:
                 results[name] = {"error": traceback.format_exc()}
                 raise

@@ -55,11 +55,12 @@ class Spawned:
         return per_rank
 
 
-def spawn_ranks(case_names: list[str], out_dir: str, timeout_s: float = TIMEOUT_S) -> Spawned:
-    """Run ``case_names`` on ``WORLD_SIZE`` spawned ranks; kill them all after ``timeout_s``."""
+def spawn_ranks(case_names: list[str], out_dir: str, timeout_s: float = TIMEOUT_S,
+                world_size: int = cases.WORLD_SIZE) -> Spawned:
+    """Run ``case_names`` on ``world_size`` spawned ranks; kill them all after ``timeout_s``."""
     start = time.monotonic()
-    context = mp.start_processes(cases.run_rank, args=(cases.WORLD_SIZE, out_dir, case_names),
-                                 nprocs=cases.WORLD_SIZE, join=False, start_method="spawn")
+    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, case_names),
+                                 nprocs=world_size, join=False, start_method="spawn")
     failure = ""
     try:
         while not context.join(timeout=1):
@@ -74,7 +75,7 @@ def spawn_ranks(case_names: list[str], out_dir: str, timeout_s: float = TIMEOUT_
                 process.kill()
             process.join(10)
     results = []
-    for rank in range(cases.WORLD_SIZE):
+    for rank in range(world_size):
         try:
             results.append(torch.load(f"{out_dir}/rank{rank}.pt", weights_only=False))
         except FileNotFoundError:
