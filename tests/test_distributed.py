@@ -1,4 +1,4 @@
-"""chunkce under torch.distributed: DDP, FSDP2 (``fully_shard``) and a tensor-parallel head.
+"""chunkce under torch.distributed: DDP and FSDP2 (``fully_shard``); a tensor-parallel head: test_tensor_parallel.py.
 
 Two gloo ranks on CPU, spawned once for the whole file (``distributed_cases.run_rank``
 runs every case in turn; each rank writes its results after each case). Every rank
@@ -234,14 +234,3 @@ def test_fsdp_root_group_lazy_logits_are_exact_before_backward_and_raise_after(s
         for when, error in result["errors"].items():
             assert isinstance(error, str) and error.startswith("chunkce: cannot read these logits"), (when, error)
             assert "lm_head weight" in error and "returned_logits': 'keep'" in error, (when, error)
-
-
-# --- tensor parallel ---------------------------------------------------------------------------
-
-def test_tensor_parallel_head_is_refused_naming_dtensor(spawned):
-    for rank, result in enumerate(spawned.case("tensor_parallel")):
-        assert_pairs(result, rank)  # against the same TP model run eagerly
-        assert_pairs(result, rank, key="fp32_pairs")  # against the unsharded reference
-        (record,) = refusals(result)
-        assert "DTensor" in record[2] and "tensor parallel" in record[2], record
-        assert not any(g["op_nodes"] for g in result["graphs"])

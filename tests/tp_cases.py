@@ -22,7 +22,7 @@ from torch import nn
 
 from compile_pass.memory import measure_peak_bytes
 
-HIDDEN_SIZE = 32
+HIDDEN_SIZE = 24  # the blocks' 4 * H = 96 is no shard's V_local: a [..., V_local] node is logits
 MEMORY_VOCAB = 8191  # the memory case: [N, V] logits dominate the step (N = 32 tokens)
 
 
@@ -146,7 +146,8 @@ def case_tp(rank: int, layout: str = "rep", tied: bool = False, vocab_size: int 
         if layout != "sequence_parallel" or name.startswith("lm_head"):  # SP: the body sees a sequence shard
             fp32_pairs[f"{name}.grad"] = (_local(param.grad), expected.detach().float().clone())
     return {"pairs": pairs, "fp32_pairs": fp32_pairs, "peak": peak, "stock_peak": stock_peak,
-            "local_vocab": model.lm_head.weight.to_local().shape[0], **dc.pass_outcome(recorder)}
+            "local_vocab": model.lm_head.weight.to_local().shape[0], "vocab_size": vocab_size,
+            **dc.pass_outcome(recorder)}
 
 
 def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
