@@ -165,6 +165,11 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
     ``bias [V_local]``: :func:`compile_pass.op.loops.chunked_backward` over the shard with the global
     ``row_max [N]`` and ``row_log_sum [N]``, GLOBAL ``target [N]`` and full ``class_weight [V]``."""
     (output_mask, vocab_start, vocab_size), options = OpOptions.parse(options_and_extras, extras=3)
+    if weight.shape[0] == 0:  # a rank DTensor gave no rows (V < ranks * ceil(V / ranks)): no terms
+        return (torch.zeros_like(hidden_states, memory_format=torch.contiguous_format)
+                if output_mask[0] else hidden_states.new_empty(0),
+                torch.empty_like(weight) if output_mask[1] else weight.new_empty(0),
+                weight.new_empty(0))  # the bias gradient of no rows: [0] either way
     with loops.op_body(hidden_states, weight, options) as plan:
         return loops.chunked_backward(ShardPlan.of(plan, vocab_start, vocab_size), grad_loss, hidden_states,
                                       weight, target, bias, class_weight, row_max, row_log_sum, output_mask)

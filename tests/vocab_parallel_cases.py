@@ -1,0 +1,305 @@
+"""Per-rank cases for ``tests/test_vocab_parallel_op.py``: the vocabulary-parallel loss on gloo ranks.
+
+:func:`run_rank` runs in each spawned process: it joins a gloo group, makes a one-dimensional
+CPU ``DeviceMesh`` (the tensor-parallel group) and runs every case in turn. Each rank builds the
+whole head from one seed, takes its ``Shard(0)`` rows as DTensor lays them out
+(``distribute_tensor(...).to_local()``, the offset from DTensor's own
+``compute_local_shape_and_global_offset``: uneven shards where the vocabulary does not divide,
+e.g. 251, 251, 251, 248 of 1001 on 4 ranks), and computes the single-process reference,
+``F.cross_entropy(F.linear(...))`` with the whole head. A case returns plain data: ``pairs`` maps
+a name to ``(got, expected)`` (this rank's weight and bias rows against the reference's rows of
+its shard), compared in the parent process by the test; the rest is case-specific.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+GLOO_TIMEOUT_S = 60
+
+
+class Shard:
+    """This rank's place in the tensor-parallel group: ``group_name`` and, for a vocabulary of
+    ``V``, its rows ``[start, start + size)`` as DTensor's ``Shard(0)`` lays them out."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.group_name = mesh.get_group().group_name
+
+    def rows(self, vocab_size: int, hidden_size: int) -> tuple[int, int]:
+        from torch.distributed.tensor import Shard as Shard0
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        (size, _), (start, _) = compute_local_shape_and_global_offset((vocab_size, hidden_size), self.mesh,
+                                                                      [Shard0(0)])
+        return start, size
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` as DTensor's ``distribute_tensor(full, mesh, [Shard(0)])`` holds them."""
+        from torch.distributed.tensor import Shard as Shard0
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full.detach(), self.mesh, [Shard0(0)]).to_local()
+
+
+def problem(vocab_size: int, hidden_size: int = 8, shape=(2, 7), dtype=torch.float64, seed: int = 0):
+    """The whole head ``weight [V, H]``, ``bias [V]``, ``hidden_states [*shape, H]``, ``target`` (two
+    ignored, others spread over every shard and its boundaries) and ``class_weight [V]``."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab_size, hidden_size, generator=gen, dtype=dtype)
+    bias = torch.randn(vocab_size, generator=gen, dtype=dtype)
+    hidden = torch.randn(*shape, hidden_size, generator=gen, dtype=dtype)
+    target = torch.randint(0, vocab_size, shape, generator=gen)
+    flat = target.view(-1)
+    flat[1], flat[-2] = IGNORE_INDEX, IGNORE_INDEX
+    flat[2], flat[3] = 0, vocab_size - 1
+    class_weight = torch.rand(vocab_size, generator=gen, dtype=dtype) + 0.1
+    return weight, bias, hidden, target, class_weight
+
+
+def options(**overrides) -> dict[str, Any]:
+    """The op's options as the graph pass gives them (small tiles: several a rank)."""
+    return {"ignore_index": IGNORE_INDEX, "label_smoothing": 0.0, "logits_dtype": torch.float64,
+            "chunk_size": 4, "release_cache": None, "chunk_bytes": 4 * 8 * 64, **overrides}
+
+
+def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduction: str, transform=None,
+             projection_dtype=None, loss_fn=None, seed: int = 1, **overrides) -> dict[str, tuple]:
+    """The vocabulary-parallel loss on this rank's shard and the reference on the whole head; a random
+    upstream gradient; returns ``(got, expected)`` of the loss and every gradient."""
+    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    transform = transform or HeadTransform()
+    start, size = shard.rows(*weight.shape)
+    local_weight, local_bias = shard.local(weight), None if bias is None else shard.local(bias)
+    torch.testing.assert_close(local_weight, weight[start:start + size], rtol=0, atol=0)  # DTensor's rows
+    h, w = hidden.clone().requires_grad_(), local_weight.clone().requires_grad_()
+    b = None if bias is None else local_bias.clone().requires_grad_()
+    op_options = options(transform=transform, **overrides)
+
+    def loss_of(h, w, t, b, cw):
+        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction=reduction, vocab_start=start,
+                                            vocab_size=weight.shape[0], group_name=shard.group_name,
+                                            projection_dtype=projection_dtype, **op_options)
+
+    loss = (loss_fn or loss_of)(h, w, target, b, class_weight)
+    grad = torch.randn(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    loss.backward(grad.to(loss.dtype))
+    rh, rw = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    rb = None if bias is None else bias.clone().requires_grad_()
+    dtype = projection_dtype or hidden.dtype
+    logits = F.linear(rh.to(dtype), rw.to(dtype), None if rb is None else rb.to(dtype))
+    if transform.scale is not None:
+        logits = logits.to(transform.dtype or dtype)
+        logits = logits / transform.scale if transform.divides else logits * transform.scale
+    logits = logits.to(op_options["logits_dtype"])
+    expected = F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=class_weight, reduction=reduction,
+                               ignore_index=IGNORE_INDEX, label_smoothing=op_options["label_smoothing"])
+    expected = expected.view_as(target) if reduction == "none" else expected
+    expected.backward(grad.to(expected.dtype))
+    pairs = {"loss": (loss.detach(), expected.detach()), "grad_hidden_states": (h.grad, rh.grad),
+             "grad_weight": (w.grad, rw.grad[start:start + size])}
+    if bias is not None:
+        pairs["grad_bias"] = (b.grad, rb.grad[start:start + size])
+    return pairs
+
+
+def _sweep(shard: Shard, dtype: torch.dtype) -> dict[str, Any]:
+    from compile_pass.op.transform import HeadTransform
+
+    weight, bias, hidden, target, class_weight = problem(1001, dtype=dtype)
+    pairs = {}
+    for reduction in ("mean", "sum", "none"):
+        for smoothing in (0.0, 0.1):
+            for weighted in (False, True):
+                for transform in (HeadTransform(), HeadTransform(scale=0.75), HeadTransform(scale=1.5, divides=True)):
+                    key = f"{reduction}-eps{smoothing}-cw{int(weighted)}-{transform.form()}"
+                    result = run_both(shard, weight, bias, hidden, target, class_weight if weighted else None,
+                                      reduction=reduction, transform=transform, label_smoothing=smoothing,
+                                      logits_dtype=dtype)
+                    pairs.update({f"{key} {name}": pair for name, pair in result.items()})
+    return {"pairs": pairs}
+
+
+def case_exact_fp64(shard: Shard) -> dict[str, Any]:
+    """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64."""
+    return _sweep(shard, torch.float64)
+
+
+def case_exact_fp32(shard: Shard) -> dict[str, Any]:
+    """The same sweep in fp32."""
+    return _sweep(shard, torch.float32)
+
+
+def case_bf16(shard: Shard) -> dict[str, Any]:
+    """A bf16 head projected in bf16, the loss in fp32 (``logits.float()``), and a bf16 head with the
+    loss in bf16 against the unfused bf16 path; both without bias (one with), ``sum`` and ``mean``."""
+    weight, bias, hidden, target, class_weight = problem(203, hidden_size=16, dtype=torch.bfloat16, seed=3)
+    pairs = run_both(shard, weight, None, hidden, target, None, reduction="mean", logits_dtype=torch.float32)
+    bf16 = run_both(shard, weight, bias, hidden, target, class_weight, reduction="sum",
+                    logits_dtype=torch.bfloat16, label_smoothing=0.05)
+    pairs.update({f"bf16-loss {name}": pair for name, pair in bf16.items()})
+    fp32 = problem(203, hidden_size=16, dtype=torch.float32, seed=3)  # projection_dtype: bf16 from fp32 inputs
+    autocast_like = run_both(shard, fp32[0], None, fp32[2], fp32[3], None, reduction="mean",
+                             projection_dtype=torch.bfloat16, logits_dtype=torch.float32)
+    pairs.update({f"projection_dtype {name}": pair for name, pair in autocast_like.items()})
+    return {"pairs": pairs}
+
+
+def case_compiled(shard: Shard) -> dict[str, Any]:
+    """Under ``torch.compile(backend=aot_eager's compilers, fullgraph=True)``: the collectives are in
+    the forward graph Dynamo captured and in AOTAutograd's forward and backward graphs."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    graphs: dict[str, list[str]] = {"dynamo": [], "forward": [], "backward": []}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind] += [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+            return gm.forward if kind != "dynamo" else gm
+        return compiler
+
+    aot = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+
+    def backend(gm, example_inputs):
+        recorder("dynamo")(gm, example_inputs)
+        return aot(gm, example_inputs)
+
+    weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
+    start, _ = shard.rows(*weight.shape)
+
+    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.75))
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def loss_fn(h, w, t, b, cw):
+        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+                                            group_name=shard.group_name, **op_options)
+
+    torch._dynamo.reset()
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
+                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.75))
+    return {"pairs": pairs, "graphs": graphs}
+
+
+def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
+    """Inside non-reentrant activation checkpointing (its recompute repeats the collectives on every
+    rank) and under saved-tensor hooks that pack every saved tensor into a copy."""
+    from torch.utils.checkpoint import checkpoint
+
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    weight, bias, hidden, target, class_weight = problem(1001)
+    start, _ = shard.rows(*weight.shape)
+    packed = [0]
+
+    def pack(tensor):
+        packed[0] += 1
+        return tensor.clone()
+
+    def loss_fn(h, w, t, b, cw):
+        def inner(h, w, b):
+            return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+                                                group_name=shard.group_name, **options(label_smoothing=0.1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            return checkpoint(inner, h, w, b, use_reentrant=False)
+
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
+                     label_smoothing=0.1)
+    return {"pairs": pairs, "packed": packed[0]}
+
+
+def case_memory(shard: Shard) -> dict[str, Any]:
+    """Peak bytes of this rank's forward and backward above their inputs, against a tile and ``[N, V_local]``."""
+    from compile_pass.memory import measure_peak_bytes
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    tokens, hidden_size, vocab_size, chunk_size, block = 512, 16, 8192, 32, 256
+    weight, _, hidden, target, _ = problem(vocab_size, hidden_size=hidden_size, shape=(tokens,), dtype=torch.float32)
+    start, size = shard.rows(vocab_size, hidden_size)
+    h, w = hidden.clone().requires_grad_(), shard.local(weight).clone().requires_grad_()
+    loss, forward_peak = measure_peak_bytes(
+        vocab_parallel_cross_entropy, h, w, target, None, None, reduction="mean", vocab_start=start,
+        vocab_size=vocab_size, group_name=shard.group_name,
+        **options(logits_dtype=torch.float32, chunk_size=chunk_size, chunk_bytes=chunk_size * block * 4))
+    _, backward_peak = measure_peak_bytes(loss.backward)
+    return {"forward_peak": forward_peak, "backward_peak": backward_peak, "tile_bytes": chunk_size * block * 4,
+            "rows_bytes": tokens * size * 4, "vector_bytes": tokens * 4, "hidden_bytes": tokens * hidden_size * 4,
+            "weight_bytes": size * hidden_size * 4}
+
+
+def case_empty_shard(shard: Shard) -> dict[str, Any]:
+    """V = 5: on 4 ranks DTensor gives the last rank no rows (2, 2, 1, 0)."""
+    weight, bias, hidden, target, class_weight = problem(5)
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", label_smoothing=0.2)
+    return {"pairs": pairs, "rows": shard.rows(5, 8)}
+
+
+def case_bad_target(shard: Shard) -> dict[str, Any]:
+    """A target of V (outside the vocabulary, not ignored) raises on every rank, naming the range."""
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    weight, _, hidden, target, _ = problem(1001)
+    target.view(-1)[0] = 1001
+    start, _ = shard.rows(1001, 8)
+    try:
+        vocab_parallel_cross_entropy(hidden, shard.local(weight), target, None, None, reduction="mean",
+                                     vocab_start=start, vocab_size=1001, group_name=shard.group_name, **options())
+    except RuntimeError as error:
+        return {"error_message": str(error)}
+    return {"error_message": None}
+
+
+CASES: dict[str, Callable[[Shard], dict[str, Any]]] = {
+    "exact_fp64": case_exact_fp64,
+    "exact_fp32": case_exact_fp32,
+    "bf16": case_bf16,
+    "compiled": case_compiled,
+    "checkpoint_and_hooks": case_checkpoint_and_hooks,
+    "memory": case_memory,
+    "empty_shard": case_empty_shard,
+    "bad_target": case_bad_target,
+}
+
+
+def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) -> None:
+    """Entry of each spawned process: join the gloo group, run ``case_names`` in order, and after each
+    write every result so far to ``out_dir/rank<rank>.pt``; an exception is written there with its
+    traceback (under its case's name), then raised."""
+    os.environ["CHUNKCE_EAGER_KERNELS"] = "1"  # the per-tile math eagerly: no Inductor compile per rank
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import compile_pass  # noqa: F401 - registers the chunkce ops
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+    shard = Shard(init_device_mesh("cpu", (world_size,)))
+    results: dict[str, Any] = {}
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        for name in case_names:
+            try:
+                results[name] = CASES[name](shard)
+            except BaseException:
+                results[name] = {"error": traceback.format_exc()}
+                raise
+            finally:
+                torch.save(results, f"{path}.part")
+                os.replace(f"{path}.part", path)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
