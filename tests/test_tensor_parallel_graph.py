@@ -148,3 +148,16 @@ def test_returned_logits_of_a_sharded_head_stay_gathered_in_the_step(mesh):
     assert type(outputs[0][1]) is torch.Tensor
     torch.testing.assert_close(outputs[0][1], outputs[1][1])
     assert len(vocab_parallel_nodes(graphs[0])) == 2
+
+
+@pytest.mark.slow  # two whole TP steps, chunkce and stock, with the profiler
+@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
+                   reason="known: AOTAutograd traces the loss_parallel DTensor loss's mesh output to the tangent's "
+                          "(`Node tangents_2 was invalid, but is output`) when a loss_parallel model of another "
+                          "vocabulary was compiled before in the process; one model per process compiles")
+def test_two_loss_parallel_models_of_different_vocabularies_in_one_process(mesh):
+    import tp_cases
+
+    tp_cases.case_tp(0, "loss_parallel", vocab_size=tp_cases.MEMORY_VOCAB)
+    torch._dynamo.reset()
+    tp_cases.case_tp(0, "loss_parallel", vocab_size=509)
