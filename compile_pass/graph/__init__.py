@@ -6,6 +6,8 @@
     spellings.py    the older loss spellings: nll_loss(log_softmax), a gather of log_softmax
     sites.py        find sites: walk back from each loss to its projection, or stop with a kind
     scale.py        read one scaling of the logits by a constant (the op's head transform), or a stop
+    tensor_parallel.py  a vocabulary-sharded (DTensor) lm_head read as one projection, for the
+                    vocabulary-parallel op (compile_pass.op.vocab_parallel), or why not
     refusals.py     every kind of refusal: its counter key, message and fix (one table)
     guard.py        accept a site, or refuse it with a Reason of one kind
     diagnostics.py  what a reason says beyond the site: the op upstream of a stop, DDP / FSDP2 state
