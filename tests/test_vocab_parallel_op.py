@@ -27,11 +27,13 @@ BF16 = {"rtol": 2e-2, "atol": 2e-2}  # bf16 projections summed in another order 
 WORLD_SIZES = (2, 4)
 
 
-def spawn_ranks(world_size: int, out_dir: str, timeout_s: float = TIMEOUT_S) -> tuple[list[dict[str, Any]], str]:
-    """Run every case on ``world_size`` spawned ranks; kill them all after ``timeout_s``.
-    Returns each rank's results and why the run ended early ("" when it did not)."""
+def spawn_ranks(world_size: int, out_dir: str, timeout_s: float = TIMEOUT_S,
+                case_names: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
+    """Run ``case_names`` (default: every case of ``cases.CASES``) on ``world_size`` spawned ranks; kill
+    them all after ``timeout_s``. Returns each rank's results and why the run ended early ("" if it did not)."""
     start = time.monotonic()
-    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, list(cases.CASES)),
+    case_names = list(cases.CASES) if case_names is None else case_names
+    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, case_names),
                                  nprocs=world_size, join=False, start_method="spawn")
     failure = ""
     try:
@@ -87,6 +89,9 @@ def test_exact_fp64_every_reduction_smoothing_class_weights_and_scale(spawned):
     per_rank = spawned("exact_fp64")
     assert len(per_rank[0]["pairs"]) == 3 * 2 * 2 * 3 * 4  # loss and three gradients each
     assert_pairs(per_rank)
+    for result in per_rank:
+        assert not result["no_grad"]["requires_grad"]
+        torch.testing.assert_close(*result["no_grad"]["loss"])
 
 
 @pytest.mark.slow
@@ -114,6 +119,68 @@ def test_compiled_fullgraph_traces_the_collectives_forward_and_backward(spawned)
             assert sum("_c10d_functional.all_reduce" in node for node in nodes) == all_reduces, (kind, nodes)
             assert sum("_c10d_functional.wait_tensor" in node for node in nodes) == all_reduces, (kind, nodes)
             assert any(ops in node for node in nodes), (kind, nodes)
+
+
+@pytest.mark.slow
+def test_emitted_with_fx_proxies_as_the_pass_does_and_run(spawned):
+    per_rank = spawned("fx_traced")
+    assert_pairs(per_rank)
+    for result in per_rank:
+        assert sum("_c10d_functional.all_reduce" in node for node in result["nodes"]) == 2, result["nodes"]
+
+
+def test_traces_with_fx_proxies_on_fake_tensors():
+    """The graph pass's emission (FX proxies, fake example values; no process group needed to trace):
+    only registered ops and tensor methods, a fake value on every node, the loss 0-d."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [torch.empty(2, 7, 8), torch.empty(251, 8), torch.zeros(2, 7, dtype=torch.int64),
+                 torch.empty(251), torch.empty(1001)]
+    module = cases.traced_loss("0", fakes, reduction="mean", vocab_start=502, vocab_size=1001,
+                               **cases.options(logits_dtype=torch.float32, label_smoothing=0.1,
+                                               transform=HeadTransform(scale=0.5)))
+    nodes = [node for node in module.graph.nodes if node.op not in ("placeholder", "output")]
+    assert {node.op for node in nodes} <= {"call_function", "call_method"}
+    functions = [str(node.target) for node in nodes if node.op == "call_function"]
+    for name, count in (("chunkce.vocab_parallel_statistics", 1), ("chunkce.vocab_parallel_loss", 1),
+                        ("_c10d_functional.all_reduce", 2), ("_c10d_functional.wait_tensor", 2)):
+        assert sum(name in function for function in functions) == count, functions
+    assert all(isinstance(node.meta.get("example_value"), (torch.Tensor, tuple)) for node in nodes), [
+        node.format_node() for node in nodes if "example_value" not in node.meta]
+    (output,) = next(node for node in module.graph.nodes if node.op == "output").args
+    assert output.meta["example_value"].shape == ()
+
+
+@pytest.mark.slow
+def test_dtensor_entry_on_a_colwise_parallel_head(spawned):
+    """``vocab_parallel_linear_cross_entropy`` on ColwiseParallel's DTensor weight and bias: exact, the
+    gradients DTensors of the same layout (a replicated DTensor input's: the fp32 hidden-state gradient of a
+    ``sum`` against fp64, no worse than twice the unfused fp32 path's error); a plain or replicated weight
+    and a plain bias are refused."""
+    per_rank = spawned("dtensor_entry")
+    assert_pairs(per_rank, **FP32)
+    for result in per_rank:
+        op, unfused = result["replicated_grad_errors"]["op"], result["replicated_grad_errors"]["unfused"]
+        assert op <= max(2 * unfused, 1e-6), result["replicated_grad_errors"]  # against fp64
+        errors = result["refusals"]
+        assert errors["plain weight"].startswith("TypeError") and "compile_pass.linear_cross_entropy" in errors[
+            "plain weight"], errors
+        assert errors["replicated weight"].startswith("ValueError") and "Shard(0)" in errors["replicated weight"]
+        assert errors["plain bias"].startswith("ValueError") and "linear_bias" in errors["plain bias"]
+
+
+@pytest.mark.slow
+def test_inductor_with_compiled_kernels_on_2_ranks(tmp_path):
+    """The whole loss compiled by Inductor (``fullgraph=True``) and the per-tile kernels compiled too
+    (``CHUNKCE_EAGER_KERNELS=0``), two steps: exact in fp32 on 2 ranks."""
+    results, failure = spawn_ranks(2, str(tmp_path), case_names=["inductor"])
+    for rank, rank_results in enumerate(results):
+        result = rank_results.get("inductor")
+        assert result is not None and "error" not in result, (rank, failure, result)
+        assert result["graphs"] == [3, 3], result  # the loss and the two kernels, none compiled again
+    assert_pairs([rank_results["inductor"] for rank_results in results], **FP32)
 
 
 @pytest.mark.slow
@@ -156,3 +223,47 @@ def test_grads_in_forward_is_refused_with_the_fix():
         vocab_parallel_cross_entropy(hidden, weight, target, None, None, reduction="mean", vocab_start=0,
                                      vocab_size=10, group_name="unused", grads_in_forward=[True, True, False],
                                      **cases.options(transform=HeadTransform()))
+
+
+# The registered schemas, written out (a graph, a cache entry or a positional caller relies on them):
+# the single-device op's options, then the ops' own arguments after those without a default.
+_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size, bool? release_cache"
+_DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
+              "ScalarType? scale_dtype=None, SymInt? chunk_bytes=None")
+_INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
+_SHARD = "SymInt vocab_start, SymInt vocab_size"
+SCHEMAS = {
+    "vocab_parallel_statistics": f"({_INPUTS}, {_OPTIONS}, {_SHARD}, {_DEFAULTED}) "
+                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "vocab_parallel_loss": f"(Tensor loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, {_OPTIONS}, {_SHARD}, "
+                           f"str group_name, {_DEFAULTED}) -> Tensor",
+    "vocab_parallel_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, {_OPTIONS}, "
+                               f"bool[] output_mask, {_SHARD}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_registered_schemas_are_unchanged(name):
+    assert str(getattr(torch.ops.chunkce, name).default._schema) == f"chunkce::{name}{SCHEMAS[name]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(3))
+def test_opcheck_statistics_and_backward(case):
+    """``torch.library.opcheck`` of the two ops that compute (no collective inside either): a shard in
+    the middle of V 41 (rows 10..25), with or without bias, smoothing and class weights."""
+    gen = torch.Generator().manual_seed(case)
+    hidden, weight = torch.randn(9, 8, generator=gen), torch.randn(15, 8, generator=gen)
+    target = torch.randint(0, 41, (9,), generator=gen)
+    target[case] = -100
+    target[case + 1] = 12  # one in the shard
+    bias = torch.randn(15, generator=gen) if case != 1 else None
+    class_weight = torch.rand(41, generator=gen) if case == 2 else None
+    smoothing = [0.0, 0.1, 0.3][case]
+    options = (-100, smoothing, torch.float32, [4, None, 2][case], None)
+    torch.library.opcheck(torch.ops.chunkce.vocab_parallel_statistics.default,
+                          (hidden, weight, target, bias, class_weight, *options, 10, 41))
+    row_max, row_log_sum, grad_loss = torch.randn(9, generator=gen) + 3, torch.rand(9, generator=gen) + 2, torch.rand(9)
+    torch.library.opcheck(torch.ops.chunkce.vocab_parallel_backward.default,
+                          (grad_loss, hidden, weight, target, bias, class_weight, row_max, row_log_sum, *options,
+                           [True, True, bias is not None], 10, 41))

@@ -132,8 +132,21 @@ def _sweep(shard: Shard, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def case_exact_fp64(shard: Shard) -> dict[str, Any]:
-    """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64."""
-    return _sweep(shard, torch.float64)
+    """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64. And once
+    under ``torch.no_grad()`` (no gradient attaches, the loss is the same)."""
+    result = _sweep(shard, torch.float64)
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    weight, bias, hidden, target, class_weight = problem(1001)
+    start, size = shard.rows(*weight.shape)
+    with torch.no_grad():
+        loss = vocab_parallel_cross_entropy(hidden, shard.local(weight), target, shard.local(bias), class_weight,
+                                            reduction="mean", vocab_start=start, vocab_size=1001,
+                                            group_name=shard.group_name, **options(label_smoothing=0.1))
+    expected = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), target.flatten(), weight=class_weight,
+                               ignore_index=IGNORE_INDEX, label_smoothing=0.1)
+    result["no_grad"] = {"loss": (loss, expected), "requires_grad": loss.requires_grad}
+    return result
 
 
 def case_exact_fp32(shard: Shard) -> dict[str, Any]:
@@ -192,6 +205,122 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
     torch._dynamo.reset()
     pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
                      label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.75))
+    return {"pairs": pairs, "graphs": graphs}
+
+
+def traced_loss(group_name: str, fakes: list, **kwargs) -> torch.fx.GraphModule:
+    """A graph module of :func:`vocab_parallel_cross_entropy` emitted as the graph pass emits a site
+    (:func:`compile_pass.graph.nodes.trace_into`: FX proxies, placeholders carrying fake values):
+    ``(hidden_states, weight, target, bias, class_weight) -> loss``."""
+    from compile_pass.graph.nodes import trace_into
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    graph = torch.fx.Graph()
+    placeholders = []
+    for name, fake in zip(("hidden_states", "weight", "target", "bias", "class_weight"), fakes, strict=True):
+        node = graph.placeholder(name)
+        node.meta["example_value"] = fake
+        placeholders.append(node)
+    loss = trace_into(graph, vocab_parallel_cross_entropy, *placeholders, group_name=group_name, **kwargs)
+    graph.output(loss)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def case_fx_traced(shard: Shard) -> dict[str, Any]:
+    """Emitted into an FX graph with proxies, as the graph pass emits it, then run: exact."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compile_pass.op.transform import HeadTransform
+
+    weight, bias, hidden, target, class_weight = problem(1001)
+    start, size = shard.rows(*weight.shape)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(tensor) for tensor in (hidden, weight[:size], target, bias[:size], class_weight)]
+    op_options = options(label_smoothing=0.1, transform=HeadTransform(scale=0.75))
+    module = traced_loss(shard.group_name, fakes, reduction="sum", vocab_start=start, vocab_size=1001, **op_options)
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="sum", loss_fn=module,
+                     label_smoothing=0.1, transform=HeadTransform(scale=0.75))
+    return {"pairs": pairs, "nodes": [str(node.target) for node in module.graph.nodes]}
+
+
+def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
+    """The checked eager entry on an ``nn.Linear`` parallelized by ``ColwiseParallel`` (DTensor weight and
+    bias ``Shard(0)``): with plain inputs (smoothing, class weights, a scale, ``mean``), with a replicated
+    DTensor input (``sum``); and the layouts it refuses, with their messages."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.vocab_parallel import vocab_parallel_linear_cross_entropy
+
+    weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
+    head = nn.Linear(8, 1001)
+    with torch.no_grad():
+        head.weight.copy_(weight), head.bias.copy_(bias)
+    parallelize_module(head, shard.mesh, ColwiseParallel(output_layouts=Replicate()))
+    assert isinstance(head.weight, DTensor)
+
+    def entry(h, w, t, b, cw):  # run_both's local shards stand in for the module's: their gradients
+        return vocab_parallel_linear_cross_entropy(h, head.weight, t, linear_bias=head.bias, weight=cw,
+                                                   label_smoothing=0.1, logit_scale=0.5, chunk_size=4,
+                                                   chunk_bytes=4 * 4 * 64)
+
+    pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=entry,
+                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+    pairs["module grad_weight"] = (head.weight.grad.to_local().clone(), pairs.pop("grad_weight")[1])
+    pairs["module grad_bias"] = (head.bias.grad.to_local().clone(), pairs.pop("grad_bias")[1])
+    replicated = distribute_tensor(hidden, shard.mesh, [Replicate()]).requires_grad_()
+    loss = vocab_parallel_linear_cross_entropy(replicated, head.weight, target, reduction="sum")
+    loss.backward()
+    reference = hidden.double().requires_grad_()  # fp64: the hidden-state gradient of a sum cancels to ~1e-2
+    expected = torch.nn.functional.cross_entropy(torch.nn.functional.linear(reference, weight.double()).flatten(0, -2),
+                                                 target.flatten(), reduction="sum")
+    expected.backward()
+    unfused = hidden.clone().requires_grad_()  # its fp32 error against fp64 bounds the op's
+    torch.nn.functional.cross_entropy(torch.nn.functional.linear(unfused, weight).flatten(0, -2), target.flatten(),
+                                      reduction="sum").backward()
+    pairs["replicated input loss"] = (loss.detach(), expected.detach().float())
+    errors = {"op": (replicated.grad.to_local().double() - reference.grad).abs().max().item(),
+              "unfused": (unfused.grad.double() - reference.grad).abs().max().item()}
+    refusals = {}
+    for name, kwargs in (("plain weight", {"linear_weight": weight}),
+                         ("replicated weight", {"linear_weight": distribute_tensor(weight, shard.mesh, [Replicate()])}),
+                         ("plain bias", {"linear_bias": bias})):
+        arguments = {"linear_weight": head.weight, "linear_bias": head.bias, **kwargs}
+        try:
+            vocab_parallel_linear_cross_entropy(hidden, arguments.pop("linear_weight"), target, **arguments)
+        except (TypeError, ValueError) as error:
+            refusals[name] = f"{type(error).__name__}: {error}"
+    return {"pairs": pairs, "replicated_grad_errors": errors, "refusals": refusals}
+
+
+def case_inductor(shard: Shard) -> dict[str, Any]:
+    """``torch.compile(backend="inductor", fullgraph=True)`` with the per-tile kernels compiled too (run
+    alone, by its own test: ``CHUNKCE_EAGER_KERNELS=0``); two steps, the second from the cache."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    os.environ["CHUNKCE_EAGER_KERNELS"] = "0"  # read at each call (compile_pass.op.settings)
+    weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
+    start, _ = shard.rows(*weight.shape)
+    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+
+    @torch.compile(backend="inductor", fullgraph=True)
+    def loss_fn(h, w, t, b, cw):
+        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+                                            group_name=shard.group_name, **op_options)
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []  # Dynamo's graphs after each step: the loss's, and the forward and backward kernels'
+    for _ in range(2):
+        pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
+                         label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+        graphs.append(counters["stats"]["unique_graphs"])
     return {"pairs": pairs, "graphs": graphs}
 
 
@@ -263,11 +392,14 @@ def case_bad_target(shard: Shard) -> dict[str, Any]:
     return {"error_message": None}
 
 
+# run by the tests of each world size; case_inductor is run alone, on 2 ranks, by its own test
 CASES: dict[str, Callable[[Shard], dict[str, Any]]] = {
     "exact_fp64": case_exact_fp64,
     "exact_fp32": case_exact_fp32,
     "bf16": case_bf16,
     "compiled": case_compiled,
+    "fx_traced": case_fx_traced,
+    "dtensor_entry": case_dtensor_entry,
     "checkpoint_and_hooks": case_checkpoint_and_hooks,
     "memory": case_memory,
     "empty_shard": case_empty_shard,
@@ -293,7 +425,7 @@ def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) ->
     try:
         for name in case_names:
             try:
-                results[name] = CASES[name](shard)
+                results[name] = {**CASES, "inductor": case_inductor}[name](shard)
             except BaseException:
                 results[name] = {"error": traceback.format_exc()}
                 raise

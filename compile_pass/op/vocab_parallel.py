@@ -20,7 +20,9 @@ them, ``W = sum_c w_c``, ``eps``: label smoothing, ``C = V``):
    columns); the hidden-state gradient is all-reduced (sum), the weight and bias gradients are
    the shard's.
 
-Every collective is over ``[N]`` vectors (and the ``[N, H]`` hidden-state gradient), made with
+:func:`vocab_parallel_cross_entropy` is the traceable entry (what the graph pass emits, every
+decision made by the caller); :func:`vocab_parallel_linear_cross_entropy` the checked eager one, on
+a DTensor weight. Every collective is over ``[N]`` vectors (and the ``[N, H]`` hidden-state gradient), made with
 ``torch.ops._c10d_functional`` (all-reduce, wait), which Dynamo, AOTAutograd and Inductor trace.
 """
 
@@ -31,8 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
 from compile_pass.op.kernels import accumulate_dtype
+from compile_pass.op.loops import autocast_enabled
 from compile_pass.op.schema import OpOptions
+from compile_pass.op.transform import HeadTransform
 from compile_pass.op.vocab_parallel_ops import NAME, all_reduce
 
 
@@ -155,3 +160,114 @@ def _reduce(loss: Tensor, target: Tensor, flat_target: Tensor, weights: Tensor |
     if weights is not None and options.label_smoothing > 0.0:
         mean = mean + torch.zeros_like(denominator) / denominator  # nan when the weight sum is 0, as torch
     return mean.to(options.logits_dtype)
+
+
+def vocab_parallel_linear_cross_entropy(
+    input: Tensor,
+    linear_weight: Tensor,
+    target: Tensor,
+    *,
+    linear_bias: Tensor | None = None,
+    weight: Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    logits_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    release_cache: bool | None = None,
+    logit_scale: float | Tensor | None = None,
+    logit_divisor: float | Tensor | None = None,
+    scale_dtype: torch.dtype | None = None,
+    chunk_bytes: int | None = None,
+) -> Tensor:
+    """:func:`compile_pass.linear_cross_entropy` for a head whose weight is a DTensor sharded over
+    the vocabulary (``Shard(0)`` on one mesh dimension, ``Replicate()`` on any other: what
+    ``ColwiseParallel`` makes of an ``nn.Linear``), checked, eager: the loss and gradients of
+    ``F.cross_entropy(F.linear(input, linear_weight.full_tensor(), ...), ...)`` with no ``[N, V]``
+    or ``[N, V_local]`` tensor on any rank (:func:`vocab_parallel_cross_entropy`, over the group of
+    that mesh dimension). Every rank of the mesh calls it with the same ``input`` and ``target``.
+
+    Args:
+        input: hidden states ``[..., H]`` or ``[H]``: a plain tensor, or a DTensor replicated on
+            every mesh dimension; its gradient is the full one on every rank.
+        linear_weight: DTensor ``[V, H]`` (global shape), sharded as above (shards may be uneven);
+            its gradient is a DTensor of the same layout.
+        target: ``input.shape[:-1]`` class indices (plain or replicated).
+        linear_bias: a DTensor ``[V]`` sharded as the weight, or None.
+        weight: class weights ``[V]``, plain or replicated, or None.
+        the others: as :func:`compile_pass.linear_cross_entropy`.
+
+    Returns:
+        The loss, a plain tensor, the same on every rank: 0-d, or ``target``-shaped for ``"none"``.
+
+    Raises:
+        TypeError / ValueError: as :func:`compile_pass.linear_cross_entropy`; ``linear_weight``
+            not a DTensor, or sharded otherwise; ``linear_bias`` not sharded as it; ``input``,
+            ``target`` or ``weight`` a DTensor that is not replicated.
+        NotImplementedError: as :func:`compile_pass.linear_cross_entropy`.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh_dim = _vocabulary_mesh_dim(linear_weight, linear_bias)
+    input, target, weight = (_replicated(name, value) for name, value in
+                             (("input", input), ("target", target), ("weight", weight)))
+    check_loss_options(reduction, ignore_index, label_smoothing, logits_dtype)
+    check_chunking(chunk_size, chunk_bytes, False)
+    check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)  # the global shapes
+    check_scale(input, logit_scale, logit_divisor, scale_dtype)
+    vocab_size, hidden_size = linear_weight.shape
+    _, (vocab_start, _) = compute_local_shape_and_global_offset(
+        (vocab_size, hidden_size), linear_weight.device_mesh, linear_weight.placements)
+    if target.dtype != torch.int64:
+        target = target.long()
+    if input.dim() == 1:  # unbatched: one token
+        input = input.unsqueeze(0)
+    projection_dtype = None
+    if autocast_enabled(input.device.type):  # the projection in the autocast dtype, the loss in fp32
+        projection_dtype = torch.get_autocast_dtype(input.device.type)
+        logits_dtype = logits_dtype or torch.float32
+    return vocab_parallel_cross_entropy(
+        input, linear_weight.to_local(), target, None if linear_bias is None else linear_bias.to_local(), weight,
+        reduction=reduction, vocab_start=vocab_start, vocab_size=vocab_size,
+        group_name=linear_weight.device_mesh.get_group(mesh_dim).group_name, projection_dtype=projection_dtype,
+        ignore_index=ignore_index, label_smoothing=float(label_smoothing), logits_dtype=logits_dtype or input.dtype,
+        chunk_size=chunk_size, release_cache=release_cache, chunk_bytes=chunk_bytes,
+        transform=HeadTransform(scale=logit_divisor if logit_scale is None else logit_scale,
+                                divides=logit_divisor is not None, dtype=scale_dtype))
+
+
+def _vocabulary_mesh_dim(linear_weight: Tensor, linear_bias: Tensor | None) -> int:
+    """The mesh dimension the head's vocabulary is sharded over (``Shard(0)``; ``Replicate()`` on
+    the others), checked; the bias sharded the same way."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(linear_weight, DTensor):
+        raise TypeError(f"{NAME}: expected linear_weight to be a DTensor sharded over the vocabulary "
+                        f"(Shard(0)), got {type(linear_weight).__name__}; for a plain tensor use "
+                        "compile_pass.linear_cross_entropy")
+    placements = tuple(linear_weight.placements)
+    sharded = [dim for dim, placement in enumerate(placements) if placement == Shard(0)]
+    if len(sharded) != 1 or any(p != Replicate() for dim, p in enumerate(placements) if dim != sharded[0]):
+        raise ValueError(f"{NAME}: expected linear_weight sharded over the vocabulary on one mesh dimension "
+                         f"(Shard(0) there, Replicate() on the others), got placements {placements}; "
+                         "redistribute it to that layout (e.g. ColwiseParallel on a 1-D tensor-parallel mesh)")
+    if linear_bias is not None and (not isinstance(linear_bias, DTensor)
+                                    or tuple(linear_bias.placements) != placements
+                                    or linear_bias.device_mesh != linear_weight.device_mesh):
+        got = tuple(linear_bias.placements) if isinstance(linear_bias, DTensor) else type(linear_bias).__name__
+        raise ValueError(f"{NAME}: expected linear_bias as a DTensor on linear_weight's mesh with its placements "
+                         f"{placements}, got {got}")
+    return sharded[0]
+
+
+def _replicated(name: str, value: Tensor | None) -> Tensor | None:
+    """``value``'s local tensor where it is a DTensor replicated on every mesh dimension; a plain
+    tensor (or None) as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor):
+        return value
+    if any(placement != Replicate() for placement in value.placements):
+        raise ValueError(f"{NAME}: expected {name} replicated on every mesh dimension (the same on every "
+                         f"rank), got placements {tuple(value.placements)}; pass value.full_tensor()")
+    return value.to_local()
