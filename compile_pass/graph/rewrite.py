@@ -102,16 +102,18 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
         if sharded is not None and sharded.loss_parallel:  # the loss a replicated DTensor, as loss_parallel's
             new = tensor_parallel.as_dtensor_loss(sharded, new, graph, meta)
     logits = example_value(projection.node)  # [..., V]
-    tiles = planned_tiles(size_hint(example_value(call.target).numel()), size_hint(logits.shape[-1]),
+    vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
+    tiles = planned_tiles(size_hint(example_value(call.target).numel()), vocab,
                           projection_dtype, logits.device.type, reduction=call.reduction, grads_in_forward=wanted,
                           **options.op_options())
-    loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
+    # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
+    loss_input = tensor_parallel.local_value(example_value(call.input))
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     edit.replace_all_uses_with(site.node, new)
     edit.erase(site.node)
     bytes_avoided = loss_buffers + _erase_dead(site, edit)
     if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
-        scaled = example_value(scale.node)
+        scaled = tensor_parallel.local_value(example_value(scale.node))
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
     return Rewritten(bool(projection.node.users), bytes_avoided, tiles)
 
@@ -194,7 +196,7 @@ def _erase_dead(site: Site, edit: Edit) -> int:
     for node in candidates:
         if node.users:
             continue
-        value = example_value(node)
+        value = tensor_parallel.local_value(example_value(node))  # a DTensor: this rank's bytes
         if node in materialized and isinstance(value, torch.Tensor):
             bytes_avoided += size_hint(value.numel()) * value.element_size()
         edit.erase(node)
