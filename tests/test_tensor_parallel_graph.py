@@ -150,14 +150,42 @@ def test_returned_logits_of_a_sharded_head_stay_gathered_in_the_step(mesh):
     assert len(vocab_parallel_nodes(graphs[0])) == 2
 
 
-@pytest.mark.slow  # two whole TP steps, chunkce and stock, with the profiler
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.BackendCompilerFailed,
-                   reason="known: AOTAutograd traces the loss_parallel DTensor loss's mesh output to the tangent's "
-                          "(`Node tangents_2 was invalid, but is output`) when a loss_parallel model of another "
-                          "vocabulary was compiled before in the process; one model per process compiles")
-def test_two_loss_parallel_models_of_different_vocabularies_in_one_process(mesh):
+def test_torch_fails_to_compile_a_second_loss_parallel_model_on_a_new_mesh(mesh):
+    """Known, torch 2.13's, not chunkce's: compiling a ``loss_parallel()`` model (its loss a DTensor) of
+    another vocabulary on a new DeviceMesh in a process that compiled one before fails in AOTAutograd's
+    partitioner (the loss's mesh output traced to the tangent's), here with stock aot_eager; chunkce
+    (aot_eager inside) fails the same way on tp_cases' ToyLM. One model per process (a training job)
+    compiles. This test fails once torch fixes it: then drop the notes in docs/distributed.md and
+    tp_cases.py."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    for vocab, new_mesh in ((41, mesh), (29, init_device_mesh("cpu", (1,)))):
+        torch._dynamo.reset()
+        model = nn.Linear(H, vocab, bias=False)
+        parallelize_module(model, new_mesh, _plan("loss_parallel"))
+        compiled = torch.compile(lambda h, y: F.cross_entropy(model(h).flatten(0, 1), y.flatten()),
+                                 backend="aot_eager")
+        hidden, labels = torch.randn(2, 3, H, requires_grad=True), torch.randint(0, vocab, (2, 3))
+        with loss_parallel():
+            if vocab == 29:
+                with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="tangents_2 was invalid"):
+                    compiled(hidden, labels)
+            else:
+                compiled(hidden, labels).backward()
+
+
+@pytest.mark.slow  # the op's kernels compiled by Inductor
+def test_loss_parallel_peak_is_below_stock_loss_parallel_with_compiled_kernels(mesh, monkeypatch):
+    """torchtitan's layout holds [N, V_local] log-probabilities per rank; the op, with its kernels
+    compiled as by default, holds tiles (512 rows on CPU) and [N] vectors: N = 2048 tokens, V = 509.
+    (With ``CHUNKCE_EAGER_KERNELS=1``, the spawned tests' mode, the eager per-tile math allocates
+    more than stock at this V_local: 15.4 MB against 10.2 MB per rank on 2 ranks.)"""
     import tp_cases
 
-    tp_cases.case_tp(0, "loss_parallel", vocab_size=tp_cases.MEMORY_VOCAB)
-    torch._dynamo.reset()
-    tp_cases.case_tp(0, "loss_parallel", vocab_size=509)
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS")
+    result = tp_cases.case_tp(0, "loss_parallel", seq_len=tp_cases.MEMORY_SEQ_LEN, mesh=mesh)
+    for name, (got, expected) in result["pairs"].items():
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+    assert result["counters"]["sites_rewritten"] == 1, result["records"]
+    assert result["peak"] < 0.75 * result["stock_peak"], (result["peak"], result["stock_peak"])

@@ -98,15 +98,16 @@ def _plain(value: torch.Tensor) -> torch.Tensor:
 
 
 def case_tp(rank: int, layout: str = "rep", tied: bool = False, vocab_size: int = dc.VOCAB_SIZE,
-            chunk_size: int | None = None, seq_len: int = dc.SEQ_LEN) -> dict[str, Any]:
-    """One step of a TP head (``layout``: :func:`_plan`), chunkce against stock TP and the reference."""
+            chunk_size: int | None = None, seq_len: int = dc.SEQ_LEN, mesh: Any = None) -> dict[str, Any]:
+    """One step of a TP head (``layout``: :func:`_plan`), chunkce against stock TP and the reference;
+    on ``mesh``, default a new 1-D mesh over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     from compile_pass.graph.publish import last_report  # noqa: F401 - pass_outcome reads it
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = mesh or init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = dc.ToyLM(vocab_size, HIDDEN_SIZE, tied=tied)
     reference = copy.deepcopy(model)
@@ -201,8 +202,8 @@ TP_CASES = {
     "tp_rowwise": lambda rank: case_tp(rank, "rowwise"),
     "tp_rep_chunked": lambda rank: case_tp(rank, chunk_size=8),  # several tiles per rank
     "tp_memory": lambda rank: case_tp(rank, vocab_size=MEMORY_VOCAB, seq_len=MEMORY_SEQ_LEN),
-    # the same V as tp_loss_parallel: a second loss_parallel model of another V in one process fails to compile
-    # (test_tensor_parallel_graph.py: test_two_loss_parallel_models_of_different_vocabularies_in_one_process)
+    # the same V as tp_loss_parallel: torch 2.13 fails to compile a loss_parallel model of another V on a new
+    # mesh in the same process, stock or chunkce (test_tensor_parallel_graph.py: ..._torch_fails_to_compile_...)
     "tp_memory_loss_parallel": lambda rank: case_tp(rank, "loss_parallel", seq_len=MEMORY_SEQ_LEN),
 }
 TP_CASES_4 = {
