@@ -104,8 +104,6 @@ def case_tp(rank: int, layout: str = "rep", tied: bool = False, vocab_size: int 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from compile_pass.graph.publish import last_report  # noqa: F401 - pass_outcome reads it
-
     world = dist.get_world_size()
     mesh = mesh or init_device_mesh("cpu", (world,))
     torch.manual_seed(0)

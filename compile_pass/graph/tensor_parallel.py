@@ -24,12 +24,11 @@ way is refused as ``tensor_parallel``, with what was found.
 
 from __future__ import annotations
 
-import inspect
+import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.fx import Graph, Node
 
@@ -40,12 +39,10 @@ _GATHERS = ("to_local", "full_tensor")  # the replicated logits' local tensor: [
 
 
 def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` (a node's example value) is a ``DTensor``."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(value, DTensor)
+    """Whether ``value`` (a node's example value) is a ``DTensor`` (never imports DTensor's package:
+    no DTensor exists before it is imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 @dataclass(frozen=True)
@@ -223,6 +220,6 @@ def loss_parallel_problem(loss: Node, projection: Projection) -> str | None:
     value = example_value(loss)
     if not is_dtensor(value) or not all(p.is_replicate() for p in value.placements):
         return "the loss of Shard(-1) DTensor logits is not a replicated DTensor (loss_parallel())"
-    if projection.sharded.from_local is None or inspect.isclass(projection.sharded.from_local):
+    if projection.sharded.from_local is None:
         return "no DTensor.from_local in the graph to make the loss a DTensor"
     return None
