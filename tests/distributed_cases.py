@@ -1,4 +1,5 @@
-"""Per-rank cases for ``tests/test_distributed.py``: chunkce under DDP, FSDP2 and tensor parallelism.
+"""Per-rank cases for ``tests/test_distributed.py``: chunkce under DDP and FSDP2 (tensor parallelism:
+``tests/tp_cases.py``, run by :func:`run_rank` too).
 
 Run by :func:`run_rank` in each of ``WORLD_SIZE`` spawned processes (gloo, CPU).
 Every case builds its model from one seed, so each rank also holds the unsharded
@@ -453,36 +454,6 @@ def case_fsdp_root_lazy_logits(rank: int) -> dict[str, Any]:
     return {"pairs": pairs, "errors": errors, "logits_types": sorted(types), "lazy": lazy, **pass_outcome(recorder)}
 
 
-def case_tensor_parallel(rank: int) -> dict[str, Any]:
-    """A vocabulary-parallel head (``ColwiseParallel``, logits gathered): refused; exact against eager TP."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-    torch.manual_seed(0)
-    model = ToyLM()
-    reference = copy.deepcopy(model)
-    eager = copy.deepcopy(model)
-    for module in (model, eager):
-        parallelize_module(module, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
-    recorder = GraphRecorder()
-    compiled = compile_chunkce(model, recorder)
-    input_ids, labels = global_batch()  # tensor parallel: every rank sees the same batch
-    num_items_in_batch = (labels != IGNORE_INDEX).sum()
-    loss = compiled(input_ids, labels, num_items_in_batch)
-    loss.backward()
-    eager_loss = eager(input_ids, labels, num_items_in_batch)
-    eager_loss.backward()
-    expected_loss = reference_step(reference, input_ids, labels)
-    eager_params = dict(eager.named_parameters())
-    pairs = {"loss": (loss.detach(), eager_loss.detach())}
-    for name, param in model.named_parameters():
-        pairs[f"{name}.grad"] = (_local(param.grad), _local(eager_params[name].grad))
-    return {"pairs": pairs, "fp32_pairs": {"loss": (loss.detach(), expected_loss)}
-            | grad_pairs(model, reference, rank), **pass_outcome(recorder)}
-
-
 CASES: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp": case_ddp,
     "ddp_small_buckets": lambda rank: case_ddp(rank, bucket_cap_mb=1, vocab_size=1024, hidden_size=128),
@@ -499,11 +470,19 @@ CASES: dict[str, Callable[[int], dict[str, Any]]] = {
     "fsdp_own_keep_unsharded": lambda rank: case_fsdp(rank, "own", reshard_after_forward=False),
     "fsdp_head_with_loss": lambda rank: case_fsdp(rank, "head_with_loss"),
     "fsdp_root_lazy_logits": case_fsdp_root_lazy_logits,
-    "tensor_parallel": case_tensor_parallel,
 }
 
 
 # --- the per-rank entry ------------------------------------------------------------------------
+
+def _case(name: str) -> Callable[[int], dict[str, Any]]:
+    """The case ``name``: of :data:`CASES`, or a tensor-parallel one (``tests/tp_cases.py``)."""
+    if name in CASES:
+        return CASES[name]
+    import tp_cases
+
+    return {**tp_cases.TP_CASES, **tp_cases.TP_CASES_4}[name]
+
 
 def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) -> None:
     """Entry of each spawned process: join the gloo group, run ``case_names`` in order, and after each
@@ -525,7 +504,7 @@ def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) ->
             torch._dynamo.reset()
             counters.clear()
             try:
-                results[name] = CASES[name](rank)
+                results[name] = _case(name)(rank)
             except BaseException:
                 results[name] = {"error": traceback.format_exc()}
                 raise

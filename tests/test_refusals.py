@@ -189,12 +189,14 @@ CASES = {
 }
 # Kinds no Dynamo graph has (shown on other FX graphs below) or that only a bug produces.
 NOT_FROM_DYNAMO = (Refusal.CALL_MODULE, Refusal.TARGET, Refusal.UNREADABLE, Refusal.INTERNAL_ERROR)
+# Kinds whose graphs need a process group (DTensor): produced on spawned ranks, tests/test_tensor_parallel.py.
+NEEDS_PROCESS_GROUP = (Refusal.TENSOR_PARALLEL,)
 # The counter keys users count (docs/api.md, docs/design.md): a change here is a change of the docs.
 USER_KEYS = {
     "op_{op}", "graph_break", "subgraph_input", "class_dim_1", "vocab_dim", "advanced_index", "symbolic_reshape",
     "unreadable", "call_module", "internal_error", "scale_operand", "scale_requires_grad", "scale_twice",
     "mutation", "soft_cap", "producer", "no_projection", "loss_spelling", "target", "probability_target",
-    "argument", "class_weight", "weight_dtype", "subclass", "lossy_cast", "mode_switch",
+    "argument", "class_weight", "weight_dtype", "subclass", "lossy_cast", "mode_switch", "tensor_parallel",
 }
 
 
@@ -212,7 +214,7 @@ def key_pattern(kind: Refusal) -> str:
 
 
 def test_every_refusal_kind_has_a_case():
-    covered = {case_kind(name) for name in CASES} | set(NOT_FROM_DYNAMO)
+    covered = {case_kind(name) for name in CASES} | set(NOT_FROM_DYNAMO) | set(NEEDS_PROCESS_GROUP)
     assert set(Refusal) - covered == set(), "refusal kinds without a case in tests/test_refusals.py"
     for name in CASES:  # each case's key is its kind's (the table's mapping, spelled out in the cases)
         assert fnmatch.fnmatch(case_key(name), key_pattern(case_kind(name))), (name, case_kind(name).key)

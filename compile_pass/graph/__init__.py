@@ -7,6 +7,8 @@
     sites.py        find sites: walk back from each loss to its projection, or stop with a kind
     dtype_chains.py the dtypes a site's logits pass through (cast_chains: where the op rounds them)
     scale.py        read one scaling of the logits by a constant (the op's head transform), or a stop
+    tensor_parallel.py  a vocabulary-sharded (DTensor) lm_head read as one projection, for the
+                    vocabulary-parallel op (compile_pass.op.vocab_parallel), or why not
     refusals.py     every kind of refusal: its counter key, message and fix (one table)
     guard.py        accept a site, or refuse it with a Reason of one kind
     diagnostics.py  what a reason says beyond the site: the op upstream of a stop, DDP / FSDP2 state

@@ -28,8 +28,8 @@ _HINTS = {  # " (<hint>)" after an op between projection and loss
     "sub": "an added tensor",
     "detach": "it cuts the gradient", "clamp": "logit clipping",
     **dict.fromkeys(("to_local", "redistribute", "full_tensor"),
-                    "DTensor logits of a tensor parallel (vocabulary-sharded) head, gathered on the way; "
-                    "chunkce takes plain tensors only"),
+                    "DTensor logits, gathered on the way, that are not a vocabulary-sharded linear head's "
+                    "(graph/tensor_parallel.py takes ColwiseParallel heads: docs/distributed.md)"),
 }
 _PROJECTION_LIKE = ("mm", "linear", "matmul", "einsum", "conv", "tensordot", "module ")
 _UPSTREAM_DEPTH = 8  # nodes upstream of the stop searched for a projection or a soft cap

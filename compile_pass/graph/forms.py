@@ -86,6 +86,9 @@ class Projection:
     bias: Any = None  # [V] or None
     weight_is_hv: bool = False
     inner: tuple[Node, ...] = ()  # nodes of the form besides `node` (W.t(), the matmul under a bias add)
+    # a vocabulary-sharded (tensor-parallel) head: its tensor_parallel.VocabShard; `node` then is the
+    # logits gathered or kept Shard(-1), `hidden` / `weight` / `bias` DTensors (graph/tensor_parallel.py)
+    sharded: Any = None
 
 
 def read_cross_entropy(node: Node) -> CrossEntropyCall | None:

@@ -24,6 +24,7 @@ from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.sites import Site
+from compile_pass.graph.tensor_parallel import local_value, loss_parallel_problem
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LOSSLESS = {  # widening casts: every value of the first dtype is exact in the second
@@ -115,14 +116,23 @@ def _not_plain_floating(t: torch.Tensor) -> str | None:
 
 
 def _check_projection(site: Site) -> Reason | None:
+    """The head's tensors are plain floating ones (a vocabulary-sharded head's: their local
+    shards, and its loss as the layout makes it: :mod:`compile_pass.graph.tensor_parallel`)."""
     projection = site.projection
+    if projection.sharded is not None:
+        problem = loss_parallel_problem(site.node, projection) if projection.sharded.loss_parallel else None
+        if site.call.gather is not None:
+            problem = "a gather of log-probabilities (the vocabulary-parallel op computes a loss)"
+        if problem:
+            return Reason(Refusal.TENSOR_PARALLEL, detail=problem)
     for role, node in (("weight", projection.weight), ("hidden states", projection.hidden),
                        ("bias", projection.bias)):
         if node is None:
             continue
         if not is_tensor_node(node):
             return Reason(Refusal.PRODUCER, what=f"projection {role}", expected="a tensor computed in this graph")
-        problem = _not_plain_floating(example_value(node))
+        value = example_value(node)
+        problem = _not_plain_floating(local_value(value) if projection.sharded is not None else value)
         if problem:
             kind = Refusal.WEIGHT_DTYPE if "dtype" in problem else Refusal.SUBCLASS
             return Reason(kind, role=role, problem=problem)

@@ -83,6 +83,12 @@ class Refusal(enum.Enum):
     SCALE_TWICE = ("scale_twice", "`{op}` scales the logits a second time between projection and loss: the op "
                    "takes one scaling. Fix: fold them into one constant, e.g. `logits * (a / b)`",
                    "fix: fold the scalings into one constant, e.g. logits * (a / b)")
+    TENSOR_PARALLEL = ("tensor_parallel", "tensor parallel head the vocabulary-parallel op cannot take: {detail}",
+                       "fix: shard the lm_head over the vocabulary on a 1-D tensor-parallel mesh (the TP sub-mesh "
+                       "of a 2-D one) with replicated or sequence-sharded hidden states: "
+                       "ColwiseParallel(output_layouts=Replicate()), or output_layouts=Shard(-1), "
+                       "use_local_output=False with the loss under loss_parallel() (docs/distributed.md); "
+                       "otherwise the site stays unfused, exact")
     IN_PLACE_SCALE = ("mutation", "in-place `{op}` between projection and loss (logits scaled in place; written "
                       "out of place, `logits = logits * s`, the op takes the scale)", _MUTATION_FIX)
     # -- what the diagnostics name an opaque stop (diagnostics.name_opaque) --
@@ -145,7 +151,7 @@ STOPS = frozenset({
     Refusal.OPAQUE, Refusal.GRAPH_INPUT, Refusal.SUBGRAPH_INPUT, Refusal.CLASS_DIM_1, Refusal.VOCAB_DIM,
     Refusal.ADVANCED_INDEX, Refusal.SYMBOLIC_RESHAPE, Refusal.UNREADABLE, Refusal.CALL_MODULE,
     Refusal.INTERNAL_ERROR, Refusal.SCALE_OPERAND, Refusal.SCALE_REQUIRES_GRAD, Refusal.SCALE_TWICE,
-    Refusal.IN_PLACE_SCALE,
+    Refusal.IN_PLACE_SCALE, Refusal.TENSOR_PARALLEL,
 })
 OPAQUE_NAMED = (Refusal.SOFT_CAP, Refusal.PRODUCER, Refusal.NO_PROJECTION)
 

@@ -117,8 +117,11 @@ def take_out_returned_logits(graph: Graph, fused: Fused, options: Options) -> Pl
 def taken_out_as(projection: Projection, mode: str | None, in_subgraph: bool) -> str | None:
     """How this pass takes out the logits of a kept ``projection`` under ``returned_logits=mode``:
     ``"lazy"``, ``"drop"``, or None (they stay computed: another reader, ``"keep"``, a
-    higher-order op's body, inputs a recipe cannot take)."""
+    higher-order op's body, inputs a recipe cannot take, a vocabulary-sharded head's: their read
+    would be a collective every rank must join, so they are gathered in the step as stock does)."""
     if in_subgraph or mode not in ("lazy", "drop") or not only_returned(projection.node):
+        return None
+    if projection.sharded is not None:  # a tensor-parallel head's logits: gathered in the step, as stock's
         return None
     (output,) = projection.node.graph.find_nodes(op="output")
     if not isinstance(output.args[0], (tuple, list)):

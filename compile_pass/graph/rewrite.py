@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.fx import Graph, Node
 
+from compile_pass.graph import tensor_parallel
 from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.forms import CrossEntropyCall
 from compile_pass.graph.nodes import (
@@ -74,38 +75,46 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
     graph: Graph = site.node.graph
     projection, call, scale = site.projection, site.call, site.scale
     meta = site.node.meta
+    sharded = projection.sharded  # a vocabulary-sharded head (graph/tensor_parallel.py), or None
     with graph.inserting_before(site.node):
         hidden = _hidden_states(site, meta)  # [..., H]
-        weight = projection.weight
+        weight, bias = projection.weight, projection.bias
+        if sharded is not None:  # this rank's shards, [V_local, H] and [V_local]
+            _, weight, bias = tensor_parallel.local_operands(projection, graph, meta, hidden=False)
         if projection.weight_is_hv:
             weight = create_node(graph, "call_method", "t", (weight,), meta=meta)  # [H, V] -> [V, H]
         projection_dtype = example_value(projection.node).dtype
         casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
                            for arg in (hidden, weight) if is_tensor_node(arg))
         wanted = None  # the grads-in-forward op's output_mask, from the fake values; None: recompute
-        if options.grads_in_forward:
+        if options.grads_in_forward and sharded is None:
             wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
-                                    for node in (hidden, weight, projection.bias)),
+                                    for node in (hidden, weight, bias)),
                                   grad_enabled=example_value(site.node).requires_grad)
+        loss = replacement(call) if sharded is None else tensor_parallel.loss_function(sharded)
         new = trace_into(
-            graph, replacement(call), hidden, weight, call.target, projection.bias, call.weight,
+            graph, loss, hidden, weight, call.target, bias, call.weight,
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
             transform=HeadTransform() if scale is None else scale.head_transform(meta),
             grads_in_forward=wanted, meta=meta, **options.op_options(),
         )
+        if sharded is not None and sharded.loss_parallel:  # the loss a replicated DTensor, as loss_parallel's
+            new = tensor_parallel.as_dtensor_loss(sharded, new, graph, meta)
     logits = example_value(projection.node)  # [..., V]
-    tiles = planned_tiles(size_hint(example_value(call.target).numel()), size_hint(logits.shape[-1]),
+    vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
+    tiles = planned_tiles(size_hint(example_value(call.target).numel()), vocab,
                           projection_dtype, logits.device.type, reduction=call.reduction, grads_in_forward=wanted,
                           **options.op_options())
-    loss_input = example_value(call.input)  # [N, V] as cross_entropy saw it
+    # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
+    loss_input = tensor_parallel.local_value(example_value(call.input))
     loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     edit.replace_all_uses_with(site.node, new)
     edit.erase(site.node)
     bytes_avoided = loss_buffers + _erase_dead(site, edit)
     if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
-        scaled = example_value(scale.node)
+        scaled = tensor_parallel.local_value(example_value(scale.node))
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
     return Rewritten(bool(projection.node.users), bytes_avoided, tiles)
 
@@ -155,6 +164,8 @@ def _hidden_states(site: Site, meta: dict) -> Node:
     or ``[B, T, H]`` when the loss took ``[B, V, T]`` logits."""
     graph: Graph = site.node.graph
     hidden = site.projection.hidden
+    if site.projection.sharded is not None:  # the replicated DTensor's local tensor
+        hidden, _, _ = tensor_parallel.local_operands(site.projection, graph, meta, weight=False)
     hidden_size = example_value(hidden).shape[-1]
     for kind, what in site.hidden_plan:
         if kind == "reshape":
@@ -186,7 +197,7 @@ def _erase_dead(site: Site, edit: Edit) -> int:
     for node in candidates:
         if node.users:
             continue
-        value = example_value(node)
+        value = tensor_parallel.local_value(example_value(node))  # a DTensor: this rank's bytes
         if node in materialized and isinstance(value, torch.Tensor):
             bytes_avoided += size_hint(value.numel()) * value.element_size()
         edit.erase(node)

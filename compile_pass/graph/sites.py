@@ -39,6 +39,7 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.scale import Scale, ScaleRead, read_scale
 from compile_pass.graph.spellings import read_loss
+from compile_pass.graph.tensor_parallel import read_sharded
 
 # Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
 # or cast: the hidden states need nothing for them but a final flatten.
@@ -188,16 +189,26 @@ def _walk(site: Site, in_subgraph: bool) -> Stop | None:
     current = site.call.input if site.class_dim_moved is None else site.class_dim_moved.args[0]
     steps: list[Step] = []
     log_softmax_ahead = "log_softmax" in site.call.passes.values()  # a spelling's, not yet passed
-    stop, projection = None, as_projection(current)
+    projection, stop = _projection_at(current)
     while stop is None and projection is None:
         step, stop = _step(site, current, in_subgraph, log_softmax_ahead)
         if step is not None:
             steps.append(step)
             log_softmax_ahead = log_softmax_ahead and step.kind != "log_softmax"
             current = site.scale.logits if step.kind == "scale" else current.args[0]
-            projection = as_projection(current)
+            projection, stop = _projection_at(current)
     site.projection, site.steps = projection, steps[::-1]
     return stop
+
+
+def _projection_at(node: Any) -> tuple[Projection | None, Stop | None]:
+    """The projection whose logits ``node`` is (a vocabulary-sharded head's gathered or
+    ``Shard(-1)`` logits too: :mod:`compile_pass.graph.tensor_parallel`), or a stop there."""
+    sharded = read_sharded(node)
+    if sharded is None:
+        return as_projection(node), None
+    projection, why = sharded
+    return projection, None if why is None else Stop(node, Refusal.TENSOR_PARALLEL, why)
 
 
 def _step(site: Site, node: Any, in_subgraph: bool, log_softmax_ahead: bool) -> tuple[Step | None, Stop | None]:

@@ -1,0 +1,225 @@
+"""Tensor-parallel heads: an lm_head sharded over the vocabulary (a ``DTensor`` weight) read
+as one projection, for the vocabulary-parallel op.
+
+What Dynamo (torch 2.13) captures for ``parallelize_module(model, mesh, {"lm_head": plan})``:
+
+    h_d = DTensor.from_local(h, mesh, (Replicate(),), run_check=False)   # the plan's input hook
+    logits_d = linear(h_d, W_d, b_d)                  # W_d: Shard(0) on a 1-D mesh; logits_d Shard(-1)
+    ColwiseParallel(output_layouts=Replicate()):      # Hugging Face's "colwise_rep"
+        logits = logits_d.redistribute(placements=(Replicate(),), async_op=True).to_local()  # [..., V]
+    ColwiseParallel(output_layouts=Shard(-1), use_local_output=False), the loss under loss_parallel():
+        logits = logits_d.redistribute(placements=(Shard(-1),), async_op=True)  # DTensor; the loss a DTensor
+    sequence-parallel hidden states (input_layouts=Shard(1)):
+        h_d = DTensor.from_local(h, mesh, (Shard(1),)).redistribute(placements=(Replicate(),))  # gathered
+
+:func:`read_sharded` takes the gathered logits (``to_local`` / ``full_tensor``) or the
+``Shard(-1)`` ones as the projection's output (:class:`compile_pass.graph.forms.Projection`
+with a :class:`VocabShard`); the rewrite (:func:`local_operands`, :func:`loss_function`)
+runs :func:`compile_pass.op.vocab_parallel.vocab_parallel_cross_entropy` on the local
+tensors (``h_d.to_local()``, ``W_d.to_local()``: the hidden states gathered as the layout
+says), with this rank's vocabulary offset and the group read from the fake ``DTensor``'s
+mesh when the graph is compiled (constants of each rank's graph). A head sharded any other
+way is refused as ``tensor_parallel``, with what was found.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from torch import Tensor
+from torch.fx import Graph, Node
+
+from compile_pass.graph.forms import Projection, as_projection
+from compile_pass.graph.nodes import create_node, example_value, tensor_op_name
+
+_GATHERS = ("to_local", "full_tensor")  # the replicated logits' local tensor: [..., V] on every rank
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` (a node's example value) is a ``DTensor`` (never imports DTensor's package:
+    no DTensor exists before it is imported)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of a vocabulary-sharded head, read from its fake ``DTensor`` weight.
+
+    Attributes:
+        group_name: the tensor-parallel process group (the mesh's only dim).
+        vocab_start: the first vocabulary row of this rank's shard (uneven shards: DTensor's own offsets).
+        vocab_size: the global vocabulary ``V``.
+        local_size: this rank's rows ``V_local``.
+        mesh: the graph node giving the device mesh (a placeholder), to make a ``DTensor`` loss.
+        loss_parallel: the logits stay a ``Shard(-1)`` DTensor and the loss is a replicated
+            ``DTensor`` (``loss_parallel()``); False: the loss reads the gathered local logits.
+        from_local: the graph's ``DTensor.from_local`` function (the target Dynamo emitted).
+    """
+
+    group_name: str
+    vocab_start: int
+    vocab_size: int
+    local_size: int
+    mesh: Node | None
+    loss_parallel: bool
+    from_local: Any = None
+
+
+def read_sharded(node: Any) -> tuple[Projection | None, str | None] | None:
+    """A vocabulary-sharded projection ending at ``node``: ``(projection, None)``; ``(None, why)``
+    when ``node`` gathers or keeps the logits of a ``DTensor`` projection that the op cannot take;
+    None when ``node`` is no such thing (the walk goes on as for plain tensors)."""
+    if not isinstance(node, Node):
+        return None
+    name = tensor_op_name(node)
+    if name in _GATHERS and node.args and is_dtensor(example_value(node.args[0])):
+        source, loss_parallel = node.args[0], False
+        if name == "to_local":
+            source = _redistributed(source, replicate=True) or source
+    elif name == "redistribute" and is_dtensor(example_value(node)):
+        source, loss_parallel = _redistributed(node, replicate=False), True
+        if source is None:
+            return None, f"`redistribute` to {_placements_of(node)} of the logits (expected Shard(-1))"
+    elif is_dtensor(example_value(node)) and as_projection(node) is not None:
+        source, loss_parallel = node, True
+    else:
+        return None
+    projection = as_projection(source)
+    if projection is None:
+        return None
+    why = _why_not(projection, loss_parallel)
+    if why is not None:
+        return None, why
+    return _sharded(node, projection, source, loss_parallel), None
+
+
+def _redistributed(node: Node, replicate: bool) -> Node | None:
+    """The input of ``node`` when it is ``x.redistribute(...)`` to ``(Replicate(),)`` (``replicate``)
+    or to ``(Shard(-1),)`` on the same mesh, else None."""
+    if tensor_op_name(node) != "redistribute" or not node.args or not is_dtensor(example_value(node.args[0])):
+        return None
+    before, after = example_value(node.args[0]), example_value(node)
+    if after.device_mesh != before.device_mesh or after.device_mesh.ndim != 1:
+        return None
+    placement = after.placements[0]
+    if replicate:
+        return node.args[0] if placement.is_replicate() else None
+    return node.args[0] if placement.is_shard(after.dim() - 1) or placement.is_shard(-1) else None
+
+
+def _placements_of(node: Node) -> str:
+    return str(tuple(example_value(node).placements))
+
+
+def _why_not(projection: Projection, loss_parallel: bool) -> str | None:
+    """What of a ``DTensor`` projection the vocabulary-parallel op cannot take, or None."""
+    weight, hidden = example_value(projection.weight), example_value(projection.hidden)
+    if projection.weight_is_hv or not is_dtensor(weight):
+        return "a DTensor projection whose weight is not a [V, H] DTensor"
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        return (f"the lm_head weight is sharded on a {mesh.ndim}-D mesh {tuple(weight.placements)} (expected "
+                "Shard(0) on the tensor-parallel mesh)")
+    if not weight.placements[0].is_shard(0):
+        return f"the lm_head weight's placements are {tuple(weight.placements)} (expected (Shard(0),): the vocabulary)"
+    if not is_dtensor(hidden) or hidden.device_mesh != mesh or not all(p.is_replicate() for p in hidden.placements):
+        where = tuple(hidden.placements) if is_dtensor(hidden) else "a plain tensor"
+        return f"the hidden states into the lm_head are {where} (expected (Replicate(),) on the head's mesh)"
+    if projection.bias is not None:
+        bias = example_value(projection.bias)
+        if not is_dtensor(bias) or bias.device_mesh != mesh or not bias.placements[0].is_shard(0):
+            return "the lm_head bias is not sharded as its weight (Shard(0))"
+    if loss_parallel and _mesh_node(projection.hidden) is None:
+        return "no device mesh in the graph to make the loss a DTensor"
+    return None
+
+
+def _mesh_node(hidden: Node) -> Node | None:
+    """The node giving the mesh: the ``from_local`` the hidden states come from (through redistributes)."""
+    node = hidden
+    while isinstance(node, Node) and tensor_op_name(node) == "redistribute":
+        node = node.args[0]
+    if isinstance(node, Node) and node.op == "call_function" and getattr(node.target, "__name__", "") == "from_local":
+        mesh = node.args[1] if len(node.args) > 1 else node.kwargs.get("device_mesh")
+        return mesh if isinstance(mesh, Node) else None
+    return None
+
+
+def _sharded(node: Node, projection: Projection, source: Node, loss_parallel: bool) -> Projection:
+    """``projection`` read up to ``node``, with its :class:`VocabShard`."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    weight = example_value(projection.weight)
+    mesh = weight.device_mesh
+    local_shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    mesh_node = _mesh_node(projection.hidden)
+    shard = VocabShard(
+        group_name=mesh.get_group(0).group_name, vocab_start=int(offset[0]), vocab_size=int(weight.shape[0]),
+        local_size=int(local_shape[0]), mesh=mesh_node, loss_parallel=loss_parallel,
+        from_local=_from_local_target(projection.hidden))
+    between = [n for n in (source, node.args[0] if node is not source else None) if n is not None and n is not node]
+    inner = (*projection.inner, *dict.fromkeys(between))
+    return Projection(node, projection.hidden, projection.weight, projection.bias, False, inner, sharded=shard)
+
+
+def _from_local_target(hidden: Node) -> Any:
+    node = hidden
+    while isinstance(node, Node) and tensor_op_name(node) == "redistribute":
+        node = node.args[0]
+    return node.target if isinstance(node, Node) and node.op == "call_function" else None
+
+
+def local_value(value: Any) -> Any:
+    """A ``DTensor`` example value's local tensor; anything else as it is."""
+    return value._local_tensor if is_dtensor(value) else value
+
+
+def local_operands(projection: Projection, graph: Graph, meta: dict, *, hidden: bool = True,
+                   weight: bool = True) -> tuple[Node | None, Node | None, Node | None]:
+    """``(hidden_states, weight, bias)`` of a sharded projection as the op takes them, nodes inserted
+    at the graph's insertion point (None for those not asked for): ``h_d.to_local()`` ``[..., H]``
+    (replicated: the hidden states as the layout gathered them), ``W_d.to_local()`` ``[V_local, H]``,
+    ``b_d.to_local()`` ``[V_local]``."""
+    def local(node: Node | None, wanted: bool) -> Node | None:
+        if node is None or not wanted:
+            return None
+        return create_node(graph, "call_method", "to_local", (node,), meta=meta)
+
+    return local(projection.hidden, hidden), local(projection.weight, weight), local(projection.bias, weight)
+
+
+def loss_function(shard: VocabShard) -> Any:
+    """The function whose traced nodes compute the loss (``chunked_cross_entropy``'s signature),
+    for this rank's shard."""
+    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+
+    return partial(_vocab_parallel_loss, vocab_parallel_cross_entropy, vocab_start=shard.vocab_start,
+                   vocab_size=shard.vocab_size, group_name=shard.group_name)
+
+
+def _vocab_parallel_loss(op: Any, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                         class_weight: Tensor | None, *, grads_in_forward: Any = None, **options: Any) -> Tensor:
+    """The op's call; ``grads_in_forward`` is not an option of the sharded op (the pass passes None)."""
+    return op(hidden_states, weight, target, bias, class_weight, **options)
+
+
+def as_dtensor_loss(shard: VocabShard, loss: Node, graph: Graph, meta: dict) -> Node:
+    """``loss`` as the ``loss_parallel()`` loss is: a replicated ``DTensor`` on the head's mesh."""
+    from torch.distributed.tensor import Replicate
+
+    return create_node(graph, "call_function", shard.from_local, (loss, shard.mesh, (Replicate(),)),
+                       {"run_check": False}, meta=meta)
+
+
+def loss_parallel_problem(loss: Node, projection: Projection) -> str | None:
+    """Under ``loss_parallel()`` the loss must be a replicated ``DTensor`` (what the rewrite gives)."""
+    value = example_value(loss)
+    if not is_dtensor(value) or not all(p.is_replicate() for p in value.placements):
+        return "the loss of Shard(-1) DTensor logits is not a replicated DTensor (loss_parallel())"
+    if projection.sharded.from_local is None:
+        return "no DTensor.from_local in the graph to make the loss a DTensor"
+    return None

@@ -1,0 +1,103 @@
+"""chunkce on a tensor-parallel (vocabulary-sharded) lm_head: ranks spawned on CPU (gloo).
+
+Each layout of ``tests/tp_cases.py`` runs on 2 ranks (one spawn for all) and two on 4
+ranks (one more spawn): the loss and every gradient (a DTensor's local shard) against the
+same TP model compiled stock (aot_eager) and against the unsharded single-process reference
+(its rows of this rank's shard, uneven shards included: V = 509 is 255 / 254 on 2 ranks,
+128 / 128 / 128 / 125 on 4), fp32 within 1e-5 relative; that the pass fired (the counters,
+the vocabulary-parallel op's nodes in the graph the backend compiled, no cross_entropy and no
+node shaped ``[..., V]`` or ``[..., V_local]`` left) or refused with its key and fix; and, at
+V = 8191 and 2048 tokens, each rank's measured peak of the step below stock TP's (colwise_rep).
+
+Bounded: the ranks are killed after ``TIMEOUT_S``; a rank that raises fails every case it did
+not finish, with its traceback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tp_cases
+from test_distributed import Spawned, assert_pairs, refusals, spawn_ranks
+
+pytestmark = pytest.mark.slow  # spawns ranks
+
+TIMEOUT_S = 540
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Spawned:
+    return spawn_ranks(list(tp_cases.TP_CASES), str(tmp_path_factory.mktemp("tp2")), TIMEOUT_S, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> Spawned:
+    return spawn_ranks(list(tp_cases.TP_CASES_4), str(tmp_path_factory.mktemp("tp4")), TIMEOUT_S, world_size=4)
+
+
+def assert_vocab_parallel(result: dict, rank: int) -> None:
+    """Rewritten on this rank: counted, the op's nodes in one compiled graph (FSDP2 breaks the graph
+    before the root's forward: two graphs), no cross_entropy and no logits-shaped node in any."""
+    assert result["counters"].get("sites_rewritten") == 1, (rank, result["counters"], result["records"])
+    assert not result["counters"].get("sites_refused"), (rank, result["records"])
+    (graph,) = [g for g in result["graphs"] if g["vocab_parallel_nodes"]]
+    assert graph["vocab_parallel_nodes"] == 2, (rank, graph["code"])  # statistics + loss
+    for graph in result["graphs"]:
+        assert graph["cross_entropy_nodes"] == 0 and not graph["logits_shaped"], (rank, graph["logits_shaped"])
+
+
+def assert_shard_rows(result: dict, rank: int, world_size: int) -> None:
+    """This rank's V_local is DTensor's Shard(0) of V: torch.chunk's sizes (uneven: the last is smaller)."""
+    rows = [len(chunk) for chunk in torch.arange(result["vocab_size"]).chunk(world_size)]
+    assert result["local_vocab"] == rows[rank], (rank, result["local_vocab"], rows)
+
+
+@pytest.mark.parametrize("name", ["tp_rep", "tp_rep_tied", "tp_rep_even", "tp_rep_chunked", "tp_loss_parallel",
+                                  "tp_sequence_parallel", "tp_memory", "tp_memory_loss_parallel"])
+def test_vocabulary_parallel_head_is_rewritten_and_exact(two_ranks, name):
+    """ColwiseParallel(output_layouts=Replicate()) (HF's colwise_rep), tied and untied, V odd and even;
+    Shard(-1) logits under loss_parallel(); Shard(1) hidden states gathered by the head's plan."""
+    for rank, result in enumerate(two_ranks.case(name)):
+        assert_pairs(result, rank, **FP32)  # against stock TP compiled
+        assert_pairs(result, rank, key="fp32_pairs", **FP32)  # against the unsharded reference
+        assert_vocab_parallel(result, rank)
+        assert_shard_rows(result, rank, 2)
+
+
+def test_vocabulary_parallel_peak_is_below_stock_tensor_parallel(two_ranks):
+    """V = 8191, N = 2048 tokens, the op's default tiles: stock TP (colwise_rep) holds the gathered
+    [N, V] logits, their fp32 copy, log-softmax and gradient on every rank; the op holds its tiles
+    and [N] vectors."""
+    for rank, result in enumerate(two_ranks.case("tp_memory")):
+        assert result["peak"] < 0.5 * result["stock_peak"], (rank, result["peak"], result["stock_peak"])
+
+
+def test_head_sharded_over_hidden_size_is_refused_with_the_fix(two_ranks):
+    """RowwiseParallel on the lm_head (Shard(1) weight, Partial logits): not the vocabulary. Refused
+    as tensor_parallel, naming the placements and the fix; the step equals stock TP's."""
+    for rank, result in enumerate(two_ranks.case("tp_rowwise")):
+        assert_pairs(result, rank, **FP32)
+        assert_pairs(result, rank, key="fp32_pairs", **FP32)
+        (record,) = refusals(result)
+        assert record[1] == "tensor_parallel", record
+        assert "Shard(dim=1)" in record[2] and "ColwiseParallel" in record[3], record
+        assert result["counters"].get("refused_tensor_parallel") == 1, result["counters"]
+        assert not any(g["vocab_parallel_nodes"] for g in result["graphs"])
+
+
+def test_four_ranks_uneven_shards(four_ranks):
+    for rank, result in enumerate(four_ranks.case("tp4_rep")):
+        assert_pairs(result, rank, **FP32)
+        assert_pairs(result, rank, key="fp32_pairs", **FP32)
+        assert_vocab_parallel(result, rank)
+        assert_shard_rows(result, rank, 4)
+        assert result["local_vocab"] == (128, 128, 128, 125)[rank]
+
+
+def test_fsdp2_over_dp_and_tensor_parallel_head_over_tp(four_ranks):
+    """A 2 x 2 mesh: fully_shard each block and the root over "dp", the lm_head colwise over "tp"."""
+    for rank, result in enumerate(four_ranks.case("fsdp_tp")):
+        assert_pairs(result, rank, **FP32)
+        assert_pairs(result, rank, key="fp32_pairs", **FP32)
+        assert_vocab_parallel(result, rank)

@@ -1,0 +1,210 @@
+"""Per-rank cases for ``tests/test_tensor_parallel.py``: a vocabulary-sharded (tensor-parallel) lm_head.
+
+Run by :func:`distributed_cases.run_rank` in each spawned process (gloo, CPU), on 2 or 4 ranks.
+Every rank of a tensor-parallel group sees the same batch (the global one of
+:func:`distributed_cases.global_batch`); each case compiles the same TP model twice, with
+``backend="chunkce"`` (aot_eager inside) and stock ``aot_eager``, and runs the unsharded model
+eagerly as the single-process reference. ``pairs``: loss and every gradient (a DTensor's local
+shard) against stock TP; ``fp32_pairs``: the same against the reference's rows of this rank's
+shard (DTensor's own offsets: uneven shards). ``peak``: this rank's measured peak bytes of the
+step (forward and backward), chunkce and stock.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import distributed_cases as dc
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from compile_pass.memory import measure_peak_bytes
+
+HIDDEN_SIZE = 24  # the blocks' 4 * H = 96 is no shard's V_local: a [..., V_local] node is logits
+MEMORY_VOCAB = 8191  # the memory cases: N = 2 * 2 * 512 = 2048 tokens, above the op's CPU tile (512 rows)
+MEMORY_SEQ_LEN = 512
+
+
+def _plan(layout: str) -> dict[str, Any]:
+    """``parallelize_module``'s plan for ``layout``: "rep" (HF's colwise_rep), "loss_parallel"
+    (torchtitan's), "sequence_parallel" (Shard(1) hidden states into the head), "rowwise" (refused)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if layout == "rep":
+        return {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    if layout == "loss_parallel":
+        return {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    if layout == "sequence_parallel":  # the norm's output sequence-sharded, gathered by the head's plan
+        return {"model.norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    if layout == "rowwise":  # the head sharded over H: a Partial sum, not the vocabulary
+        return {"lm_head": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    raise ValueError(layout)
+
+
+def _parallelize(model: dc.ToyLM, mesh: Any, layout: str, tied: bool) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    plan = _plan(layout)
+    if tied:  # the embedding sharded over the vocabulary too, then one DTensor for both (tied again)
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    parallelize_module(model, mesh, plan)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+
+class TPGraphRecorder(dc.GraphRecorder):
+    """:class:`distributed_cases.GraphRecorder` that also counts the vocabulary-parallel op's nodes and
+    every node shaped ``[..., V]`` or ``[..., V_local]`` (DTensor values by their local shape too)."""
+
+    def __init__(self, vocab_size: int, local_vocab: int):
+        super().__init__(vocab_size)
+        self.local_vocab = local_vocab
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        ops = {op for packet in (torch.ops.chunkce.vocab_parallel_statistics, torch.ops.chunkce.vocab_parallel_loss)
+               for op in (packet, packet.default)}  # the traced call names the packet
+        description = dc.describe_graph(gm, self.vocab_size)
+        description["vocab_parallel_nodes"] = sum(node.target in ops for node in gm.graph.nodes)
+        description["logits_shaped"] = [
+            f"{node.name}: {tuple(value.shape)}" for node in gm.graph.nodes
+            if node.op != "placeholder" and isinstance(value := node.meta.get("example_value"), torch.Tensor)
+            and value.dim() >= 2 and value.shape[-1] in (self.vocab_size, self.local_vocab)]
+        description["code"] = gm.code
+        self.graphs.append(description)
+        return aot_eager(gm, example_inputs)
+
+
+def _local_rows(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """The part of ``full`` that DTensor ``like`` holds on this rank (its own shape and offsets)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+
+
+def _local(grad: Any) -> torch.Tensor:
+    return (grad.to_local() if hasattr(grad, "to_local") else grad).detach().float().clone()
+
+
+def _plain(value: torch.Tensor) -> torch.Tensor:
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float().clone()
+
+
+def case_tp(rank: int, layout: str = "rep", tied: bool = False, vocab_size: int = dc.VOCAB_SIZE,
+            chunk_size: int | None = None, seq_len: int = dc.SEQ_LEN, mesh: Any = None) -> dict[str, Any]:
+    """One step of a TP head (``layout``: :func:`_plan`), chunkce against stock TP and the reference;
+    on ``mesh``, default a new 1-D mesh over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    world = dist.get_world_size()
+    mesh = mesh or init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = dc.ToyLM(vocab_size, HIDDEN_SIZE, tied=tied)
+    reference = copy.deepcopy(model)
+    stock = copy.deepcopy(model)
+    for module in (model, stock):
+        _parallelize(module, mesh, layout, tied)
+    recorder = TPGraphRecorder(vocab_size, model.lm_head.weight.to_local().shape[0])
+    options = {"chunk_size": chunk_size} if chunk_size else {}
+    compiled = dc.compile_chunkce(model, recorder, **options)
+    stock_compiled = torch.compile(stock, backend="aot_eager")
+    input_ids, labels = dc.global_batch(seq_len, vocab_size)  # every TP rank: the same batch
+    num_items_in_batch = (labels != dc.IGNORE_INDEX).sum()
+    if layout == "sequence_parallel":  # this rank's sequence shard into the body (per-token blocks)
+        input_ids = input_ids.tensor_split(world, dim=1)[rank]
+    context = loss_parallel if layout == "loss_parallel" else torch.enable_grad
+
+    def step(fn) -> torch.Tensor:
+        with context():
+            loss = fn(input_ids, labels, num_items_in_batch)
+            loss.backward()
+        return loss
+
+    compiled_warm = step(compiled)  # compile outside the measured steps
+    stock_warm = step(stock_compiled)
+    for module in (model, stock):
+        module.zero_grad(set_to_none=True)
+    loss, peak = measure_peak_bytes(step, compiled)
+    stock_loss, stock_peak = measure_peak_bytes(step, stock_compiled)
+    expected_loss = dc.reference_step(reference, *dc.global_batch(seq_len, vocab_size))
+    pairs = {"loss": (_plain(loss), _plain(stock_loss)), "first loss": (_plain(compiled_warm), _plain(stock_warm))}
+    fp32_pairs = {"loss": (_plain(loss), expected_loss)}
+    stock_params, ref_params = dict(stock.named_parameters()), dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        pairs[f"{name}.grad"] = (_local(param.grad), _local(stock_params[name].grad))
+        expected = ref_params[name].grad
+        if hasattr(param.grad, "to_local"):
+            expected = _local_rows(expected, param.grad)
+        if layout != "sequence_parallel" or name.startswith("lm_head"):  # SP: the body sees a sequence shard
+            fp32_pairs[f"{name}.grad"] = (_local(param.grad), expected.detach().float().clone())
+    return {"pairs": pairs, "fp32_pairs": fp32_pairs, "peak": peak, "stock_peak": stock_peak,
+            "local_vocab": model.lm_head.weight.to_local().shape[0], "vocab_size": vocab_size,
+            **dc.pass_outcome(recorder)}
+
+
+def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
+    """A 2-D mesh (dp x tp = 2 x 2, 4 ranks): FSDP2 over "dp" (each block and the root), the lm_head
+    colwise over "tp". Each dp group trains on its own batch; the loss is normalised by the global count."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    torch.manual_seed(0)
+    model = dc.ToyLM(dc.VOCAB_SIZE, HIDDEN_SIZE, tied=tied)
+    reference = copy.deepcopy(model)
+    stock = copy.deepcopy(model)
+    for module in (model, stock):
+        _parallelize(module, mesh["tp"], "rep", tied)
+        for layer in module.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+    recorder = TPGraphRecorder(dc.VOCAB_SIZE, model.lm_head.weight.to_local().shape[0])
+    compiled = dc.compile_chunkce(model, recorder)
+    stock_compiled = torch.compile(stock, backend="aot_eager")
+    input_ids, labels = dc.make_batch(dp_rank)  # this dp group's batch
+    count = (labels != dc.IGNORE_INDEX).sum() * (mesh["tp"].get_local_rank() == 0)
+    dist.all_reduce(count)  # once per dp group: the global number of valid labels
+    pairs = {}
+    losses = []
+    for fn in (compiled, stock_compiled):
+        loss = fn(input_ids, labels, count) * dp_size
+        loss.backward()
+        losses.append(loss.detach())
+    pairs["loss"] = tuple(losses)
+    global_loss = losses[0].clone()
+    dist.all_reduce(global_loss)
+    expected_loss = dc.reference_step(reference, *dc.global_batch())
+    fp32_pairs = {"loss": (global_loss / dist.get_world_size(), expected_loss)}
+    stock_params, ref_params = dict(stock.named_parameters()), dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        pairs[f"{name}.grad"] = (_local(param.grad), _local(stock_params[name].grad))
+        fp32_pairs[f"{name}.grad"] = (_local(param.grad), _local_rows(ref_params[name].grad, param.grad).float())
+    return {"pairs": pairs, "fp32_pairs": fp32_pairs, **dc.pass_outcome(recorder)}
+
+
+TP_CASES = {
+    "tp_rep": case_tp,
+    "tp_rep_tied": lambda rank: case_tp(rank, tied=True),
+    "tp_rep_even": lambda rank: case_tp(rank, vocab_size=512),
+    "tp_loss_parallel": lambda rank: case_tp(rank, "loss_parallel"),
+    "tp_sequence_parallel": lambda rank: case_tp(rank, "sequence_parallel"),
+    "tp_rowwise": lambda rank: case_tp(rank, "rowwise"),
+    "tp_rep_chunked": lambda rank: case_tp(rank, chunk_size=8),  # several tiles per rank
+    "tp_memory": lambda rank: case_tp(rank, vocab_size=MEMORY_VOCAB, seq_len=MEMORY_SEQ_LEN),
+    # the same V as tp_loss_parallel: torch 2.13 fails to compile a loss_parallel model of another V on a new
+    # mesh in the same process, stock or chunkce (test_tensor_parallel_graph.py: ..._torch_fails_to_compile_...)
+    "tp_memory_loss_parallel": lambda rank: case_tp(rank, "loss_parallel", seq_len=MEMORY_SEQ_LEN),
+}
+TP_CASES_4 = {
+    "tp4_rep": case_tp,
+    "fsdp_tp": case_fsdp_tp,
+}
