@@ -3,7 +3,8 @@
     python examples/train_compiled.py                       # both backends, the whole model, stdlib sources
     python examples/train_compiled.py --compile loss        # compile a function returning only the loss
     python examples/train_compiled.py --backend chunkce --text my.txt --steps 50
-    torchrun --nproc-per-node 2 examples/train_compiled.py --parallel ddp     # or fsdp2
+    torchrun --nproc-per-node 2 examples/train_compiled.py --parallel ddp     # or fsdp2, tp
+    torchrun --nproc-per-node 4 examples/train_compiled.py --parallel fsdp2-tp
 
 Both runs use the same seed, initial weights and batches, so their per-step losses
 must agree; the script exits 1 when they do not (beyond --tol). Peak memory of one
@@ -14,7 +15,11 @@ tokenizer is trained on the corpus and cached under ~/.cache/chunkce.
 With --parallel (under torchrun), every rank trains on its own rows of each step's
 global batch (--batch-size rows per rank); the losses compared are the global ones
 (all-reduced mean over ranks), tokens/s counts all ranks, and rank 0 prints the
-summary with every rank's measured peak and chunkce counters.
+summary with every rank's measured peak and chunkce counters. With --parallel tp the
+ranks form one tensor-parallel group: every rank trains on the same rows, each decoder
+layer's projections are sharded as in Megatron / torchtitan and lm_head is sharded over
+the vocabulary with its logits gathered (Hugging Face's "colwise_rep"); fsdp2-tp adds
+FSDP2 over the data-parallel dimension of a 2-D mesh.
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -44,7 +52,16 @@ PARALLEL_HELP = (
     "backend elsewhere), each rank on its own --batch-size rows of every step's batch. ddp: "
     "DistributedDataParallel, then compile. fsdp2: fully_shard on each decoder layer and on the "
     "root, lm_head staying in the root's group: in a group of its own, FSDP2's hooks would always "
-    "break the Dynamo graph between the head and the loss, and that site could not be rewritten")
+    "break the Dynamo graph between the head and the loss, and that site could not be rewritten. "
+    "tp: tensor parallelism over all ranks (every rank on the same rows): attention and MLP "
+    "projections sharded column- then row-wise, lm_head sharded over the vocabulary with its "
+    "logits gathered (ColwiseParallel(output_layouts=Replicate()), Hugging Face's colwise_rep). "
+    "fsdp2-tp: a 2-D mesh, FSDP2 over data-parallel groups of --tp-size ranks, tp inside them")
+# Megatron's split of a Llama decoder layer (what torchtitan and Hugging Face's tp_plan write)
+LAYER_PLAN = {**{f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")},
+              "self_attn.o_proj": RowwiseParallel(),
+              **{f"mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")},
+              "mlp.down_proj": RowwiseParallel()}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "logits, is held across backward; chunkce's returned logits are lazy: never "
                         "computed unless read), or a function returning only the loss")
     p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
-    p.add_argument("--parallel", choices=("none", "ddp", "fsdp2"), default="none", help=PARALLEL_HELP)
+    p.add_argument("--parallel", choices=("none", "ddp", "fsdp2", "tp", "fsdp2-tp"), default="none",
+                   help=PARALLEL_HELP)
+    p.add_argument("--tp-size", type=int, default=2,
+                   help="ranks per tensor-parallel group with --parallel fsdp2-tp (tp: all ranks)")
     p.add_argument("--tol", type=float, default=1e-3, help="max abs per-step loss difference")
     args = p.parse_args(argv)
     if args.steps < args.warmup + 2:
@@ -84,6 +104,9 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     backend: str | None = None   # the process group's, e.g. "gloo"; None without one
+    mesh: DeviceMesh | None = None   # --parallel tp: ("tp",); fsdp2-tp: ("dp", "tp")
+    dp_rank: int = 0             # which rows of a step's batch this rank trains on
+    dp_size: int = 1             # data-parallel groups (ranks of a tensor-parallel group share rows)
 
     def all_gather(self, obj: object) -> list:
         """Every rank's ``obj``, in rank order (``[obj]`` without a process group)."""
@@ -130,7 +153,7 @@ class CausalLMLoss(torch.nn.Module):
 
 
 def compiled_loss(model: LlamaForCausalLM, backend: str, args: argparse.Namespace,
-                  device: torch.device) -> tuple[Callable[[torch.Tensor], object], torch.nn.Module]:
+                  device: torch.device, ranks: Ranks) -> tuple[Callable[[torch.Tensor], object], torch.nn.Module]:
     """``(step_fn, module)``: the compiled ``ids -> output`` for --compile / --parallel (the
     model's output object, or the loss tensor for --compile loss), and the module whose
     parameters the optimizer steps (after fully_shard: the sharded ones). No chunkce options:
@@ -141,10 +164,16 @@ def compiled_loss(model: LlamaForCausalLM, backend: str, args: argparse.Namespac
                                          device_ids=ddp_ids)
     else:
         module = model
-    if args.parallel == "fsdp2":
+    if args.parallel in ("tp", "fsdp2-tp"):
+        tp_mesh = ranks.mesh["tp"]
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)    # the root group: embeddings, final norm and lm_head (see --help)
+            parallelize_module(layer, tp_mesh, LAYER_PLAN)
+        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+    if args.parallel in ("fsdp2", "fsdp2-tp"):
+        dp_mesh = ranks.mesh["dp"] if args.parallel == "fsdp2-tp" else None
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)  # the root group: embeddings, final norm and lm_head (see --help)
         # FSDP2's hooks break the graph at every fully_shard unit, so even with --compile loss
         # the head and the loss are traced in LlamaForCausalLM.forward's own frame, which
         # returns the logits too: chunkce's default leaves them uncomputed (lazy) there as well.
@@ -165,7 +194,7 @@ def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[tor
     model = LlamaForCausalLM(config).to(device)
     model.load_state_dict(init_state)
     model.train()
-    loss_fn, module = compiled_loss(model, backend, args, device)
+    loss_fn, module = compiled_loss(model, backend, args, device, ranks)
     optimizer = torch.optim.AdamW(module.parameters(), lr=args.lr)
 
     def step(ids: torch.Tensor) -> float:
@@ -198,7 +227,7 @@ def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[tor
     run.losses = [sum(rank_losses) / ranks.world_size for rank_losses in zip(*(r[0] for r in per_rank))]
     run.peak_bytes = [r[1] for r in per_rank]
     run.warmup_s = max(r[2] for r in per_rank)
-    run.tokens_per_s = ranks.world_size * timed_tokens / max(r[3] for r in per_rank)
+    run.tokens_per_s = ranks.dp_size * timed_tokens / max(r[3] for r in per_rank)
     run.counters = [r[4] for r in per_rank]
     return run
 
@@ -265,7 +294,14 @@ def init_ranks(args: argparse.Namespace) -> tuple[Ranks, torch.device]:
             lambda record: record.msg != "Profiler record function %s will be ignored")
     backend = dist.get_default_backend_for_device(device)
     dist.init_process_group(backend, device_id=None if device.type == "cpu" else device)
-    return Ranks(dist.get_rank(), dist.get_world_size(), backend), device
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if args.parallel not in ("tp", "fsdp2-tp"):
+        return Ranks(rank, world_size, backend, dp_rank=rank, dp_size=world_size), device
+    tp_size = world_size if args.parallel == "tp" else args.tp_size
+    if world_size % tp_size:
+        raise SystemExit(f"error: --tp-size {tp_size} does not divide the {world_size} ranks")
+    mesh = init_device_mesh(device.type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return Ranks(rank, world_size, backend, mesh, rank // tp_size, world_size // tp_size), device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,10 +338,10 @@ def run_all(args: argparse.Namespace, backends: tuple[str, ...], ranks: Ranks, d
     if ranks.rank != 0:
         tokenizer = load_tokenizer(docs, args.vocab_size)
     ids = encode(tokenizer, docs)
-    # one global batch a step; rank r trains on its rows [r * B, (r + 1) * B)
+    # one global batch a step; data-parallel group d trains on its rows [d * B, (d + 1) * B)
     B = args.batch_size
-    batches = [b[ranks.rank * B:(ranks.rank + 1) * B]
-               for b in sample_batches(ids, args.steps, B * ranks.world_size, args.seq_len, args.seed)]
+    batches = [b[ranks.dp_rank * B:(ranks.dp_rank + 1) * B]
+               for b in sample_batches(ids, args.steps, B * ranks.dp_size, args.seq_len, args.seed)]
     log(f"corpus: {args.text or 'python stdlib *.py'}, {sum(map(len, docs)) / 1e6:.1f} M chars, "
         f"{ids.numel() / 1e6:.2f} M tokens, tokenizer vocab {tokenizer.get_vocab_size()}")
 
@@ -321,7 +357,9 @@ def run_all(args: argparse.Namespace, backends: tuple[str, ...], ranks: Ranks, d
         f"{n_params / 1e6:.1f} M params, fp32, {device}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; compiling the {args.compile}")
     if ranks.world_size > 1:
-        log(f"parallel: {args.parallel} over {ranks.world_size} ranks ({ranks.backend}), "
+        groups = f", {ranks.dp_size} data-parallel group(s) of {ranks.world_size // ranks.dp_size}" \
+            if ranks.mesh is not None else ""
+        log(f"parallel: {args.parallel} over {ranks.world_size} ranks ({ranks.backend}){groups}, "
             f"{B} x {args.seq_len} tokens a rank a step")
 
     runs = [train(name, config, init_state, batches, args, device, ranks) for name in backends]

@@ -82,7 +82,7 @@ def test_chunkce_lowers_measured_peak(tmp_path):
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2", "tp", "fsdp2-tp"])
 def test_torchrun(tmp_path, parallel):
     """2 ranks on gloo: both backends train, every rank rewrites, rank 0 reports every rank's peak."""
     text = tmp_path / "zen.txt"
