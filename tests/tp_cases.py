@@ -75,7 +75,8 @@ class TPGraphRecorder(dc.GraphRecorder):
         description["logits_shaped"] = [
             f"{node.name}: {tuple(value.shape)}" for node in gm.graph.nodes
             if node.op != "placeholder" and isinstance(value := node.meta.get("example_value"), torch.Tensor)
-            and value.dim() >= 2 and value.shape[-1] in (self.vocab_size, self.local_vocab)]
+            and value.dim() >= 2 and value.shape[-1] in (self.vocab_size, self.local_vocab)
+            and any(value.stride())]  # all strides 0: the stand-in of logits taken out (no memory)
         description["code"] = gm.code
         self.graphs.append(description)
         return aot_eager(gm, example_inputs)
@@ -191,6 +192,68 @@ def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
     return {"pairs": pairs, "fp32_pairs": fp32_pairs, **dc.pass_outcome(recorder)}
 
 
+def case_tp_logits(rank: int, vocab_size: int = dc.VOCAB_SIZE, seq_len: int = dc.SEQ_LEN) -> dict[str, Any]:
+    """A colwise_rep head of a model returning ``(loss, logits)``, as a Hugging Face causal LM does:
+    chunkce's logits are a LazyLogits; read on every rank (a collective), against stock TP's; the
+    gradients of ``loss + (logits * probe).sum()`` (backward through a read) against stock TP's; a
+    read after ``optimizer.step()`` raises StaleLogitsError; this rank's peak of a step whose
+    logits are returned and not read, chunkce and stock."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compile_pass import LazyLogits, StaleLogitsError
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = dc.ToyLM(vocab_size, HIDDEN_SIZE, returns_logits=True)
+    stock = copy.deepcopy(model)
+    for module in (model, stock):
+        _parallelize(module, mesh, "rep", tied=False)
+    recorder = TPGraphRecorder(vocab_size, model.lm_head.weight.to_local().shape[0])
+    compiled = dc.compile_chunkce(model, recorder)
+    stock_compiled = torch.compile(stock, backend="aot_eager")
+    input_ids, labels = dc.global_batch(seq_len, vocab_size)  # every TP rank: the same batch
+    num_items_in_batch = (labels != dc.IGNORE_INDEX).sum()
+    probe = torch.randn(*labels.shape, vocab_size, generator=torch.Generator().manual_seed(3))
+
+    def train_step(fn) -> torch.Tensor:  # logits returned, not read
+        loss, _ = fn(input_ids, labels, num_items_in_batch)
+        loss.backward()
+        return loss
+
+    train_step(compiled), train_step(stock_compiled)  # compile outside the measured steps
+    for module in (model, stock):
+        module.zero_grad(set_to_none=True)
+    _, peak = measure_peak_bytes(train_step, compiled)
+    _, stock_peak = measure_peak_bytes(train_step, stock_compiled)
+    pairs, kinds = {}, []
+    for module in (model, stock):
+        module.zero_grad(set_to_none=True)
+    read = []
+    for fn in (compiled, stock_compiled):
+        loss, logits = fn(input_ids, labels, num_items_in_batch)
+        kinds.append(type(logits).__name__)
+        (loss + (logits.float() * probe).sum()).backward()  # backward through a read of the logits
+        read.append((loss.detach().clone(), logits.detach().float().clone()))
+    pairs["loss"] = (read[0][0], read[1][0])
+    pairs["logits"] = (read[0][1], read[1][1])
+    stock_params = dict(stock.named_parameters())
+    for name, param in model.named_parameters():
+        pairs[f"{name}.grad (read)"] = (_local(param.grad), _local(stock_params[name].grad))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss, logits = compiled(input_ids, labels, num_items_in_batch)
+    lazy = isinstance(logits, LazyLogits)
+    loss.backward()
+    optimizer.step()  # the DTensor head weight stepped: its shard's logits can no longer be made
+    try:
+        logits.sum()
+        stale = "read"
+    except StaleLogitsError as exc:
+        stale = str(exc)
+    return {"pairs": pairs, "fp32_pairs": {}, "peak": peak, "stock_peak": stock_peak, "kinds": kinds,
+            "lazy_after_step": lazy, "stale": stale, "local_vocab": model.lm_head.weight.to_local().shape[0],
+            "vocab_size": vocab_size, **dc.pass_outcome(recorder)}
+
+
 TP_CASES = {
     "tp_rep": case_tp,
     "tp_rep_tied": lambda rank: case_tp(rank, tied=True),
@@ -203,8 +266,11 @@ TP_CASES = {
     # the same V as tp_loss_parallel: torch 2.13 fails to compile a loss_parallel model of another V on a new
     # mesh in the same process, stock or chunkce (test_tensor_parallel_graph.py: ..._torch_fails_to_compile_...)
     "tp_memory_loss_parallel": lambda rank: case_tp(rank, "loss_parallel", seq_len=MEMORY_SEQ_LEN),
+    "tp_logits": case_tp_logits,
+    "tp_memory_logits": lambda rank: case_tp_logits(rank, vocab_size=MEMORY_VOCAB, seq_len=MEMORY_SEQ_LEN),
 }
 TP_CASES_4 = {
     "tp4_rep": case_tp,
     "fsdp_tp": case_fsdp_tp,
+    "tp4_logits": case_tp_logits,  # uneven: V = 509 is 128 / 128 / 128 / 125
 }
