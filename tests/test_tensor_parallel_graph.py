@@ -20,7 +20,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.graph.nodes import tensor_op_name
+from compile_pass.graph.nodes import example_value, tensor_op_name
 from compile_pass.graph.report import LOGITS_DROPPED, LOGITS_KEPT, LOGITS_LAZY
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -139,7 +139,7 @@ def test_head_sharded_over_the_hidden_size_is_refused_as_tensor_parallel(mesh, c
     assert any(record.reason in r.getMessage() for r in chunkce_logs.records), "the reason was not logged"
 
 
-def compile_returning_logits(mesh, returned_logits="lazy"):
+def compile_returning_logits(mesh, returned_logits="lazy", layout="rep"):
     """A rep (colwise_rep) head returning ``(loss, logits)``, compiled with chunkce (aot_eager
     inside: the tangents the step's extra outputs get are checked as in training), and the same
     TP model uncompiled: ``(compiled, eager, compiled model, graphs)``."""
@@ -149,7 +149,7 @@ def compile_returning_logits(mesh, returned_logits="lazy"):
     model = TPHead(returns_logits=True)
     eager = copy.deepcopy(model)
     for module in (model, eager):
-        parallelize_module(module, mesh, {"lm_head": _plan("rep")})
+        parallelize_module(module, mesh, {"lm_head": _plan(layout)})
     graphs = []
 
     def inner(gm, example_inputs):
@@ -166,11 +166,13 @@ def _batch():
     return hidden, labels
 
 
-def test_returned_logits_of_a_gathered_head_are_lazy_and_exact_through_a_read(mesh):
+@pytest.mark.parametrize("layout", ["rep", "sequence_parallel"])
+def test_returned_logits_of_a_gathered_head_are_lazy_and_exact_through_a_read(mesh, layout):
     """colwise_rep's gathered logits leave the step (no projection, no [..., V] node): a LazyLogits
     whose read runs the shard's projection and the gather as stock TP does (a collective every
-    rank joins), and whose backward gives stock TP's gradients."""
-    compiled, eager, model, graphs = compile_returning_logits(mesh)
+    rank joins), and whose backward gives stock TP's gradients. Sequence-parallel hidden states:
+    the recipe takes them gathered (the plan's redistribute stays in the step)."""
+    compiled, eager, model, graphs = compile_returning_logits(mesh, layout=layout)
     probe = torch.randn(2, 5, V, generator=torch.Generator().manual_seed(3))
     results = []
     for fn in (compiled, eager):
@@ -189,7 +191,8 @@ def test_returned_logits_of_a_gathered_head_are_lazy_and_exact_through_a_read(me
     assert record.decision == "rewritten" and record.reason == LOGITS_LAZY and not record.fix, record
     (gm,) = graphs
     assert len(vocab_parallel_nodes(gm)) == 2, gm.code
-    assert not [n for n in gm.graph.nodes if n.target is torch._C._nn.linear or tensor_op_name(n) == "redistribute"]
+    assert not [n for n in gm.graph.nodes if n.target is torch._C._nn.linear or tensor_op_name(n) == "redistribute"
+                and example_value(n).shape[-1] == V], gm.code
     assert not [n.name for n in gm.graph.nodes if isinstance(value := n.meta.get("example_value"), torch.Tensor)
                 and value.dim() >= 2 and value.shape[-1] == V and any(value.stride())], gm.code  # stand-in: strides 0
 
