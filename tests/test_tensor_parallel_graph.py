@@ -226,6 +226,20 @@ def test_returned_logits_of_a_gathered_head_can_be_dropped(mesh):
         logits.sum()
 
 
+def test_returned_logits_of_a_gathered_head_are_gathered_in_the_step_with_keep(mesh):
+    """``returned_logits="keep"`` (for code that reads the logits on one rank only): stock's gathered
+    tensor; the record says kept, and its fix names the lazy default."""
+    compiled, eager, _, _ = compile_returning_logits(mesh, returned_logits="keep")
+    outputs = []
+    for fn in (compiled, eager):
+        hidden, labels = _batch()
+        outputs.append(fn(hidden, labels))
+    assert type(outputs[0][1]) is torch.Tensor
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=1e-5, atol=1e-6)
+    (record,) = compile_pass.last_report().records
+    assert record.reason == LOGITS_KEPT and "returned_logits': 'lazy'" in record.fix, record
+
+
 def test_returned_logits_of_a_loss_parallel_head_stay_computed(mesh):
     """loss_parallel's logits are a Shard(-1) DTensor (no gather in the step to save): computed in the
     step as stock computes them (``logits_kept``); the loss is still rewritten."""

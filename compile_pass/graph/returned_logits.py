@@ -22,6 +22,11 @@ stand-in, a NaN scalar expanded to their shape (no memory), marked ``meta[STAND_
 * ``"drop"``: training logits (they require grad) get the refusing recipe
   (:data:`compile_pass.lazy_logits.DROPPED`); no-grad logits are lazy, as an evaluation
   loop reads them.
+* A tensor-parallel head's gathered logits (colwise_rep): lazy or dropped as above; the
+  recipe takes the replicated hidden states' local tensor and makes it a DTensor again on the
+  head's mesh (:func:`compile_pass.graph.tensor_parallel.recipe_hidden_states`), then runs the
+  graph's DTensor nodes (the shard's projection, the gather, ``to_local``): a read is a
+  collective every rank of the group must join. ``loss_parallel``'s ``Shard(-1)`` logits stay.
 * ``"keep"``: nothing is taken out. The pre-grad pass runs no returned-logits pass (it
   cannot wrap the compiled graph) and passes ``"keep"`` to the driver.
 

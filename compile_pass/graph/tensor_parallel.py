@@ -19,7 +19,9 @@ runs :func:`compile_pass.op.vocab_parallel.vocab_parallel_cross_entropy` on the 
 tensors (``h_d.to_local()``, ``W_d.to_local()``: the hidden states gathered as the layout
 says), with this rank's vocabulary offset and the group read from the fake ``DTensor``'s
 mesh when the graph is compiled (constants of each rank's graph). A head sharded any other
-way is refused as ``tensor_parallel``, with what was found.
+way is refused as ``tensor_parallel``, with what was found. Returned gathered logits are lazy
+(:mod:`compile_pass.graph.returned_logits`): their recipe makes the hidden states' local tensor a
+replicated DTensor again (:func:`recipe_hidden_states`, :func:`replicated_in`).
 """
 
 from __future__ import annotations
