@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from compile_pass.graph import report
+from compile_pass.graph import report, tensor_parallel
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import (
     CASTS,
@@ -61,7 +61,6 @@ from compile_pass.graph.nodes import (
     tensor_op_name,
 )
 from compile_pass.graph.scale import read_scale
-from compile_pass.graph import tensor_parallel
 from compile_pass.graph.tensor_parallel import is_dtensor, local_value
 from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
 from compile_pass.options import Options
