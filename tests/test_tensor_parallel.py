@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 import tp_cases
+from compile_pass.graph.report import LOGITS_LAZY
 from test_distributed import Spawned, assert_pairs, refusals, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks
@@ -73,6 +74,45 @@ def test_vocabulary_parallel_peak_is_below_stock_tensor_parallel(two_ranks):
         assert result["peak"] < 0.5 * result["stock_peak"], (rank, result["peak"], result["stock_peak"])
 
 
+def assert_lazy_logits(result: dict, rank: int) -> None:
+    """The logits left the step (the record says lazy, no [..., V] / [..., V_local] node in any graph
+    but the stand-in): chunkce returned a LazyLogits, stock a tensor; read on every rank, they equal
+    stock TP's (fp32 exact), as does the loss; a read after optimizer.step() raised StaleLogitsError."""
+    assert_vocab_parallel(result, rank)
+    assert result["counters"].get("logits_lazy") == 1 and not result["counters"].get("logits_kept"), result["counters"]
+    assert result["records"][0][2] == LOGITS_LAZY, result["records"]
+    assert result["kinds"] == ["LazyLogits", "Tensor", "LazyLogits"], result["kinds"]
+    assert_pairs(result, rank, rtol=1e-5, atol=1e-6)
+    assert "an optimizer step (SGD) updated the lm_head weight" in result["stale"], result["stale"]
+
+
+def assert_read_grads(result: dict, rank: int) -> None:
+    """Gradients of ``loss + (logits * probe).sum()`` against stock TP's. fp32, relative to each gradient's
+    largest entry: stock adds the probe into the loss's [N, V] gradient before one matmul, chunkce's read
+    backpropagates it through its own (measured: below 3e-7 of the largest entry)."""
+    for name, (got, expected) in result["read_pairs"].items():
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item(),
+                                   msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+    assert "lm_head.weight.grad" in result["read_pairs"]
+
+
+def test_returned_logits_of_a_colwise_rep_head_are_lazy(two_ranks):
+    """A model returning (loss, logits), as a Hugging Face causal LM: the logits are computed when read,
+    by a collective over the tensor-parallel group (every rank reads), exactly as stock TP gathers them;
+    backward through a read gives stock TP's gradients."""
+    for rank, result in enumerate(two_ranks.case("tp_logits")):
+        assert_lazy_logits(result, rank)
+        assert_read_grads(result, rank)
+
+
+def test_returned_logits_peak_is_below_stock_tensor_parallel(two_ranks):
+    """V = 8191, N = 2048 tokens, a step whose logits are returned and not read: stock TP gathers and
+    holds [N, V] on every rank; chunkce holds neither [N, V] nor [N, V_local]."""
+    for rank, result in enumerate(two_ranks.case("tp_memory_logits")):
+        assert_lazy_logits(result, rank)
+        assert result["peak"] < 0.25 * result["stock_peak"], (rank, result["peak"], result["stock_peak"])
+
+
 def test_head_sharded_over_hidden_size_is_refused_with_the_fix(two_ranks):
     """RowwiseParallel on the lm_head (Shard(1) weight, Partial logits): not the vocabulary. Refused
     as tensor_parallel, naming the placements and the fix; the step equals stock TP's."""
@@ -93,6 +133,23 @@ def test_four_ranks_uneven_shards(four_ranks):
         assert_vocab_parallel(result, rank)
         assert_shard_rows(result, rank, 4)
         assert result["local_vocab"] == (128, 128, 128, 125)[rank]
+
+
+def test_four_ranks_uneven_shards_lazy_logits(four_ranks):
+    for rank, result in enumerate(four_ranks.case("tp4_logits")):
+        assert_lazy_logits(result, rank)
+        assert_read_grads(result, rank)
+        assert result["local_vocab"] == (128, 128, 128, 125)[rank]
+
+
+def test_fsdp2_x_tensor_parallel_lazy_logits(four_ranks):
+    """FSDP2 over "dp", the head colwise_rep over "tp", (loss, logits) returned: read before backward they
+    equal stock's; after backward FSDP2 freed the unsharded head's local shard: a read raises."""
+    for rank, result in enumerate(four_ranks.case("fsdp_tp_logits")):
+        assert_vocab_parallel(result, rank)
+        assert result["records"][0][2] == LOGITS_LAZY and result["kinds"] == ["LazyLogits", "Tensor"], result
+        assert_pairs(result, rank, rtol=1e-5, atol=1e-6)
+        assert "storage freed or resized" in result["stale"], result["stale"]
 
 
 def test_fsdp2_over_dp_and_tensor_parallel_head_over_tp(four_ranks):

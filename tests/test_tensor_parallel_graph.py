@@ -20,7 +20,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.graph.report import LOGITS_KEPT
+from compile_pass.graph.nodes import example_value, tensor_op_name
+from compile_pass.graph.report import LOGITS_DROPPED, LOGITS_KEPT, LOGITS_LAZY
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
@@ -138,15 +139,116 @@ def test_head_sharded_over_the_hidden_size_is_refused_as_tensor_parallel(mesh, c
     assert any(record.reason in r.getMessage() for r in chunkce_logs.records), "the reason was not logged"
 
 
-def test_returned_logits_of_a_sharded_head_stay_gathered_in_the_step(mesh):
-    """A read of lazy logits would be a collective every rank must join: the logits are computed in
-    the step as stock TP computes them (``logits_kept``); the loss is still rewritten."""
-    graphs, outputs, model, eager, grads = run(mesh, "rep", returns_logits=True)
+def compile_returning_logits(mesh, returned_logits="lazy", layout="rep"):
+    """A rep (colwise_rep) head returning ``(loss, logits)``, compiled with chunkce (aot_eager
+    inside: the tangents the step's extra outputs get are checked as in training), and the same
+    TP model uncompiled: ``(compiled, eager, compiled model, graphs)``."""
+    from torch._dynamo.backends.debugging import aot_eager
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = TPHead(returns_logits=True)
+    eager = copy.deepcopy(model)
+    for module in (model, eager):
+        parallelize_module(module, mesh, {"lm_head": _plan(layout)})
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(copy.deepcopy(gm))
+        return aot_eager(gm, example_inputs)
+
+    options = {"inner_backend": inner, "returned_logits": returned_logits}
+    return torch.compile(model, backend="chunkce", options=options), eager, model, graphs
+
+
+def _batch():
+    labels = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    return hidden, labels
+
+
+@pytest.mark.parametrize("layout", ["rep", "sequence_parallel"])
+def test_returned_logits_of_a_gathered_head_are_lazy_and_exact_through_a_read(mesh, layout):
+    """colwise_rep's gathered logits leave the step (no projection, no [..., V] node): a LazyLogits
+    whose read runs the shard's projection and the gather as stock TP does (a collective every
+    rank joins), and whose backward gives stock TP's gradients. Sequence-parallel hidden states:
+    the recipe takes them gathered (the plan's redistribute stays in the step)."""
+    compiled, eager, model, graphs = compile_returning_logits(mesh, layout=layout)
+    probe = torch.randn(2, 5, V, generator=torch.Generator().manual_seed(3))
+    results = []
+    for fn in (compiled, eager):
+        hidden, labels = _batch()
+        loss, logits = fn(hidden, labels)
+        results.append((type(logits), logits.shape, loss.detach(), logits.float() * 1.0))
+        (loss + (logits.float() * probe).sum()).backward()  # backward through a read
+        results[-1] += (hidden.grad,)
+    (got_type, got_shape, *got), (_, shape, *expected) = results
+    assert got_type is compile_pass.LazyLogits and got_shape == shape
+    for name, a, b in zip(("loss", "logits", "hidden.grad"), got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(model.lm_head.weight.grad.to_local(), eager.lm_head.weight.grad.to_local(),
+                               rtol=1e-5, atol=1e-5)
+    (record,) = compile_pass.last_report().records
+    assert record.decision == "rewritten" and record.reason == LOGITS_LAZY and not record.fix, record
+    (gm,) = graphs
+    assert len(vocab_parallel_nodes(gm)) == 2, gm.code
+    assert not [n for n in gm.graph.nodes if n.target is torch._C._nn.linear or tensor_op_name(n) == "redistribute"
+                and example_value(n).shape[-1] == V], gm.code
+    assert not [n.name for n in gm.graph.nodes if isinstance(value := n.meta.get("example_value"), torch.Tensor)
+                and value.dim() >= 2 and value.shape[-1] == V and any(value.stride())], gm.code  # stand-in: strides 0
+
+
+@pytest.mark.parametrize("change", ["optimizer_step", "in_place"])
+def test_lazy_logits_of_a_gathered_head_are_stale_after_a_step_on_the_dtensor_weight(mesh, change):
+    """The optimizer pre-hook sees the DTensor parameter; an in-place change bumps its local shard's version."""
+    compiled, _, model, _ = compile_returning_logits(mesh)
+    hidden, labels = _batch()
+    loss, logits = compiled(hidden, labels)
+    loss.backward()
+    if change == "optimizer_step":
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    else:
+        with torch.no_grad():
+            model.lm_head.weight.to_local().mul_(2)
+    with pytest.raises(compile_pass.StaleLogitsError, match="optimizer step" if change == "optimizer_step" else
+                       "changed in place"):
+        logits.sum()
+
+
+def test_returned_logits_of_a_gathered_head_can_be_dropped(mesh):
+    compiled, _, _, _ = compile_returning_logits(mesh, returned_logits="drop")
+    hidden, labels = _batch()
+    loss, logits = compiled(hidden, labels)
+    loss.backward()
+    assert type(logits) is compile_pass.DroppedLogits and logits.shape == (2, 5, V)
+    (record,) = compile_pass.last_report().records
+    assert record.reason == LOGITS_DROPPED, record
+    with pytest.raises(RuntimeError, match="returned_logits"):
+        logits.sum()
+
+
+def test_returned_logits_of_a_gathered_head_are_gathered_in_the_step_with_keep(mesh):
+    """``returned_logits="keep"`` (for code that reads the logits on one rank only): stock's gathered
+    tensor; the record says kept, and its fix names the lazy default."""
+    compiled, eager, _, _ = compile_returning_logits(mesh, returned_logits="keep")
+    outputs = []
+    for fn in (compiled, eager):
+        hidden, labels = _batch()
+        outputs.append(fn(hidden, labels))
+    assert type(outputs[0][1]) is torch.Tensor
+    torch.testing.assert_close(outputs[0][1], outputs[1][1], rtol=1e-5, atol=1e-6)
+    (record,) = compile_pass.last_report().records
+    assert record.reason == LOGITS_KEPT and "returned_logits': 'lazy'" in record.fix, record
+
+
+def test_returned_logits_of_a_loss_parallel_head_stay_computed(mesh):
+    """loss_parallel's logits are a Shard(-1) DTensor (no gather in the step to save): computed in the
+    step as stock computes them (``logits_kept``); the loss is still rewritten."""
+    graphs, outputs, model, eager, grads = run(mesh, "loss_parallel", returns_logits=True)
     assert_same_step(outputs, model, eager, grads)
     (record,) = compile_pass.last_report().records
     assert record.decision == "rewritten" and record.reason == LOGITS_KEPT and not record.fix, record
-    assert type(outputs[0][1]) is torch.Tensor
-    torch.testing.assert_close(outputs[0][1], outputs[1][1])
+    assert type(outputs[0][1]).__name__ == "DTensor"
+    torch.testing.assert_close(outputs[0][1].full_tensor(), outputs[1][1].full_tensor())
     assert len(vocab_parallel_nodes(graphs[0])) == 2
 
 

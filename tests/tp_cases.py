@@ -75,7 +75,8 @@ class TPGraphRecorder(dc.GraphRecorder):
         description["logits_shaped"] = [
             f"{node.name}: {tuple(value.shape)}" for node in gm.graph.nodes
             if node.op != "placeholder" and isinstance(value := node.meta.get("example_value"), torch.Tensor)
-            and value.dim() >= 2 and value.shape[-1] in (self.vocab_size, self.local_vocab)]
+            and value.dim() >= 2 and value.shape[-1] in (self.vocab_size, self.local_vocab)
+            and any(value.stride())]  # all strides 0: the stand-in of logits taken out (no memory)
         description["code"] = gm.code
         self.graphs.append(description)
         return aot_eager(gm, example_inputs)
@@ -91,6 +92,11 @@ def _local_rows(full: torch.Tensor, like: Any) -> torch.Tensor:
 
 def _local(grad: Any) -> torch.Tensor:
     return (grad.to_local() if hasattr(grad, "to_local") else grad).detach().float().clone()
+
+
+def _read(logits: torch.Tensor) -> torch.Tensor:
+    """The values of ``logits``, read now (an op on them: a LazyLogits' ``clone()`` is a lazy copy)."""
+    return logits.detach().float().mul(1)
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:
@@ -191,6 +197,110 @@ def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
     return {"pairs": pairs, "fp32_pairs": fp32_pairs, **dc.pass_outcome(recorder)}
 
 
+def case_tp_logits(rank: int, vocab_size: int = dc.VOCAB_SIZE, seq_len: int = dc.SEQ_LEN,
+                   read_backward: bool = True) -> dict[str, Any]:
+    """A colwise_rep head of a model returning ``(loss, logits)``, as a Hugging Face causal LM does.
+    ``peak``: this rank's peak of a step whose logits are returned and not read, chunkce and stock.
+    ``pairs``: the loss and the logits read on every rank (a collective), against stock TP's;
+    ``read_pairs`` (``read_backward``): every gradient of ``loss + (logits * probe).sum()`` (backward
+    through a read). ``stale``: what a read after ``optimizer.step()`` raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from compile_pass import LazyLogits, StaleLogitsError
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = dc.ToyLM(vocab_size, HIDDEN_SIZE, returns_logits=True)
+    stock = copy.deepcopy(model)
+    for module in (model, stock):
+        _parallelize(module, mesh, "rep", tied=False)
+    recorder = TPGraphRecorder(vocab_size, model.lm_head.weight.to_local().shape[0])
+    compiled = dc.compile_chunkce(model, recorder)
+    stock_compiled = torch.compile(stock, backend="aot_eager")
+    input_ids, labels = dc.global_batch(seq_len, vocab_size)  # every TP rank: the same batch
+    num_items_in_batch = (labels != dc.IGNORE_INDEX).sum()
+
+    def train_step(fn) -> torch.Tensor:  # logits returned, not read
+        loss, _ = fn(input_ids, labels, num_items_in_batch)
+        loss.backward()
+        return loss
+
+    train_step(compiled), train_step(stock_compiled)  # compile outside the measured steps
+    for module in (model, stock):
+        module.zero_grad(set_to_none=True)
+    _, peak = measure_peak_bytes(train_step, compiled)
+    _, stock_peak = measure_peak_bytes(train_step, stock_compiled)
+    for module in (model, stock):
+        module.zero_grad(set_to_none=True)
+    probe = torch.randn(*labels.shape, vocab_size, generator=torch.Generator().manual_seed(3))
+    read, kinds = [], []
+    for fn in (compiled, stock_compiled):
+        loss, logits = fn(input_ids, labels, num_items_in_batch)
+        kinds.append(type(logits).__name__)
+        read.append((loss.detach().clone(), _read(logits)))
+        if read_backward:
+            (loss + (logits.float() * probe).sum()).backward()  # backward through a read of the logits
+    pairs = {"loss": (read[0][0], read[1][0]), "logits": (read[0][1], read[1][1])}
+    read_pairs = {}
+    if read_backward:
+        stock_params = dict(stock.named_parameters())
+        for name, param in model.named_parameters():
+            read_pairs[f"{name}.grad"] = (_local(param.grad), _local(stock_params[name].grad))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss, logits = compiled(input_ids, labels, num_items_in_batch)
+    kinds.append(type(logits).__name__)
+    loss.backward()
+    optimizer.step()  # the DTensor head weight stepped: the logits of its shard can no longer be made
+    try:
+        logits.sum()
+        stale = ""
+    except StaleLogitsError as exc:
+        stale = str(exc)
+    return {"pairs": pairs, "read_pairs": read_pairs, "peak": peak, "stock_peak": stock_peak, "kinds": kinds,
+            "stale": stale, "local_vocab": model.lm_head.weight.to_local().shape[0], "vocab_size": vocab_size,
+            **dc.pass_outcome(recorder)}
+
+
+def case_fsdp_tp_logits(rank: int) -> dict[str, Any]:
+    """:func:`case_fsdp_tp`'s 2 x 2 mesh, the model returning ``(loss, logits)``: the logits read
+    before backward (FSDP2 frees the unsharded head after it) against stock's; a read after
+    backward raises StaleLogitsError."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from compile_pass import StaleLogitsError
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = dc.ToyLM(dc.VOCAB_SIZE, HIDDEN_SIZE, returns_logits=True)
+    stock = copy.deepcopy(model)
+    for module in (model, stock):
+        _parallelize(module, mesh["tp"], "rep", tied=False)
+        for layer in module.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+    recorder = TPGraphRecorder(dc.VOCAB_SIZE, model.lm_head.weight.to_local().shape[0])
+    compiled = dc.compile_chunkce(model, recorder)
+    stock_compiled = torch.compile(stock, backend="aot_eager")
+    input_ids, labels = dc.make_batch(mesh["dp"].get_local_rank())
+    count = (labels != dc.IGNORE_INDEX).sum()
+    read, kinds = [], []
+    for fn in (compiled, stock_compiled):
+        loss, logits = fn(input_ids, labels, count)
+        kinds.append(type(logits).__name__)
+        read.append((loss.detach().clone(), _read(logits)))  # before backward
+        loss.backward()
+    loss, logits = compiled(input_ids, labels, count)
+    loss.backward()
+    try:
+        logits.sum()
+        stale = ""
+    except StaleLogitsError as exc:
+        stale = str(exc)
+    return {"pairs": {"loss": (read[0][0], read[1][0]), "logits": (read[0][1], read[1][1])}, "kinds": kinds,
+            "stale": stale, **dc.pass_outcome(recorder)}
+
+
 TP_CASES = {
     "tp_rep": case_tp,
     "tp_rep_tied": lambda rank: case_tp(rank, tied=True),
@@ -203,8 +313,13 @@ TP_CASES = {
     # the same V as tp_loss_parallel: torch 2.13 fails to compile a loss_parallel model of another V on a new
     # mesh in the same process, stock or chunkce (test_tensor_parallel_graph.py: ..._torch_fails_to_compile_...)
     "tp_memory_loss_parallel": lambda rank: case_tp(rank, "loss_parallel", seq_len=MEMORY_SEQ_LEN),
+    "tp_logits": case_tp_logits,
+    "tp_memory_logits": lambda rank: case_tp_logits(rank, vocab_size=MEMORY_VOCAB, seq_len=MEMORY_SEQ_LEN,
+                                                    read_backward=False),
 }
 TP_CASES_4 = {
     "tp4_rep": case_tp,
     "fsdp_tp": case_fsdp_tp,
+    "tp4_logits": case_tp_logits,  # uneven: V = 509 is 128 / 128 / 128 / 125
+    "fsdp_tp_logits": case_fsdp_tp_logits,
 }

@@ -223,8 +223,9 @@ def _settle_logits(record: report.SiteRecord, site: Site, in_subgraph: bool) -> 
     node = site.projection.node
     if not node.users:
         return dataclasses.replace(record, reason="", fix="")
-    # (a tensor-parallel head's returned logits are gathered in the step: returned_logits.taken_out_as)
-    takeable = not in_subgraph and site.projection.sharded is None and only_returned(node)
+    # (loss_parallel's Shard(-1) DTensor logits stay computed: returned_logits.taken_out_as)
+    sharded = site.projection.sharded
+    takeable = not in_subgraph and (sharded is None or not sharded.loss_parallel) and only_returned(node)
     fix = report.DROP_LOGITS_FIX if takeable else ""
     return dataclasses.replace(record, reason=report.LOGITS_KEPT, fix=fix)
 

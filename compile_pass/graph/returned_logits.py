@@ -22,6 +22,11 @@ stand-in, a NaN scalar expanded to their shape (no memory), marked ``meta[STAND_
 * ``"drop"``: training logits (they require grad) get the refusing recipe
   (:data:`compile_pass.lazy_logits.DROPPED`); no-grad logits are lazy, as an evaluation
   loop reads them.
+* A tensor-parallel head's gathered logits (colwise_rep): lazy or dropped as above; the
+  recipe takes the replicated hidden states' local tensor and makes it a DTensor again on the
+  head's mesh (:func:`compile_pass.graph.tensor_parallel.recipe_hidden_states`), then runs the
+  graph's DTensor nodes (the shard's projection, the gather, ``to_local``): a read is a
+  collective every rank of the group must join. ``loss_parallel``'s ``Shard(-1)`` logits stay.
 * ``"keep"``: nothing is taken out. The pre-grad pass runs no returned-logits pass (it
   cannot wrap the compiled graph) and passes ``"keep"`` to the driver.
 
@@ -43,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from compile_pass.graph import report
+from compile_pass.graph import report, tensor_parallel
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import (
     CASTS,
@@ -56,6 +61,7 @@ from compile_pass.graph.nodes import (
     tensor_op_name,
 )
 from compile_pass.graph.scale import read_scale
+from compile_pass.graph.tensor_parallel import is_dtensor, local_value
 from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
 from compile_pass.options import Options
 
@@ -117,11 +123,14 @@ def take_out_returned_logits(graph: Graph, fused: Fused, options: Options) -> Pl
 def taken_out_as(projection: Projection, mode: str | None, in_subgraph: bool) -> str | None:
     """How this pass takes out the logits of a kept ``projection`` under ``returned_logits=mode``:
     ``"lazy"``, ``"drop"``, or None (they stay computed: another reader, ``"keep"``, a
-    higher-order op's body, inputs a recipe cannot take, a vocabulary-sharded head's: their read
-    would be a collective every rank must join, so they are gathered in the step as stock does)."""
+    higher-order op's body, inputs a recipe cannot take, the ``Shard(-1)`` DTensor logits of a
+    ``loss_parallel`` head). The gathered logits of a vocabulary-sharded head (colwise_rep) are
+    taken out too: their recipe is the graph's own DTensor nodes (the shard's projection, the
+    gather, ``to_local``), so a read is a collective over the tensor-parallel group that every
+    rank must join, as ``DTensor.full_tensor()`` is."""
     if in_subgraph or mode not in ("lazy", "drop") or not only_returned(projection.node):
         return None
-    if projection.sharded is not None:  # a tensor-parallel head's logits: gathered in the step, as stock's
+    if projection.sharded is not None and projection.sharded.loss_parallel:  # Shard(-1) DTensor logits: kept
         return None
     (output,) = projection.node.graph.find_nodes(op="output")
     if not isinstance(output.args[0], (tuple, list)):
@@ -180,7 +189,15 @@ def take_out(projection: Projection, edit: Edit, how: str) -> int:
     for dead in (*chain[::-1], *projection.inner[::-1]):
         if not dead.users:
             edit.erase(dead)
-    return sum(size_hint(example_value(n).numel()) * example_value(n).element_size() for n in chain)
+    values = [local_value(example_value(n)) for n in chain]
+    if projection.sharded is not None:  # the shard's [..., V_local] projection (a Shard(-1) DTensor) too
+        values += [local_value(example_value(n)) for n in projection.inner if _is_logits_shard(n)]
+    return sum(size_hint(v.numel()) * v.element_size() for v in values)
+
+
+def _is_logits_shard(node: Node) -> bool:
+    value = example_value(node)
+    return is_dtensor(value) and value.dim() >= 2 and any(p.is_shard() for p in value.placements)
 
 
 def _recipe_nodes(projection: Projection, chain: list[Node]) -> tuple[list[Node], list[Node]] | None:
@@ -197,13 +214,17 @@ def _recipe_nodes(projection: Projection, chain: list[Node]) -> tuple[list[Node]
 
 def _recipe(projection: Projection, chain: list[Node]) -> TakenOut:
     made, inputs = _recipe_nodes(projection, chain)
+    rebuilt = None  # a tensor-parallel head's: the hidden states' local tensor, made a DTensor again in the recipe
+    if projection.sharded is not None:
+        rebuilt = tensor_parallel.recipe_hidden_states(projection, projection.node.graph)
+        inputs = [rebuilt if node is projection.hidden else node for node in inputs]
     values = [example_value(node) for node in inputs]
     scalars = tuple(not isinstance(v, torch.Tensor) for v in values)
     projected = example_value(projection.node)
     operands = [example_value(a) for a in (projection.hidden, projection.weight) if is_tensor_node(a)]
     autocast_dtype = projected.dtype if any(v.dtype != projected.dtype for v in operands) else None
-    roles = tuple(_role(node, projection) for node in inputs)
-    module = _copy_nodes(projection.node.graph, made, inputs, scalars, chain[-1])
+    roles = tuple("hidden states" if node is rebuilt else _role(node, projection) for node in inputs)
+    module = _copy_nodes(projection.node.graph, made, inputs, scalars, chain[-1], projection, rebuilt)
     return TakenOut(Recipe(module, roles, scalars, autocast_dtype), tuple(inputs))
 
 
@@ -218,18 +239,27 @@ def _role(node: Node, projection: Projection) -> str:
 
 
 def _copy_nodes(graph: Graph, made: list[Node], inputs: list[Node], scalars: tuple[bool, ...],
-                returned: Node) -> GraphModule:
-    """A GraphModule running ``made`` (in graph order) on placeholders for ``inputs``."""
+                returned: Node, projection: Projection, rebuilt: Node | None) -> GraphModule:
+    """A GraphModule running ``made`` (in graph order) on placeholders for ``inputs``. A
+    tensor-parallel head's gather (``redistribute(..., async_op=True)``) runs synchronously:
+    the read hands out a plain tensor, not an ``AsyncCollectiveTensor``."""
     copy = Graph()
     env: dict[Node, Node] = {}
+    root = graph.owning_module or torch.nn.Module()
     for i, (node, scalar) in enumerate(zip(inputs, scalars)):
         placeholder = copy.placeholder(f"input_{i}")
         env[node] = copy.call_method("item", (placeholder,)) if scalar else placeholder
+        if node is rebuilt:
+            env[projection.hidden], mesh = tensor_parallel.replicated_in(copy, placeholder, projection)
+            root = torch.nn.Module()  # the recipe's only attribute: the mesh (its nodes call no module)
+            setattr(root, tensor_parallel.MESH_ATTRIBUTE, mesh)
     for node in made:
         env[node] = copy.node_copy(node, env.__getitem__)
         env[node].meta = {}  # no fake values kept alive
+        if tensor_op_name(node) == "redistribute" and env[node].kwargs.get("async_op"):
+            env[node].kwargs = {**env[node].kwargs, "async_op": False}
     copy.output(env[returned])
-    return GraphModule(graph.owning_module or torch.nn.Module(), copy, class_name="ChunkceLogitsRecipe")
+    return GraphModule(root, copy, class_name="ChunkceLogitsRecipe")
 
 
 def _stand_in_for(projection: Projection, returned: torch.Tensor) -> Node:

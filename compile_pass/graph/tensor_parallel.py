@@ -19,7 +19,9 @@ runs :func:`compile_pass.op.vocab_parallel.vocab_parallel_cross_entropy` on the 
 tensors (``h_d.to_local()``, ``W_d.to_local()``: the hidden states gathered as the layout
 says), with this rank's vocabulary offset and the group read from the fake ``DTensor``'s
 mesh when the graph is compiled (constants of each rank's graph). A head sharded any other
-way is refused as ``tensor_parallel``, with what was found.
+way is refused as ``tensor_parallel``, with what was found. Returned gathered logits are lazy
+(:mod:`compile_pass.graph.returned_logits`): their recipe makes the hidden states' local tensor a
+replicated DTensor again (:func:`recipe_hidden_states`, :func:`replicated_in`).
 """
 
 from __future__ import annotations
@@ -223,3 +225,27 @@ def loss_parallel_problem(loss: Node, projection: Projection) -> str | None:
     if projection.sharded.from_local is None:
         return "no DTensor.from_local in the graph to make the loss a DTensor"
     return None
+
+
+def recipe_hidden_states(projection: Projection, graph: Graph) -> Node:
+    """For the lazy logits of a gathered (colwise_rep) head: ``h_d.to_local()``, the replicated
+    hidden states' local tensor ``[..., H]``, inserted after ``h_d``. The recipe takes it (a plain
+    tensor the step returns: a DTensor output that nothing backpropagates into fails AOTAutograd's
+    tangent check) and makes it ``h_d`` again (:func:`replicated_in`)."""
+    with graph.inserting_after(projection.hidden):
+        return create_node(graph, "call_method", "to_local", (projection.hidden,),
+                           meta={"example_value": local_value(example_value(projection.hidden))})
+
+
+MESH_ATTRIBUTE = "chunkce_device_mesh"  # the recipe module's attribute holding the head's DeviceMesh
+
+
+def replicated_in(copy: Graph, hidden_states: Node, projection: Projection) -> tuple[Node, Any]:
+    """In a recipe's graph ``copy``: ``DTensor.from_local(hidden_states, mesh, (Replicate(),))``, and the
+    mesh (the head's, read from the fake ``DTensor`` at compile time), which the recipe module must
+    hold as its attribute :data:`MESH_ATTRIBUTE`."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = copy.get_attr(MESH_ATTRIBUTE)
+    return (copy.call_function(DTensor.from_local, (hidden_states, mesh, (Replicate(),)), {"run_check": False}),
+            example_value(projection.hidden).device_mesh)

@@ -13,6 +13,7 @@ lazy copies that must hold the values from before the step (:meth:`Inputs.flush`
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -138,14 +139,29 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
                 break
 
 
-def _version_of(tensor: torch.Tensor) -> int | None:
+def _version_of(tensor: torch.Tensor) -> Any:
     """``tensor``'s version counter; None for an inference tensor (made under
     ``torch.inference_mode()``), which has none: only its storage is checked, and outside
-    inference mode torch refuses in-place changes of it anyway."""
-    return None if tensor.is_inference() else tensor._version
+    inference mode torch refuses in-place changes of it anyway. A ``DTensor`` (a tensor-parallel
+    head's weight): its own counter and its local shard's."""
+    if tensor.is_inference():
+        return None
+    local = _local_shard(tensor)
+    return tensor._version if local is None else (tensor._version, _version_of(local))
+
+
+def _local_shard(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A ``DTensor``'s local tensor (this rank's shard), else None (never imports DTensor's package)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return tensor._local_tensor if module is not None and isinstance(tensor, module.DTensor) else None
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """The (address, bytes) of ``tensor``'s storage (a ``DTensor``'s: its local shard's, which
+    FSDP2 frees when it reshards a tensor-parallel parameter)."""
+    local = _local_shard(tensor)
+    if local is not None:
+        return _storage_of(local)
     try:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a subclass without storage (e.g. a DTensor)
