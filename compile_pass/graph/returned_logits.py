@@ -61,7 +61,7 @@ from compile_pass.graph.nodes import (
     tensor_op_name,
 )
 from compile_pass.graph.scale import read_scale
-from compile_pass.graph.tensor_parallel import is_dtensor, local_value
+from compile_pass.graph.tensor_parallel import local_value
 from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
 from compile_pass.options import Options
 
@@ -189,15 +189,8 @@ def take_out(projection: Projection, edit: Edit, how: str) -> int:
     for dead in (*chain[::-1], *projection.inner[::-1]):
         if not dead.users:
             edit.erase(dead)
-    values = [local_value(example_value(n)) for n in chain]
-    if projection.sharded is not None:  # the shard's [..., V_local] projection (a Shard(-1) DTensor) too
-        values += [local_value(example_value(n)) for n in projection.inner if _is_logits_shard(n)]
+    values = [local_value(example_value(n)) for n in chain] + tensor_parallel.logits_shards(projection)
     return sum(size_hint(v.numel()) * v.element_size() for v in values)
-
-
-def _is_logits_shard(node: Node) -> bool:
-    value = example_value(node)
-    return is_dtensor(value) and value.dim() >= 2 and any(p.is_shard() for p in value.placements)
 
 
 def _recipe_nodes(projection: Projection, chain: list[Node]) -> tuple[list[Node], list[Node]] | None:

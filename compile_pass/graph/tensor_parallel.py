@@ -249,3 +249,13 @@ def replicated_in(copy: Graph, hidden_states: Node, projection: Projection) -> t
     mesh = copy.get_attr(MESH_ATTRIBUTE)
     return (copy.call_function(DTensor.from_local, (hidden_states, mesh, (Replicate(),)), {"run_check": False}),
             example_value(projection.hidden).device_mesh)
+
+
+def logits_shards(projection: Projection) -> list[Tensor]:
+    """The local tensors of a vocabulary-sharded ``projection``'s ``[..., V_local]`` logits
+    (``Shard(-1)`` DTensors inside it), as fake values; ``[]`` for a plain head."""
+    if projection.sharded is None:
+        return []
+    values = [example_value(node) for node in projection.inner]
+    return [local_value(v) for v in values
+            if is_dtensor(v) and v.dim() >= 2 and any(p.is_shard() for p in v.placements)]
