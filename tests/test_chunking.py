@@ -194,23 +194,25 @@ def working_set(n, h, v, **kwargs):
 
 
 def test_working_set_is_one_tile_whatever_the_vocabulary():
-    # 2048 tokens x V 8192 / 65536 fp32: the unfused logits alone are 64 / 512 MiB; the op
-    # holds one [512, 3584] tile (7 MiB), which the compiled backward kernel overwrites with
-    # its gradient (no second buffer), and a few [N] vectors: under 8 MiB at both.
-    n, h = 2048, 16
-    for v in (8192, 65536):
+    # 1024 tokens (two token chunks) x V 8192 / 32768 fp32: the unfused logits alone are
+    # 32 / 128 MiB; the op holds one [512, 3584] tile (7 MiB), which the compiled backward
+    # kernel overwrites with its gradient (no second buffer), and a few [N] vectors: under
+    # 8 MiB at both.
+    n, h = 1024, 16
+    for v in (8192, 32768):
         tiles = resolve_tiles(None, n, v, 4, "cpu")
         assert tiles == Tiles(512, 3584)
         measured = working_set(n, h, v)
         assert tiles.bytes(4) <= measured <= 8 * MiB, (v, measured / MiB)
-    smaller = working_set(n, h, 65536, chunk_bytes=2 * MiB)
+    smaller = working_set(n, h, 32768, chunk_bytes=2 * MiB)
     assert smaller <= 2 * MiB + 256 * 1024, smaller / MiB  # the budget is what it costs
 
 
 def test_grads_in_forward_working_set_is_one_whole_row_chunk():
-    # The grads-in-forward op walks whole rows: one [512, V] chunk (16 MiB at V 8192),
-    # overwritten by its gradient; the gradients it computes are the ones backward returns.
-    n, h, v = 4096, 32, 8192
+    # The grads-in-forward op walks whole rows: one [512, V] chunk (16 MiB at V 8192; 1024
+    # tokens, two chunks), overwritten by its gradient; the gradients it computes are the ones
+    # backward returns.
+    n, h, v = 1024, 32, 8192
     tiles = resolve_tiles(None, n, v, 4, "cpu", whole_rows=True)
     assert tiles == Tiles(512, v)
     measured = working_set(n, h, v, grads_in_forward=True)

@@ -4,7 +4,9 @@
 that only the graph output reads leave the graph (proven on the graph the inner backend
 got), and the step returns a ``LazyLogits``. Every read here is compared with stock
 compile's logits (``aot_eager``), every gradient of a loss that reads them with stock's,
-and each way the tensors they are computed from can change makes the read raise.
+and each way the tensors they are computed from can change makes the read raise. The op's
+per-chunk math runs eagerly here (``eager_kernels``): the compiled kernels are
+``test_op``'s and ``test_scale``'s (a 0-d tensor scale among them).
 """
 
 import copy
@@ -24,7 +26,7 @@ from compile_pass.memory import PeakMemory
 
 B, T, H, V = 2, 8, 16, 96
 OP = torch.ops.chunkce.linear_cross_entropy.default
-pytestmark = pytest.mark.usefixtures("fresh_compile")
+pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
 
 class LM(torch.nn.Module):

@@ -234,13 +234,15 @@ def test_opcheck_with_a_scale():
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-def test_compiled_kernels_take_the_scale_as_an_input():
-    """The compiled kernels (not eager) give the unfused result for each scale value, and a new
-    value does not recompile them (the value is a graph input, never branched on)."""
+@pytest.mark.parametrize("kind", SCALES)
+def test_compiled_kernels_take_the_scale_as_an_input(kind):
+    """The compiled kernels (not eager) give the unfused result for each scale value, a Python
+    number or a 0-d tensor, and a new value does not recompile them (the value is a graph
+    input, never branched on)."""
     hidden, weight, bias, target = make_inputs(n=10, h=8, v=17, seed=8)
 
     def step(scale):
-        loss = linear_cross_entropy(hidden, weight, target, logit_scale=scale, chunk_size=4)
+        loss = linear_cross_entropy(hidden, weight, target, logit_scale=SCALES[kind](scale), chunk_size=4)
         return loss, torch.autograd.grad(loss, (hidden, weight))
 
     step(0.25)  # warm up: one compile per kernel
