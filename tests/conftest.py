@@ -4,6 +4,7 @@ check (``tiers.py``: a test not marked slow may not compile with Inductor or sta
 
 import contextlib
 import operator
+import os
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from tiers import _tier_check  # noqa: F401 - the tiers' run-time check (tiers.p
 
 
 OP = torch.ops.chunkce.linear_cross_entropy.default  # what a rewritten site calls
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README runs ``-n 2``) each worker takes its share of the cores:
+    two workers each running the op's small per-tile kernels on every core would wait on each
+    other's threads (the many-block precision case: 7 s alone, 15 s with both on 2 threads)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 B, T, H, V = 2, 5, 16, 23  # the builders' default shapes: batch, sequence, hidden size, an odd vocabulary
 
 
