@@ -156,12 +156,27 @@ def case_tp(rank: int, layout: str = "rep", tied: bool = False, vocab_size: int 
             **dc.pass_outcome(recorder)}
 
 
-def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
-    """A 2-D mesh (dp x tp = 2 x 2, 4 ranks): FSDP2 over "dp" (each block and the root), the lm_head
-    colwise over "tp". Each dp group trains on its own batch; the loss is normalised by the global count."""
-    from torch.distributed.device_mesh import init_device_mesh
+def _shard_fsdp_tp(model: dc.ToyLM, mesh: Any, tied: bool = False, policy: Any = None) -> None:
+    """The head colwise_rep over ``mesh["tp"]``, then ``fully_shard`` each block and the root over
+    ``mesh["dp"]`` (with ``policy``, a ``MixedPrecisionPolicy``, if given)."""
     from torch.distributed.fsdp import fully_shard
 
+    _parallelize(model, mesh["tp"], "rep", tied)
+    options = {"mp_policy": policy} if policy is not None else {}
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], **options)
+    fully_shard(model, mesh=mesh["dp"], **options)
+
+
+def case_fsdp_tp(rank: int, tied: bool = False, bf16: bool = False) -> dict[str, Any]:
+    """A 2-D mesh (dp x tp = 2 x 2, 4 ranks): FSDP2 over "dp" (each block and the root), the lm_head
+    colwise over "tp". Each dp group trains on its own batch; the loss is normalised by the global count.
+    ``bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every unit, chunkce
+    and stock alike (``pairs``); ``fp32_pairs`` still against the fp32 single-process reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     torch.manual_seed(0)
@@ -169,13 +184,11 @@ def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
     reference = copy.deepcopy(model)
     stock = copy.deepcopy(model)
     for module in (model, stock):
-        _parallelize(module, mesh["tp"], "rep", tied)
-        for layer in module.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
+        _shard_fsdp_tp(module, mesh, tied, policy)
     recorder = TPGraphRecorder(dc.VOCAB_SIZE, model.lm_head.weight.to_local().shape[0])
     compiled = dc.compile_chunkce(model, recorder)
-    stock_compiled = torch.compile(stock, backend="aot_eager")
+    stock_recorder = dc.GraphRecorder(dc.VOCAB_SIZE)  # aot_eager; proves stock compiled its own graphs
+    stock_compiled = torch.compile(stock, backend=stock_recorder)
     input_ids, labels = dc.make_batch(dp_rank)  # this dp group's batch
     count = (labels != dc.IGNORE_INDEX).sum() * (mesh["tp"].get_local_rank() == 0)
     dist.all_reduce(count)  # once per dp group: the global number of valid labels
@@ -194,7 +207,8 @@ def case_fsdp_tp(rank: int, tied: bool = False) -> dict[str, Any]:
     for name, param in model.named_parameters():
         pairs[f"{name}.grad"] = (_local(param.grad), _local(stock_params[name].grad))
         fp32_pairs[f"{name}.grad"] = (_local(param.grad), _local_rows(ref_params[name].grad, param.grad).float())
-    return {"pairs": pairs, "fp32_pairs": fp32_pairs, **dc.pass_outcome(recorder)}
+    return {"pairs": pairs, "fp32_pairs": fp32_pairs, "stock_graphs": stock_recorder.graphs,
+            **dc.pass_outcome(recorder)}
 
 
 def case_tp_logits(rank: int, vocab_size: int = dc.VOCAB_SIZE, seq_len: int = dc.SEQ_LEN,
@@ -266,7 +280,6 @@ def case_fsdp_tp_logits(rank: int) -> dict[str, Any]:
     before backward (FSDP2 frees the unsharded head after it) against stock's; a read after
     backward raises StaleLogitsError."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from compile_pass import StaleLogitsError
 
@@ -275,10 +288,7 @@ def case_fsdp_tp_logits(rank: int) -> dict[str, Any]:
     model = dc.ToyLM(dc.VOCAB_SIZE, HIDDEN_SIZE, returns_logits=True)
     stock = copy.deepcopy(model)
     for module in (model, stock):
-        _parallelize(module, mesh["tp"], "rep", tied=False)
-        for layer in module.model.layers:
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
+        _shard_fsdp_tp(module, mesh)
     recorder = TPGraphRecorder(dc.VOCAB_SIZE, model.lm_head.weight.to_local().shape[0])
     compiled = dc.compile_chunkce(model, recorder)
     stock_compiled = torch.compile(stock, backend="aot_eager")
@@ -301,6 +311,25 @@ def case_fsdp_tp_logits(rank: int) -> dict[str, Any]:
             "stale": stale, **dc.pass_outcome(recorder)}
 
 
+def case_fsdp_tp_tied_stock(rank: int) -> dict[str, Any]:
+    """:func:`case_fsdp_tp`'s 2 x 2 mesh, tied (the embedding rowwise over "tp", one DTensor for both),
+    compiled stock (``aot_eager``), no chunkce: what the first step raised (torch 2.13: AOTAutograd's
+    "Mixing fake modes NYI" on the root's graph), or "" if it ran."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    stock = dc.ToyLM(dc.VOCAB_SIZE, HIDDEN_SIZE, tied=True)
+    _shard_fsdp_tp(stock, mesh, tied=True)
+    input_ids, labels = dc.make_batch(mesh["dp"].get_local_rank())
+    try:
+        torch.compile(stock, backend="aot_eager")(input_ids, labels, (labels != dc.IGNORE_INDEX).sum()).backward()
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - the text is the result; every rank raises at the same point
+        raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised}
+
+
 TP_CASES = {
     "tp_rep": case_tp,
     "tp_rep_tied": lambda rank: case_tp(rank, tied=True),
@@ -320,6 +349,10 @@ TP_CASES = {
 TP_CASES_4 = {
     "tp4_rep": case_tp,
     "fsdp_tp": case_fsdp_tp,
+    "fsdp_tp_bf16": lambda rank: case_fsdp_tp(rank, bf16=True),
     "tp4_logits": case_tp_logits,  # uneven: V = 509 is 128 / 128 / 128 / 125
     "fsdp_tp_logits": case_fsdp_tp_logits,
+    # last: a rank's FSDP2 state after a failed compile is no other case's concern
+    "fsdp_tp_tied_stock": case_fsdp_tp_tied_stock,
 }
+
