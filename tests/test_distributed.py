@@ -56,10 +56,11 @@ class Spawned:
 
 
 def spawn_ranks(case_names: list[str], out_dir: str, timeout_s: float = TIMEOUT_S,
-                world_size: int = cases.WORLD_SIZE) -> Spawned:
-    """Run ``case_names`` on ``world_size`` spawned ranks; kill them all after ``timeout_s``."""
+                world_size: int = cases.WORLD_SIZE, run_rank=cases.run_rank) -> Spawned:
+    """Run ``case_names`` on ``world_size`` spawned ranks (``run_rank(rank, world_size, out_dir,
+    case_names)`` writes ``{out_dir}/rank{rank}.pt``); kill them all after ``timeout_s``."""
     start = time.monotonic()
-    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, case_names),
+    context = mp.start_processes(run_rank, args=(world_size, out_dir, case_names),
                                  nprocs=world_size, join=False, start_method="spawn")
     failure = ""
     try:

@@ -9,14 +9,13 @@ with the whole head. Bounded: the ranks are killed after ``TIMEOUT_S``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import vocab_parallel_cases as cases
-from torch.multiprocessing.spawn import ProcessException
+from test_distributed import Spawned
+from test_distributed import spawn_ranks as spawn
 
 from compile_pass.op.transform import HeadTransform
 from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
@@ -27,52 +26,17 @@ BF16 = {"rtol": 2e-2, "atol": 2e-2}  # bf16 projections summed in another order 
 WORLD_SIZES = (2, 4)
 
 
-def spawn_ranks(world_size: int, out_dir: str, timeout_s: float = TIMEOUT_S,
-                case_names: list[str] | None = None) -> tuple[list[dict[str, Any]], str]:
-    """Run ``case_names`` (default: every case of ``cases.CASES``) on ``world_size`` spawned ranks; kill
-    them all after ``timeout_s``. Returns each rank's results and why the run ended early ("" if it did not)."""
-    start = time.monotonic()
-    case_names = list(cases.CASES) if case_names is None else case_names
-    context = mp.start_processes(cases.run_rank, args=(world_size, out_dir, case_names),
-                                 nprocs=world_size, join=False, start_method="spawn")
-    failure = ""
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() - start > timeout_s:
-                failure = f"timed out after {timeout_s:.0f} s; ranks killed"
-                break
-    except ProcessException as exc:  # a rank raised or died; join() has terminated the others
-        failure = str(exc)
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join(10)
-    results = []
-    for rank in range(world_size):
-        try:
-            results.append(torch.load(f"{out_dir}/rank{rank}.pt", weights_only=False))
-        except FileNotFoundError:
-            results.append({})
-    return results, failure
+def spawn_ranks(world_size: int, out_dir: str, case_names: list[str] | None = None) -> Spawned:
+    """Every rank's results of ``case_names`` (default: every case of ``cases.CASES``):
+    test_distributed's bounded spawn, with this file's cases."""
+    names = list(cases.CASES) if case_names is None else case_names
+    return spawn(names, out_dir, TIMEOUT_S, world_size, run_rank=cases.run_rank)
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world: f"{world}ranks")
 def spawned(request, tmp_path_factory):
-    results, failure = spawn_ranks(request.param, str(tmp_path_factory.mktemp(f"vocab_parallel{request.param}")))
-
-    def case(name: str) -> list[dict[str, Any]]:
-        per_rank = []
-        for rank, rank_results in enumerate(results):
-            result = rank_results.get(name)
-            if result is None:
-                pytest.fail(f"rank {rank} did not finish case {name!r}: {failure or 'no result written'}")
-            if "error" in result:
-                pytest.fail(f"rank {rank} failed in case {name!r}:\n{result['error']}")
-            per_rank.append(result)
-        return per_rank
-
-    return case
+    """``case(name)``: every rank's result of case ``name`` (a rank's traceback fails the test)."""
+    return spawn_ranks(request.param, str(tmp_path_factory.mktemp(f"vocab_parallel{request.param}"))).case
 
 
 def assert_pairs(per_rank: list[dict[str, Any]], **tolerances) -> None:
@@ -176,12 +140,10 @@ def test_dtensor_entry_on_a_colwise_parallel_head(spawned):
 def test_inductor_with_compiled_kernels_on_2_ranks(tmp_path):
     """The whole loss compiled by Inductor (``fullgraph=True``) and the per-tile kernels compiled too
     (``CHUNKCE_EAGER_KERNELS=0``), two steps: exact in fp32 on 2 ranks."""
-    results, failure = spawn_ranks(2, str(tmp_path), case_names=["inductor"])
-    for rank, rank_results in enumerate(results):
-        result = rank_results.get("inductor")
-        assert result is not None and "error" not in result, (rank, failure, result)
+    per_rank = spawn_ranks(2, str(tmp_path), case_names=["inductor"]).case("inductor")
+    for result in per_rank:
         assert result["graphs"] == [3, 3], result  # the loss and the two kernels, none compiled again
-    assert_pairs([rank_results["inductor"] for rank_results in results], **FP32)
+    assert_pairs(per_rank, **FP32)
 
 
 @pytest.mark.slow
