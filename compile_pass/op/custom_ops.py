@@ -89,6 +89,13 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
 @_backward_op.register_fake
 def _(grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *options_and_mask):
     (output_mask,), _ = OpOptions.parse(options_and_mask, extras=1)
+    return fake_gradients(hidden_states, weight, bias, output_mask)
+
+
+def fake_gradients(hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                   output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """A backward op's outputs on fake tensors: the gradients of hidden states, weight and bias
+    that ``output_mask`` asks for (contiguous, as the loops write them), empty ones for the rest."""
     want_hidden, want_weight, want_bias = output_mask
     return (
         torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
@@ -119,23 +126,30 @@ def _backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
         grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum,
         *options.args([want_hidden, want_weight, want_bias]),
     )
-    grads = [None] * ctx.num_inputs
-    grads[0] = grad_hidden if want_hidden else None
-    grads[1] = grad_weight if want_weight else None
-    grads[3] = grad_bias if want_bias else None
+    return input_grads(ctx, {0: grad_hidden if want_hidden else None, 1: grad_weight if want_weight else None,
+                             3: grad_bias if want_bias else None})
+
+
+def input_grads(ctx, at: dict[int, Tensor | None]) -> tuple[Tensor | None, ...]:
+    """What a ``register_autograd`` backward returns: a gradient for each of the op's
+    ``ctx.num_inputs`` inputs, None but at the positions of ``at``."""
+    grads: list[Tensor | None] = [None] * ctx.num_inputs
+    for position, grad in at.items():
+        grads[position] = grad
     return tuple(grads)
 
 
+def refuse_double_backward(op_name: str, unfused: str):
+    """The autograd of an op's backward op: a second backward raises ``NotImplementedError``
+    naming ``unfused``, the computation to differentiate twice instead."""
+    def refuse(ctx, *grads):
+        raise NotImplementedError(f"{op_name}: double backward (create_graph=True through the op) is not "
+                                  f"supported; compute higher-order gradients with {unfused}")
+    return refuse
+
+
+_refuse_double_backward = refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy")
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _refuse_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        f"{NAME}: double backward (create_graph=True through the op) is not supported; "
-        "compute higher-order gradients with the unfused F.linear + F.cross_entropy"
-    )
-
-
 _backward_op.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.chunking import spans
+from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.kernels import KernelArgs
 from compile_pass.op.schema import INPUTS, ChunkPlan, OpOptions, op_schema
 
@@ -178,14 +179,7 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
 @_backward_op.register_fake
 def _(grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *options_and_extras):
     (output_mask, _, _), _ = OpOptions.parse(options_and_extras, extras=3)
-    want_hidden, want_weight, want_bias = output_mask
-    return (
-        torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
-        if want_hidden else hidden_states.new_empty(0),
-        torch.empty_like(weight, memory_format=torch.contiguous_format)
-        if want_weight else weight.new_empty(0),
-        torch.empty_like(bias) if want_bias and bias is not None else weight.new_empty(0),
-    )
+    return fake_gradients(hidden_states, weight, bias, output_mask)
 
 
 def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
@@ -210,20 +204,10 @@ def _backward(ctx, grad_loss):
     grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.vocab_parallel_backward(
         grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum,
         *options.args([want_hidden, want_weight, want_bias], vocab_start, vocab_size))
-    grads = [None] * ctx.num_inputs
-    grads[1] = all_reduce(grad_hidden, "sum", group_name) if want_hidden else None  # every shard's terms
-    grads[2] = grad_weight if want_weight else None
-    grads[4] = grad_bias if want_bias else None
-    return tuple(grads)
+    return input_grads(ctx, {1: all_reduce(grad_hidden, "sum", group_name) if want_hidden else None,  # every shard's
+                             2: grad_weight if want_weight else None, 4: grad_bias if want_bias else None})
 
 
 _loss_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _refuse_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        f"{NAME}: double backward (create_graph=True through the op) is not supported; compute "
-        "higher-order gradients with the unfused F.linear + F.cross_entropy on the gathered head")
-
-
-_backward_op.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+_backward_op.register_autograd(refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
+                               setup_context=lambda ctx, inputs, output: None)
