@@ -232,7 +232,8 @@ def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[tor
     return run
 
 
-def report(runs: list[Run], args: argparse.Namespace, tokens_per_step: int, world_size: int = 1) -> int:
+def report(runs: list[Run], args: argparse.Namespace, tokens_per_step: int, world_size: int = 1,
+           dp_size: int | None = None) -> int:
     """Print per-step losses and the summary table; return the exit code."""
     mib = 2**20
     print("\nper-step loss" + (f" (global: mean over {world_size} ranks)" if world_size > 1 else ""))
@@ -244,7 +245,8 @@ def report(runs: list[Run], args: argparse.Namespace, tokens_per_step: int, worl
         print(row)
 
     logits_mib = tokens_per_step * args.vocab_size * 4 / mib
-    ranks_note = f"{world_size} ranks x " if world_size > 1 else ""
+    groups = world_size if dp_size is None else dp_size   # ranks with their own rows (tp: they share them)
+    ranks_note = f"{groups} data-parallel ranks x " if groups > 1 else ""
     print(f"\nsummary ({ranks_note}{tokens_per_step} tokens/step, vocab {args.vocab_size}: "
           f"one fp32 logits buffer = {logits_mib:.1f} MiB)")
     print(f"{'':<32}" + "".join(f"{r.backend:>14}" for r in runs))
@@ -363,7 +365,7 @@ def run_all(args: argparse.Namespace, backends: tuple[str, ...], ranks: Ranks, d
             f"{B} x {args.seq_len} tokens a rank a step")
 
     runs = [train(name, config, init_state, batches, args, device, ranks) for name in backends]
-    code = [report(runs, args, B * args.seq_len, ranks.world_size) if ranks.rank == 0 else None]
+    code = [report(runs, args, B * args.seq_len, ranks.world_size, ranks.dp_size) if ranks.rank == 0 else None]
     if ranks.world_size > 1:
         dist.broadcast_object_list(code, src=0)
     return code[0]
