@@ -206,8 +206,7 @@ def chunked_cross_entropy(
         TypeError: a keyword in ``options`` that is not an option's name.
     """
     op_options = OpOptions(**options)
-    ignore_index, logits_dtype = op_options.ignore_index, op_options.logits_dtype
-    label_smoothing = op_options.label_smoothing
+    logits_dtype = op_options.logits_dtype
     if projection_dtype is not None:
         hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
         bias = None if bias is None else bias.to(projection_dtype)
@@ -224,20 +223,28 @@ def chunked_cross_entropy(
         if reduction == "none":
             return loss.view_as(target).to(logits_dtype)
         total = loss.sum()
+    return reduce_total(total, flat_target, class_weight, reduction, op_options)
+
+
+def reduce_total(total: Tensor, flat_target: Tensor, class_weight: Tensor | None, reduction: str,
+                 options: OpOptions) -> Tensor:
+    """The summed loss ``total`` (0-d, fp32 or fp64) reduced as ``F.cross_entropy`` reduces it,
+    ``"sum"`` or ``"mean"`` (over the non-ignored targets ``flat_target [N]``, or over their class
+    weights), in ``options.logits_dtype``; shared with :mod:`compile_pass.op.vocab_parallel`."""
     if reduction == "sum":
-        return total.to(logits_dtype)
-    valid = flat_target != ignore_index  # [N]
+        return total.to(options.logits_dtype)
+    valid = flat_target != options.ignore_index  # [N]
     if class_weight is None:
         denominator = valid.sum()
     else:
-        class_weight = class_weight.to(accumulate_dtype(logits_dtype))
+        class_weight = class_weight.to(accumulate_dtype(options.logits_dtype))
         denominator = (class_weight[flat_target.masked_fill(~valid, 0)] * valid).sum()
     mean = total / denominator
-    if class_weight is not None and label_smoothing > 0.0:
+    if class_weight is not None and options.label_smoothing > 0.0:
         # torch divides the nll and the smoothing terms by the weight sum separately: with
         # a zero sum its nll's 0 / 0 makes the loss nan, where total / 0 would be inf
         mean = mean + torch.zeros_like(denominator) / denominator  # + 0, or nan when the sum is 0
-    return mean.to(logits_dtype)
+    return mean.to(options.logits_dtype)
 
 
 def _gradients_now(grads_in_forward: list[bool] | None, reduction: str) -> bool:

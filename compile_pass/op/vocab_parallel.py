@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
+from compile_pass.op.function import reduce_total
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.loops import autocast_enabled
 from compile_pass.op.schema import OpOptions
@@ -139,27 +140,9 @@ def vocab_parallel_cross_entropy(
     loss = torch.ops.chunkce.vocab_parallel_loss(
         loss, hidden_states, weight, flat_target, bias, class_weight, global_max, row_log_sum,
         *op_options.args(*shard, group_name))  # the gradient attaches here
-    return _reduce(loss, target, flat_target, weights, reduction, op_options)
-
-
-def _reduce(loss: Tensor, target: Tensor, flat_target: Tensor, weights: Tensor | None, reduction: str,
-            options: OpOptions) -> Tensor:
-    """``loss [N]`` reduced as ``F.cross_entropy`` reduces it (the same steps as
-    :func:`compile_pass.op.function.chunked_cross_entropy`), in ``logits_dtype``."""
     if reduction == "none":
-        return loss.view_as(target).to(options.logits_dtype)
-    total = loss.sum()
-    if reduction == "sum":
-        return total.to(options.logits_dtype)
-    valid = flat_target != options.ignore_index  # [N]
-    if weights is None:
-        denominator = valid.sum()
-    else:
-        denominator = (weights[flat_target.masked_fill(~valid, 0)] * valid).sum()
-    mean = total / denominator
-    if weights is not None and options.label_smoothing > 0.0:
-        mean = mean + torch.zeros_like(denominator) / denominator  # nan when the weight sum is 0, as torch
-    return mean.to(options.logits_dtype)
+        return loss.view_as(target).to(op_options.logits_dtype)
+    return reduce_total(loss.sum(), flat_target, class_weight, reduction, op_options)
 
 
 def vocab_parallel_linear_cross_entropy(
