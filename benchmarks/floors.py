@@ -6,7 +6,7 @@
 ``RecomputeFloor`` runs the four ``N x H x V`` matmuls of the recompute design
 (projection; in backward its recompute, ``grad_hidden``, ``grad_weight``), tile by
 tile (chunkce's tiles); ``FourMatmulFloor`` the same four on the whole ``[N, V]`` (the
-issue's "whole-shape four-matmul floor"); ``UnfusedFloor`` the three of the unfused
+"whole-shape four-matmul floor"); ``UnfusedFloor`` the three of the unfused
 design on the whole ``[N, V]``.
 Nothing else: no softmax, no loss, so their time is the floor a provider of that
 design can approach, and ``bench_op`` reports every provider against it. The
@@ -69,7 +69,7 @@ class RecomputeFloor(torch.autograd.Function):
 class FourMatmulFloor(torch.autograd.Function):
     """The recompute design's four matmuls on the whole ``[N, V]``: ``logits = hidden @ weight.T``
     in forward (freed); in backward the same product again, ``grad_hidden = logits @ weight``,
-    ``grad_weight = logits.T @ hidden``. The issue's time target for chunkce (at most 1.05x this)."""
+    ``grad_weight = logits.T @ hidden``. The time target for chunkce: at most 1.05x this."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ machine's load falls on every row alike; the median of ``--reps`` is printed, wi
 ratio to stock and every repeat's time. fp32 on CPU, ``N x H`` hidden states of std 1,
 a weight of std 0.02, uniform labels (seed 0).
 
-Measured on the project's 2-core CPU under the other helpers' load (issue 23): at 2
+Measured on the project's 2-core CPU under other jobs' load: at 2
 threads the op's time grows by about one scheduler time slice per tile (each tile is two
 OpenMP parallel regions, the matmul's and the kernel's, and a region waits for its
 second thread to be scheduled), so it is a function of the tile count, not of the

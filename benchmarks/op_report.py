@@ -2,7 +2,7 @@
 
     print(op_table(rows))   # one case, every provider, full mode: the docs' op table
     report(rows)            # what ``bench_op`` prints: per mode when several, then op_table per case
-    print(targets_table(rows))  # issue 19's targets against the measured values
+    print(targets_table(rows))  # the targets against the measured values
 
     python -m benchmarks.op_report op.csv [--targets]   # the same from a bench_op CSV
 
@@ -85,13 +85,13 @@ def report(rows: list[dict], baseline: str = "unfused-compiled") -> None:
         print(f"failed: {impl} {run}: {note}")
 
 
-# ---------------------------------------------------------------- issue 19's targets
+# ---------------------------------------------------------------- the time targets
 
 WORKING_SET_MIB = 8.0  # the recompute op's and grads-in-forward's working set beyond the gradients
 
 
 def targets_table(rows: list[dict]) -> str:
-    """Issue 19's targets against the measured values, one line per (target, shape), from
+    """The time targets against the measured values, one line per (target, shape), from
     ``bench_op`` rows (``full`` mode; providers ``chunkce``, ``chunkce-compiled``,
     ``chunkce-gif``, ``floor-four``, ``unfused-compiled``, ``torch-lce-compiled``)."""
     body = []
@@ -133,13 +133,13 @@ def targets_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.op_report CSV [--targets]``: a ``bench_op`` CSV's op tables
-    (every case), or issue 19's targets table."""
+    (every case), or the time targets table."""
     import argparse
     import csv
 
     p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
     p.add_argument("csv")
-    p.add_argument("--targets", action="store_true", help="issue 19's targets against the measured values")
+    p.add_argument("--targets", action="store_true", help="the time targets against the measured values")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))

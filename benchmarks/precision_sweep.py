@@ -3,7 +3,7 @@
     python -m benchmarks.precision_sweep            # the table of docs/op.md's numerics section
     python -m benchmarks.precision_sweep --grads-in-forward
     python -m benchmarks.precision_sweep --tiles           # 128-column tiles: online log-sum-exp
-    python -m benchmarks.precision_sweep --many-blocks     # V 151936 in 8-token chunks (issue 23)
+    python -m benchmarks.precision_sweep --many-blocks     # V 151936 in 8-token chunks
 
 Run from the repository root. The cases and the errors are the tests' precision oracle
 (``tests/precision_oracle.py``: fp32 torch and fp32 chunkce, each against the same

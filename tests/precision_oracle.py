@@ -38,7 +38,7 @@ CASES = (
     ("divisor 1e-3, spread 30 about 1e3", 0.03, 1.0, 1e-3),
 )
 QUANTITIES = ("loss", "d hidden", "d weight", "d bias")  # loss: the per-token losses
-# Many vocabulary blocks (issue 23): a freshly initialised head (logit spread 0.08: std 0.02
+# Many vocabulary blocks: a freshly initialised head (logit spread 0.08: std 0.02
 # weights on unit hidden states of 16 dims) at Qwen's vocabulary, in chunks of 8 tokens, no
 # token ignored:
 # (name, N, H, V, chunk_size, chunk_bytes or None, grads_in_forward)
@@ -117,7 +117,7 @@ def case_errors(spread: float, offset: float, divisor: float | None,
 def many_blocks_errors(num_tokens: int, hidden_size: int, vocab_size: int, chunk_size: int,
                        chunk_bytes: int | None, grads_in_forward: bool) -> tuple[list[float], list[float]]:
     """:func:`case_errors` of a ``MANY_BLOCKS`` case (logit spread ``MANY_BLOCKS_SPREAD``, no
-    token ignored: with every fourth ignored, the old sum's error did not show at this shape)."""
+    token ignored: with every fourth ignored, a running-sum product's error does not show at this shape)."""
     return case_errors(MANY_BLOCKS_SPREAD, 0.0, None, grads_in_forward,
                        shape=(num_tokens, hidden_size, vocab_size), chunk_size=chunk_size,
                        chunk_bytes=chunk_bytes, ignore_every=None)

@@ -1,4 +1,4 @@
-"""Issue #4: the op is hook-compatible — saved-tensor hooks, checkpointing, transforms.
+"""The op is hook-compatible — saved-tensor hooks, checkpointing, transforms.
 
 Each scenario runs in two forms (the ``form`` parameter) against the unfused
 ``F.linear`` + ``F.cross_entropy`` run eagerly under the same conditions, comparing the
@@ -119,9 +119,10 @@ class backward_op_calls(TorchDispatchMode):
         return self.calls
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func is torch.ops.chunkce.linear_cross_entropy_backward.default:
-            self.calls.append(BackwardCall(list(args[-1]), out))
+            self.calls.append(BackwardCall(list(kwargs["output_mask"]), out))
         return out
 
 
@@ -673,17 +674,33 @@ def cache_spy(monkeypatch):
 
 
 def test_release_cache_is_resolved_per_call(cache_spy, monkeypatch):
+    """The allocator policy is the environment's, read by each op call (no argument, no schema
+    argument carries it: ``release_cache=`` is an unknown keyword, ``tests/test_op.py``)."""
     decisions, emptied = cache_spy
     inputs = make_inputs()
     fused(**inputs).backward()
     monkeypatch.setenv("CHUNKCE_RELEASE_CACHE", "1")  # seen by the very next call
     fused(**inputs).backward()
-    fused(**inputs, release_cache=False).backward()  # the argument wins over the environment
-    monkeypatch.delenv("CHUNKCE_RELEASE_CACHE")
-    fused(**inputs, release_cache=True).backward()
+    monkeypatch.setenv("CHUNKCE_RELEASE_CACHE", "0")
+    fused(**inputs).backward()
+    monkeypatch.setenv("CHUNKCE_RELEASE_CACHE", "yes")
+    loss = fused(**inputs)
+    monkeypatch.delenv("CHUNKCE_RELEASE_CACHE")  # backward reads it again when it runs
+    loss.backward()
     # forward, backward for each of the four calls
-    assert decisions == [("cpu", False)] * 2 + [("cpu", True)] * 2 + [("cpu", False)] * 2 + [("cpu", True)] * 2
+    assert decisions == [("cpu", False)] * 2 + [("cpu", True)] * 2 + [("cpu", False)] * 2 + [("cpu", True),
+                                                                                             ("cpu", False)]
     assert emptied == []  # CPU: nothing to release
+
+
+def test_release_cache_applies_to_the_statistics_op(cache_spy, monkeypatch):
+    from compile_pass import linear_statistics
+
+    decisions, _ = cache_spy
+    inputs = make_inputs()
+    monkeypatch.setenv("CHUNKCE_RELEASE_CACHE", "1")
+    linear_statistics(inputs["input"].reshape(-1, inputs["input"].shape[-1]), inputs["linear_weight"]).lse.sum().backward()
+    assert decisions == [("cpu", True)] * 2  # forward, backward
 
 
 def test_release_cache_empties_an_accelerator(cache_spy, monkeypatch):
@@ -706,7 +723,8 @@ def test_release_cache_on_device(monkeypatch):
     inputs = {k: (v.detach().to(device).requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
               for k, v in make_inputs(bias=True).items()}
     expected = loss_and_grads(unfused, inputs)
-    assert_same(loss_and_grads(fused, inputs, release_cache=True), expected, atol=1e-4, rtol=1e-4)
+    monkeypatch.setenv("CHUNKCE_RELEASE_CACHE", "1")
+    assert_same(loss_and_grads(fused, inputs), expected, atol=1e-4, rtol=1e-4)
     assert emptied == [True, True]  # after forward and after backward
 
 

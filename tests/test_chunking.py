@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def no_chunk_environment(monkeypatch):
     monkeypatch.delenv("CHUNKCE_CHUNK_BYTES", raising=False)
 
 
-# (N, V, itemsize, device) -> the tile (tokens, vocabulary columns): the issue's shapes, and the H200 shape
+# (N, V, itemsize, device) -> the tile (tokens, vocabulary columns): the target shapes, and the H200 shape
 @pytest.mark.parametrize("shape, expected", [
     ((4096, 32768, 4, "cpu"), (512, 3584)),  # the floor's tokens, the 7 MiB budget's columns
     ((8192, 128256, 4, "cpu"), (512, 3584)),  # the same tile whatever the vocabulary
@@ -81,16 +82,36 @@ def test_explicit_budget_sets_the_columns_and_is_not_raised():
 
 def test_arguments_and_environment_combine(monkeypatch):
     """CHUNKCE_CHUNK_SIZE sets n and CHUNKCE_CHUNK_BYTES the budget (Vb): both apply together,
-    neither wins; an argument chunk_bytes sets CHUNKCE_CHUNK_SIZE aside (docs/api.md says so)."""
+    neither wins over the other; an argument wins over its own variable only (docs/op.md, "Tiles")."""
     shape = (4096, 32768, 4, "cpu")
     monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", str(2 * MiB))
     assert resolve_tiles(None, *shape) == Tiles(512, 1024)  # the environment's budget
     assert resolve_tiles(None, *shape, chunk_bytes=4 * MiB) == Tiles(512, 2048)  # the argument's
     monkeypatch.setenv("CHUNKCE_CHUNK_SIZE", "100")
     assert resolve_tiles(None, *shape) == Tiles(100, 5120)  # CHUNKCE_CHUNK_SIZE's tokens, the env budget's columns
-    assert resolve_tiles(None, *shape, chunk_bytes=4 * MiB) == Tiles(512, 2048)  # an argument over both
+    assert resolve_tiles(None, *shape, chunk_bytes=4 * MiB) == Tiles(100, 10368)  # the variable's n, the argument's budget
     assert resolve_tiles(7, *shape, chunk_bytes=4 * MiB) == Tiles(7, 32768)  # chunk_size over the tokens
     assert resolve_tiles(7, *shape) == Tiles(7, 32768)
+
+
+@pytest.mark.parametrize("size_argument", [None, 200])
+@pytest.mark.parametrize("size_variable", [None, 100])
+@pytest.mark.parametrize("bytes_argument", [None, 4 * MiB])
+@pytest.mark.parametrize("bytes_variable", [None, 2 * MiB])
+def test_one_precedence_for_each_size(monkeypatch, size_argument, size_variable, bytes_argument, bytes_variable):
+    """For ``chunk_size`` and ``chunk_bytes`` alike, independently: the argument, else its
+    ``CHUNKCE_*`` variable, else the default; the tiles are those of the winning values passed
+    as arguments with the environment unset."""
+    shape = (4096, 32768, 4, "cpu")
+    for name, value in (("CHUNKCE_CHUNK_SIZE", size_variable), ("CHUNKCE_CHUNK_BYTES", bytes_variable)):
+        monkeypatch.delenv(name, raising=False)
+    expected = resolve_tiles(size_argument or size_variable, *shape, chunk_bytes=bytes_argument or bytes_variable)
+    for name, value in (("CHUNKCE_CHUNK_SIZE", size_variable), ("CHUNKCE_CHUNK_BYTES", bytes_variable)):
+        if value is not None:
+            monkeypatch.setenv(name, str(value))
+    tiles = resolve_tiles(size_argument, *shape, chunk_bytes=bytes_argument)
+    assert tiles == expected
+    assert tiles.tokens == (size_argument or size_variable or 512)  # the CPU floor: the default n here
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "1.5"])
@@ -222,12 +243,13 @@ def test_grads_in_forward_working_set_is_one_whole_row_chunk():
 
 
 def test_documented_tuning_is_the_rule_s():
-    """The module docstring's floors and budget are the constants the rule uses, and the
+    """docs/op.md's "Tiles" floors and budget are the constants the rule uses, and the
     accelerator floor is the fastest chunk of the measurements it quotes."""
-    doc = " ".join(chunking.__doc__.split())
-    assert int(re.search(r"a CPU floor of (\d+) tokens", doc)[1]) == min_full_speed_tokens("cpu")
-    assert int(re.search(r"an accelerator floor of (\d+) tokens", doc)[1]) == min_full_speed_tokens("cuda")
-    assert int(re.search(r"a (\d+) MiB budget", doc)[1]) * MiB == DEFAULT_CHUNK_BYTES
-    measured = re.search(r"(\d+) ms with (\d+)-token chunks, (\d+) ms with (\d+), (\d+) ms with (\d+)", doc)
-    ms_and_tokens = [(int(measured[i]), int(measured[i + 1])) for i in (1, 3, 5)]
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "op.md").read_text().split())
+    tiles = doc[doc.index("## Tiles"):]
+    assert int(re.search(r"(\d+) tokens on CPU", tiles)[1]) == min_full_speed_tokens("cpu")
+    assert int(re.search(r"(\d+) on accelerators", tiles)[1]) == min_full_speed_tokens("cuda")
+    assert int(re.search(r"default (\d+) MiB on CPU", tiles)[1]) * MiB == DEFAULT_CHUNK_BYTES
+    measured = re.search(r"(\d+)-token chunks took (\d+) ms, (\d+) (\d+) ms, (\d+) (\d+) ms", tiles)
+    ms_and_tokens = [(int(measured[i + 1]), int(measured[i])) for i in (1, 3, 5)]
     assert min(ms_and_tokens)[1] == min_full_speed_tokens("cuda"), ms_and_tokens

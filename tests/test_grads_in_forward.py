@@ -143,7 +143,7 @@ def _saved_tensor_hooks(kind):
 def test_retain_graph_second_backward_raises_never_wrong(hooks):
     # The first backward scales the saved gradients in place and hands them over (no copy),
     # so a second one through the same graph must raise, whatever saved-tensor hooks did
-    # (the old copying backward gave 2x the gradients; an unchecked in-place one would give
+    # (a copying backward would give 2x the gradients; an unchecked in-place one would give
     # grad_total * (grad_total * saved): wrong, silently).
     hidden, weight, target, bias = make_inputs(bias=True)
     with _saved_tensor_hooks(hooks):
@@ -292,9 +292,10 @@ def test_bad_flag_type():
 @pytest.mark.slow
 def test_opcheck():
     hidden, weight, target, bias = make_inputs(bias=True)
-    args = (hidden.detach(), weight.detach(), target, bias.detach(), None, -100, 0.1, torch.float32, 8, None)
+    args = (hidden.detach(), weight.detach(), target, bias.detach(), None, None)
+    options = {"ignore_index": -100, "label_smoothing": 0.1, "logits_dtype": torch.float32, "chunk_size": 8}
     for mask in ([True, True, True], [True, False, False], [False, True, True]):
-        torch.library.opcheck(GIF_OP, (*args, mask))
+        torch.library.opcheck(GIF_OP, args, {**options, "output_mask": mask})
 
 
 class Head(torch.nn.Module):
@@ -376,7 +377,7 @@ def test_scaled_logits(scale):
         assert_close(a, b, **TOL[torch.float32])
 
 
-# --- tokens that count for nothing (issue 16, item 2) ---------------------------------------
+# --- tokens that count for nothing -----------------------------------------------------
 # A "mean" over no counted token is 0 / 0: the loss is nan, as torch's, and autograd hands the
 # op grad_total = grad_loss / 0 = inf; torch's gradient of an ignored token is 0 whatever the
 # upstream gradient, so the gradients must be zeros, not inf * 0 = nan.
@@ -457,10 +458,9 @@ def test_backend_adamw_step_on_an_all_ignored_batch_leaves_weights_finite():
 
 @pytest.mark.parametrize("chunk_size", [8, 64], ids=["chunks", "one_chunk"])
 def test_bfloat16_weight_gradient_rounded_once(chunk_size):
-    """Issue 16, item 5: a bf16 head's weight and bias gradients were rounded to bf16 in
-    forward, then again after backward's upstream gradient (here 1.13x the unfused path's
-    error against fp64 before the fix, 0.87x after); they are held in fp32 and rounded
-    once. Relative error of the gradient, averaged over four small draws (bf16 matmuls
+    """A bf16 head's weight and bias gradients are held in fp32 and rounded once (rounded in
+    forward and again after backward's upstream gradient, their error against fp64 would be
+    1.13x the unfused path's; once, 0.87x). Relative error of the gradient, averaged over four small draws (bf16 matmuls
     are emulated on CPU)."""
     errors = {"ours": [0.0, 0.0], "unfused": [0.0, 0.0]}
     for seed in range(4):

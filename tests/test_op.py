@@ -153,24 +153,24 @@ def test_opcheck(case):
     hidden, weight, target, bias = make_inputs(n=[13, 16, 5][case], h=8, v=[11, 17, 3][case],
                                                bias=case != 1, ignored=case)
     class_weight = torch.rand(weight.shape[0]) if case == 2 else None
-    args = (hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight,
-            -100, [0.0, 0.1, 0.5][case], torch.float32, [4, None, 2][case], None)
-    torch.library.opcheck(torch.ops.chunkce.linear_cross_entropy.default, args)
+    args = (hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, class_weight, None)
+    options = {"ignore_index": -100, "label_smoothing": [0.0, 0.1, 0.5][case], "logits_dtype": torch.float32,
+               "chunk_size": [4, None, 2][case]}
+    torch.library.opcheck(torch.ops.chunkce.linear_cross_entropy.default, args, options)
 
 
-# The registered schemas, written out: a graph, a cache entry or a caller that passes the arguments
-# by position relies on them. (compile_pass.op.schema generates them; the forward op returns the
-# row max and log-sum that backward takes, where it returned and took one lse before; "automatic"
-# chunk_size and chunk_bytes are None, where they were 0 before.)
-_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size, bool? release_cache"
-_DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
-              "ScalarType? scale_dtype=None, SymInt? chunk_bytes=None")
-_INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
+# The registered schemas, written out: a graph, a cache entry or a caller relies on them. The
+# tensors are positional, the options keyword-only (compile_pass.op.schema generates them; the
+# forward op returns the row max and log-sum that backward takes).
+_INPUTS = ("Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
+           "Tensor? logit_scale_tensor")
+_OPTIONS = ("SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size=None, "
+            "SymInt? chunk_bytes=None, float? logit_scale=None, bool scale_divides=False, ScalarType? scale_dtype=None")
 SCHEMAS = {
-    "linear_cross_entropy": f"({_INPUTS}, {_OPTIONS}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+    "linear_cross_entropy": f"({_INPUTS}, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor)",
     "linear_cross_entropy_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, "
-                                     f"{_OPTIONS}, bool[] output_mask, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
-    "linear_cross_entropy_grads_in_forward": f"({_INPUTS}, {_OPTIONS}, bool[] output_mask, {_DEFAULTED}) "
+                                     f"*, bool[] output_mask, {_OPTIONS}) -> (Tensor, Tensor, Tensor)",
+    "linear_cross_entropy_grads_in_forward": f"({_INPUTS}, *, bool[] output_mask, {_OPTIONS}) "
                                              "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 
@@ -180,31 +180,50 @@ def test_registered_schemas_are_unchanged(name):
     assert str(getattr(torch.ops.chunkce, name).default._schema) == f"chunkce::{name}{SCHEMAS[name]}"
 
 
-def test_options_parse_and_args_round_trip():
-    """OpOptions.args puts an op's own arguments after the options without a default, and
-    parse reads them back, the defaults of a call that leaves the trailing ones out included;
-    the head transform is flattened into the schema's arguments and rebuilt."""
-    from compile_pass.op.schema import OpOptions
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_no_schema_carries_an_allocator_policy(name):
+    """``release_cache`` is the environment's (``CHUNKCE_RELEASE_CACHE``), in no op's schema."""
+    assert "release_cache" not in str(getattr(torch.ops.chunkce, name).default._schema)
+
+
+def test_options_are_keywords_and_the_transform_round_trips():
+    """The options travel by name: the op refuses them by position and an unknown name; the head
+    transform is flattened into the schema's arguments (a tensor scale positional, a number the
+    float ``logit_scale``) and rebuilt."""
+    from compile_pass.op.schema import DEFAULTS, head_transform, op_arguments
     from compile_pass.op.transform import HeadTransform
 
     scale = torch.tensor(2.0)
-    options = OpOptions(-1, 0.1, torch.float32, 8, None, transform=HeadTransform(scale, divides=True))
-    args = options.args([True, False, True])
-    assert args[:6] == (-1, 0.1, torch.float32, 8, None, [True, False, True])
-    assert args[6:] == (None, scale, True, None, None)  # logit_scale, logit_scale_tensor, ..., chunk_bytes
-    (mask,), parsed = OpOptions.parse(args, extras=1)
-    assert mask == [True, False, True]
-    assert [getattr(parsed, name) for name in ("ignore_index", "label_smoothing", "chunk_size",
-                                               "chunk_bytes")] == [-1, 0.1, 8, None]
-    assert parsed.transform.scale is scale and parsed.transform.divides and parsed.transform.dtype is None
-    assert parsed.tensors() == (scale,)
-    assert parsed.without_tensors().transform.scale is None
-    assert parsed.without_tensors().with_tensors((scale,)).transform == HeadTransform(scale, divides=True)
-    (), short = OpOptions.parse((-100, 0.0, torch.float16, None, True))  # trailing defaults left out
-    assert (short.transform, short.chunk_bytes) == (HeadTransform(), None) and short.transform.is_identity
-    number = OpOptions(0, 0.0, torch.float32, None, None, transform=HeadTransform(3, dtype=torch.bfloat16))
-    assert number.args()[5:9] == (3.0, None, False, torch.bfloat16)  # a number: the float one
-    assert OpOptions.parse(number.args())[1].transform == HeadTransform(3.0, dtype=torch.bfloat16)
+    tensor, keywords = op_arguments(HeadTransform(scale, divides=True), ignore_index=-1, label_smoothing=0.1,
+                                    logits_dtype=torch.float32, chunk_size=8)
+    assert tensor is scale
+    assert keywords == {"ignore_index": -1, "label_smoothing": 0.1, "logits_dtype": torch.float32, "chunk_size": 8,
+                        "logit_scale": None, "scale_divides": True, "scale_dtype": None}
+    rebuilt = head_transform(tensor, keywords)
+    assert rebuilt.scale is scale and rebuilt.divides and rebuilt.dtype is None
+    assert head_transform(None, DEFAULTS) == HeadTransform() and head_transform(None, DEFAULTS).is_identity
+    number, keywords = op_arguments(HeadTransform(3, dtype=torch.bfloat16))
+    assert number is None
+    assert (keywords["logit_scale"], keywords["scale_divides"], keywords["scale_dtype"]) == (3.0, False, torch.bfloat16)
+    assert head_transform(None, keywords) == HeadTransform(3.0, dtype=torch.bfloat16)
+    hidden, weight, target, _ = make_inputs(n=5, h=4, v=7)
+    forward = torch.ops.chunkce.linear_cross_entropy.default
+    with pytest.raises(RuntimeError, match="takes 6 positional argument"):
+        forward(hidden, weight, target, None, None, None, -100, 0.0, torch.float32)
+    with pytest.raises(RuntimeError, match="Unknown keyword argument 'release_cache'"):
+        forward(hidden, weight, target, None, None, None, ignore_index=-100, label_smoothing=0.0,
+                logits_dtype=torch.float32, release_cache=True)
+    loss = forward(hidden.detach(), weight.detach(), target, None, None, None, ignore_index=-100, label_smoothing=0.0,
+                   logits_dtype=torch.float32)[0]
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(hidden, weight), target, reduction="none"))
+
+
+def test_removed_arguments_are_unknown_keywords():
+    """An argument the public function does not take (``release_cache`` is the environment's) is
+    Python's own ``TypeError``, as any unknown keyword."""
+    hidden, weight, target, _ = make_inputs()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'release_cache'"):
+        linear_cross_entropy(hidden, weight, target, release_cache=True)
 
 
 def test_inputs_not_modified():

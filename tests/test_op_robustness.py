@@ -47,7 +47,7 @@ def _step(dtype, n, reduction="mean", strided_target=False, chunk_size=8, column
 RECOMPILE_CASES = [
     (torch.float32, 1),
     (torch.float32, 80),
-    (torch.bfloat16, 64),  # the case: 64 then 80 compiled a third graph
+    (torch.bfloat16, 64),  # 64 then 80: no third graph
     (torch.bfloat16, 8),  # a single-chunk call first
     (torch.float16, 1),
 ]
@@ -360,18 +360,19 @@ def test_opcheck_forward_and_backward(case):
     hidden, weight, target, b = make_inputs(n=n, h=h, v=v, dtype=dtype, bias=bias, ignored=ignored)
     class_weight = (torch.rand(v, generator=torch.Generator().manual_seed(5)) + 0.1).to(dtype) if weighted else None
     logits_dtype = dtype
-    options = (-100, smoothing, logits_dtype, chunk_size, None)
+    options = {"ignore_index": -100, "label_smoothing": smoothing, "logits_dtype": logits_dtype,
+               "chunk_size": chunk_size}
     forward = torch.ops.chunkce.linear_cross_entropy.default
-    torch.library.opcheck(forward, (hidden, weight, target, b, class_weight, *options))
+    torch.library.opcheck(forward, (hidden, weight, target, b, class_weight, None), options)
     with torch.no_grad():
-        _, row_max, row_log_sum = forward(hidden, weight, target, b, class_weight, *options)
+        _, row_max, row_log_sum = forward(hidden, weight, target, b, class_weight, None, **options)
     grad_loss = torch.randn(n, generator=torch.Generator().manual_seed(2), dtype=row_max.dtype)
     backward = torch.ops.chunkce.linear_cross_entropy_backward.default
     for mask in ([True, True, True], [True, False, False], [False, True, bias]):
         args = (grad_loss, hidden.detach(), weight.detach(), target,
-                None if b is None else b.detach(), class_weight, row_max, row_log_sum, *options, mask)
+                None if b is None else b.detach(), class_weight, None, row_max, row_log_sum)
         # the backward op's autograd only refuses double backward: no autograd check
-        torch.library.opcheck(backward, args, test_utils=("test_schema", "test_faketensor",
+        torch.library.opcheck(backward, args, {**options, "output_mask": mask}, test_utils=("test_schema", "test_faketensor",
                                                           "test_aot_dispatch_static",
                                                           "test_aot_dispatch_dynamic"))
 

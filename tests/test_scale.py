@@ -224,13 +224,13 @@ def test_opcheck_with_a_scale():
     forward = torch.ops.chunkce.linear_cross_entropy.default
     backward = torch.ops.chunkce.linear_cross_entropy_backward.default
     for scale, tensor, divides in ((0.5, None, False), (None, torch.tensor(3.0), True)):
-        scaling = (scale, tensor, divides, torch.float32, None)
-        options = (-100, 0.1, torch.float32, 3, None)
-        torch.library.opcheck(forward, (hidden, weight, target, bias, None, *options, *scaling))
-        _, row_max, row_log_sum = forward(hidden, weight, target, bias, None, *options, *scaling)
+        options = {"ignore_index": -100, "label_smoothing": 0.1, "logits_dtype": torch.float32, "chunk_size": 3,
+                   "logit_scale": scale, "scale_divides": divides, "scale_dtype": torch.float32}
+        torch.library.opcheck(forward, (hidden, weight, target, bias, None, tensor), options)
+        _, row_max, row_log_sum = forward(hidden, weight, target, bias, None, tensor, **options)
         grad_loss = torch.rand(7, generator=torch.Generator().manual_seed(0))
-        torch.library.opcheck(backward, (grad_loss, hidden, weight, target, bias, None, row_max, row_log_sum,
-                                         *options, [True, True, True], *scaling),
+        torch.library.opcheck(backward, (grad_loss, hidden, weight, target, bias, None, tensor, row_max, row_log_sum),
+                              {**options, "output_mask": [True, True, True]},
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

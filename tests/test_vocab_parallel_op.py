@@ -18,7 +18,7 @@ from test_distributed import Spawned
 from test_distributed import spawn_ranks as spawn
 
 from compile_pass.op.transform import HeadTransform
-from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+from compile_pass.op.function import chunked_cross_entropy
 
 TIMEOUT_S = 420
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -120,18 +120,19 @@ def test_traces_with_fx_proxies_on_fake_tensors():
 
 @pytest.mark.slow
 def test_dtensor_entry_on_a_colwise_parallel_head(spawned):
-    """``vocab_parallel_linear_cross_entropy`` on ColwiseParallel's DTensor weight and bias: exact, the
-    gradients DTensors of the same layout (a replicated DTensor input's: the fp32 hidden-state gradient of a
-    ``sum`` against fp64, no worse than twice the unfused fp32 path's error); a plain or replicated weight
-    and a plain bias are refused."""
+    """``compile_pass.linear_cross_entropy`` on ColwiseParallel's DTensor weight and bias (the layout
+    decides: the vocabulary-parallel loss): exact, the gradients DTensors of the same layout (a replicated
+    DTensor input's: the fp32 hidden-state gradient of a ``sum`` against fp64, no worse than twice the
+    unfused fp32 path's error); a plain weight with a DTensor bias, a replicated weight and a plain bias
+    with a DTensor weight are refused."""
     per_rank = spawned("dtensor_entry")
     assert_pairs(per_rank, **FP32)
     for result in per_rank:
         op, unfused = result["replicated_grad_errors"]["op"], result["replicated_grad_errors"]["unfused"]
         assert op <= max(2 * unfused, 1e-6), result["replicated_grad_errors"]  # against fp64
         errors = result["refusals"]
-        assert errors["plain weight"].startswith("TypeError") and "compile_pass.linear_cross_entropy" in errors[
-            "plain weight"], errors
+        assert errors["plain weight"].startswith("TypeError") and "chunkce.linear_cross_entropy" in errors[
+            "plain weight"] and "DTensor" in errors["plain weight"], errors
         assert errors["replicated weight"].startswith("ValueError") and "Shard(0)" in errors["replicated weight"]
         assert errors["plain bias"].startswith("ValueError") and "linear_bias" in errors["plain bias"]
 
@@ -183,25 +184,24 @@ def test_target_outside_the_vocabulary_raises_on_every_rank(spawned):
 def test_grads_in_forward_is_refused_with_the_fix():
     hidden, weight, target = torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3, dtype=torch.int64)
     with pytest.raises(NotImplementedError, match="grads_in_forward.*leave it off"):
-        vocab_parallel_cross_entropy(hidden, weight, target, None, None, reduction="mean", vocab_start=0,
+        chunked_cross_entropy(hidden, weight, target, None, None, reduction="mean", vocab_start=0,
                                      vocab_size=10, group_name="unused", grads_in_forward=[True, True, False],
                                      **cases.options(transform=HeadTransform()))
 
 
-# The registered schemas, written out (a graph, a cache entry or a positional caller relies on them):
-# the single-device op's options, then the ops' own arguments after those without a default.
-_OPTIONS = "SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size, bool? release_cache"
-_DEFAULTED = ("float? logit_scale=None, Tensor? logit_scale_tensor=None, bool scale_divides=False, "
-              "ScalarType? scale_dtype=None, SymInt? chunk_bytes=None")
-_INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
+# The registered schemas, written out (a graph or a cache entry relies on them): the tensors
+# positional, then keyword-only the ops' own arguments and the single-device op's options.
+_INPUTS = ("Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
+           "Tensor? logit_scale_tensor")
+_OPTIONS = ("SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size=None, "
+            "SymInt? chunk_bytes=None, float? logit_scale=None, bool scale_divides=False, ScalarType? scale_dtype=None")
 _SHARD = "SymInt vocab_start, SymInt vocab_size"
 SCHEMAS = {
-    "vocab_parallel_statistics": f"({_INPUTS}, {_OPTIONS}, {_SHARD}, {_DEFAULTED}) "
-                                 "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    "vocab_parallel_loss": f"(Tensor loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, {_OPTIONS}, {_SHARD}, "
-                           f"str group_name, {_DEFAULTED}) -> Tensor",
-    "vocab_parallel_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, {_OPTIONS}, "
-                               f"bool[] output_mask, {_SHARD}, {_DEFAULTED}) -> (Tensor, Tensor, Tensor)",
+    "vocab_parallel_statistics": f"({_INPUTS}, *, {_SHARD}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "vocab_parallel_loss": f"(Tensor loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, *, {_SHARD}, "
+                           f"str group_name, {_OPTIONS}) -> Tensor",
+    "vocab_parallel_backward": f"(Tensor grad_loss, {_INPUTS}, Tensor row_max, Tensor row_log_sum, *, "
+                               f"bool[] output_mask, {_SHARD}, {_OPTIONS}) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -223,10 +223,11 @@ def test_opcheck_statistics_and_backward(case):
     bias = torch.randn(15, generator=gen) if case != 1 else None
     class_weight = torch.rand(41, generator=gen) if case == 2 else None
     smoothing = [0.0, 0.1, 0.3][case]
-    options = (-100, smoothing, torch.float32, [4, None, 2][case], None)
+    options = {"ignore_index": -100, "label_smoothing": smoothing, "logits_dtype": torch.float32,
+               "chunk_size": [4, None, 2][case], "vocab_start": 10, "vocab_size": 41}
     torch.library.opcheck(torch.ops.chunkce.vocab_parallel_statistics.default,
-                          (hidden, weight, target, bias, class_weight, *options, 10, 41))
+                          (hidden, weight, target, bias, class_weight, None), options)
     row_max, row_log_sum, grad_loss = torch.randn(9, generator=gen) + 3, torch.rand(9, generator=gen) + 2, torch.rand(9)
     torch.library.opcheck(torch.ops.chunkce.vocab_parallel_backward.default,
-                          (grad_loss, hidden, weight, target, bias, class_weight, row_max, row_log_sum, *options,
-                           [True, True, bias is not None], 10, 41))
+                          (grad_loss, hidden, weight, target, bias, class_weight, None, row_max, row_log_sum),
+                          {**options, "output_mask": [True, True, bias is not None]})

@@ -69,7 +69,7 @@ def problem(vocab_size: int, hidden_size: int = 8, shape=(2, 7), dtype=torch.flo
 def options(**overrides) -> dict[str, Any]:
     """The op's options as the graph pass gives them (small tiles: several a rank)."""
     return {"ignore_index": IGNORE_INDEX, "label_smoothing": 0.0, "logits_dtype": torch.float64,
-            "chunk_size": 4, "release_cache": None, "chunk_bytes": 4 * 8 * 64, **overrides}
+            "chunk_size": 4, "chunk_bytes": 4 * 8 * 64, **overrides}
 
 
 def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduction: str, transform=None,
@@ -77,7 +77,7 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
     """The vocabulary-parallel loss on this rank's shard and the reference on the whole head; a random
     upstream gradient; returns ``(got, expected)`` of the loss and every gradient."""
     from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     transform = transform or HeadTransform()
     start, size = shard.rows(*weight.shape)
@@ -88,7 +88,7 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
     op_options = options(transform=transform, **overrides)
 
     def loss_of(h, w, t, b, cw):
-        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction=reduction, vocab_start=start,
+        return chunked_cross_entropy(h, w, t, b, cw, reduction=reduction, vocab_start=start,
                                             vocab_size=weight.shape[0], group_name=shard.group_name,
                                             projection_dtype=projection_dtype, **op_options)
 
@@ -135,12 +135,12 @@ def case_exact_fp64(shard: Shard) -> dict[str, Any]:
     """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64. And once
     under ``torch.no_grad()`` (no gradient attaches, the loss is the same)."""
     result = _sweep(shard, torch.float64)
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     weight, bias, hidden, target, class_weight = problem(1001)
     start, size = shard.rows(*weight.shape)
     with torch.no_grad():
-        loss = vocab_parallel_cross_entropy(hidden, shard.local(weight), target, shard.local(bias), class_weight,
+        loss = chunked_cross_entropy(hidden, shard.local(weight), target, shard.local(bias), class_weight,
                                             reduction="mean", vocab_start=start, vocab_size=1001,
                                             group_name=shard.group_name, **options(label_smoothing=0.1))
     expected = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), target.flatten(), weight=class_weight,
@@ -181,7 +181,7 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
     from torch._dynamo.backends.common import aot_autograd
 
     from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     graphs: dict[str, list[str]] = {"dynamo": [], "forward": [], "backward": []}
 
@@ -204,7 +204,7 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
 
     @torch.compile(backend=backend, fullgraph=True)
     def loss_fn(h, w, t, b, cw):
-        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+        return chunked_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
                                             group_name=shard.group_name, **op_options)
 
     torch._dynamo.reset()
@@ -214,11 +214,11 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
 
 
 def traced_loss(group_name: str, fakes: list, **kwargs) -> torch.fx.GraphModule:
-    """A graph module of :func:`vocab_parallel_cross_entropy` emitted as the graph pass emits a site
+    """A graph module of :func:`chunked_cross_entropy` with a shard emitted as the graph pass emits a site
     (:func:`compile_pass.graph.nodes.trace_into`: FX proxies, placeholders carrying fake values):
     ``(hidden_states, weight, target, bias, class_weight) -> loss``."""
     from compile_pass.graph.nodes import trace_into
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     graph = torch.fx.Graph()
     placeholders = []
@@ -226,7 +226,7 @@ def traced_loss(group_name: str, fakes: list, **kwargs) -> torch.fx.GraphModule:
         node = graph.placeholder(name)
         node.meta["example_value"] = fake
         placeholders.append(node)
-    loss = trace_into(graph, vocab_parallel_cross_entropy, *placeholders, group_name=group_name, **kwargs)
+    loss = trace_into(graph, chunked_cross_entropy, *placeholders, group_name=group_name, **kwargs)
     graph.output(loss)
     return torch.fx.GraphModule(torch.nn.Module(), graph)
 
@@ -249,15 +249,15 @@ def case_fx_traced(shard: Shard) -> dict[str, Any]:
 
 
 def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
-    """The checked eager entry on an ``nn.Linear`` parallelized by ``ColwiseParallel`` (DTensor weight and
-    bias ``Shard(0)``): with plain inputs (smoothing, class weights, a scale, ``mean``), with a replicated
+    """``compile_pass.linear_cross_entropy`` on an ``nn.Linear`` parallelized by ``ColwiseParallel``
+    (DTensor weight and bias ``Shard(0)``: the layout picks the vocabulary-parallel loss): with plain inputs (smoothing, class weights, a scale, ``mean``), with a replicated
     DTensor input (``sum``); and the layouts it refuses, with their messages."""
     from torch import nn
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
+    from compile_pass import linear_cross_entropy
     from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.vocab_parallel import vocab_parallel_linear_cross_entropy
 
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
     head = nn.Linear(8, 1001)
@@ -267,16 +267,15 @@ def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
     assert isinstance(head.weight, DTensor)
 
     def entry(h, w, t, b, cw):  # run_both's local shards stand in for the module's: their gradients
-        return vocab_parallel_linear_cross_entropy(h, head.weight, t, linear_bias=head.bias, weight=cw,
-                                                   label_smoothing=0.1, logit_scale=0.5, chunk_size=4,
-                                                   chunk_bytes=4 * 4 * 64)
+        return linear_cross_entropy(h, head.weight, t, linear_bias=head.bias, weight=cw, label_smoothing=0.1,
+                                    logit_scale=0.5, chunk_size=4, chunk_bytes=4 * 4 * 64)
 
     pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=entry,
                      label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
     pairs["module grad_weight"] = (head.weight.grad.to_local().clone(), pairs.pop("grad_weight")[1])
     pairs["module grad_bias"] = (head.bias.grad.to_local().clone(), pairs.pop("grad_bias")[1])
     replicated = distribute_tensor(hidden, shard.mesh, [Replicate()]).requires_grad_()
-    loss = vocab_parallel_linear_cross_entropy(replicated, head.weight, target, reduction="sum")
+    loss = linear_cross_entropy(replicated, head.weight, target, reduction="sum")
     loss.backward()
     reference = hidden.double().requires_grad_()  # fp64: the hidden-state gradient of a sum cancels to ~1e-2
     expected = torch.nn.functional.cross_entropy(torch.nn.functional.linear(reference, weight.double()).flatten(0, -2),
@@ -294,7 +293,7 @@ def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
                          ("plain bias", {"linear_bias": bias})):
         arguments = {"linear_weight": head.weight, "linear_bias": head.bias, **kwargs}
         try:
-            vocab_parallel_linear_cross_entropy(hidden, arguments.pop("linear_weight"), target, **arguments)
+            linear_cross_entropy(hidden, arguments.pop("linear_weight"), target, **arguments)
         except (TypeError, ValueError) as error:
             refusals[name] = f"{type(error).__name__}: {error}"
     return {"pairs": pairs, "replicated_grad_errors": errors, "refusals": refusals}
@@ -307,7 +306,7 @@ def case_inductor(shard: Shard) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     os.environ["CHUNKCE_EAGER_KERNELS"] = "0"  # read at each call (compile_pass.op.settings)
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
@@ -316,7 +315,7 @@ def case_inductor(shard: Shard) -> dict[str, Any]:
 
     @torch.compile(backend="inductor", fullgraph=True)
     def loss_fn(h, w, t, b, cw):
-        return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+        return chunked_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
                                             group_name=shard.group_name, **op_options)
 
     torch._dynamo.reset()
@@ -334,7 +333,7 @@ def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
     rank) and under saved-tensor hooks that pack every saved tensor into a copy."""
     from torch.utils.checkpoint import checkpoint
 
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     weight, bias, hidden, target, class_weight = problem(1001)
     start, _ = shard.rows(*weight.shape)
@@ -346,7 +345,7 @@ def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
 
     def loss_fn(h, w, t, b, cw):
         def inner(h, w, b):
-            return vocab_parallel_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
+            return chunked_cross_entropy(h, w, t, b, cw, reduction="mean", vocab_start=start, vocab_size=1001,
                                                 group_name=shard.group_name, **options(label_smoothing=0.1))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             return checkpoint(inner, h, w, b, use_reentrant=False)
@@ -359,14 +358,14 @@ def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
 def case_memory(shard: Shard) -> dict[str, Any]:
     """Peak bytes of this rank's forward and backward above their inputs, against a tile and ``[N, V_local]``."""
     from compile_pass.memory import measure_peak_bytes
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     tokens, hidden_size, vocab_size, chunk_size, block = 512, 16, 8192, 32, 256
     weight, _, hidden, target, _ = problem(vocab_size, hidden_size=hidden_size, shape=(tokens,), dtype=torch.float32)
     start, size = shard.rows(vocab_size, hidden_size)
     h, w = hidden.clone().requires_grad_(), shard.local(weight).clone().requires_grad_()
     loss, forward_peak = measure_peak_bytes(
-        vocab_parallel_cross_entropy, h, w, target, None, None, reduction="mean", vocab_start=start,
+        chunked_cross_entropy, h, w, target, None, None, reduction="mean", vocab_start=start,
         vocab_size=vocab_size, group_name=shard.group_name,
         **options(logits_dtype=torch.float32, chunk_size=chunk_size, chunk_bytes=chunk_size * block * 4))
     _, backward_peak = measure_peak_bytes(loss.backward)
@@ -384,13 +383,13 @@ def case_empty_shard(shard: Shard) -> dict[str, Any]:
 
 def case_bad_target(shard: Shard) -> dict[str, Any]:
     """A target of V (outside the vocabulary, not ignored) raises on every rank, naming the range."""
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
+    from compile_pass.op.function import chunked_cross_entropy
 
     weight, _, hidden, target, _ = problem(1001)
     target.view(-1)[0] = 1001
     start, _ = shard.rows(1001, 8)
     try:
-        vocab_parallel_cross_entropy(hidden, shard.local(weight), target, None, None, reduction="mean",
+        chunked_cross_entropy(hidden, shard.local(weight), target, None, None, reduction="mean",
                                      vocab_start=start, vocab_size=1001, group_name=shard.group_name, **options())
     except RuntimeError as error:
         return {"error_message": str(error)}
@@ -413,9 +412,15 @@ CASES: dict[str, Callable[[Shard], dict[str, Any]]] = {
 
 
 def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) -> None:
-    """Entry of each spawned process: join the gloo group, run ``case_names`` in order, and after each
-    write every result so far to ``out_dir/rank<rank>.pt``; an exception is written there with its
-    traceback (under its case's name), then raised."""
+    """Entry of each spawned process: :func:`run_cases` of this module's cases."""
+    run_cases(rank, world_size, out_dir, case_names, {**CASES, "inductor": case_inductor})
+
+
+def run_cases(rank: int, world_size: int, out_dir: str, case_names: list[str],
+              cases: dict[str, Callable[[Shard], dict[str, Any]]]) -> None:
+    """Join the gloo group, run ``case_names`` of ``cases`` in order, and after each write every
+    result so far to ``out_dir/rank<rank>.pt``; an exception is written there with its traceback
+    (under its case's name), then raised (``statistics_parallel_cases`` runs its cases through it too)."""
     os.environ["CHUNKCE_EAGER_KERNELS"] = "1"  # the per-tile math eagerly: no Inductor compile per rank
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -430,7 +435,7 @@ def run_rank(rank: int, world_size: int, out_dir: str, case_names: list[str]) ->
     try:
         for name in case_names:
             try:
-                results[name] = {**CASES, "inductor": case_inductor}[name](shard)
+                results[name] = cases[name](shard)
             except BaseException:
                 results[name] = {"error": traceback.format_exc()}
                 raise

@@ -18,24 +18,13 @@ inputs and their gradients is one tile (plus ``[N]`` vectors), whatever ``V`` an
   multiple of :data:`VOCAB_ALIGN` columns. A vocabulary that fits in one tile takes whole
   rows and more tokens (``n = budget / (V * itemsize)``, never below the floor).
 
-Tuned on (the full tables and the trade-offs: ``docs/op.md``, "Tiles"; these are the same
-measurements):
-
-* CPU, the project's 2-core AMD EPYC (32 MiB L3), torch 2.13 + MKL, fp32, weight std
-  0.02: the four matmuls of the recompute design, tile by tile, against the same four on
-  the whole shape (``N = 2048, H = 1024, V = 32768``), took 0.87x with 512 x 4096 tiles,
-  0.96x with 256 x 8192 and 1.36x with 256 x 4096 (at ``H = 256``: 1.0x, 1.39x and 1.46x
-  with 512 x 2048). Hence a CPU floor of 512 tokens and a 7 MiB budget
-  (512 x 3584 fp32 tiles: the working set stays below 8 MiB with the ``[N]`` vectors).
-* CUDA, H200 (torch 2.11), H 4096, V 128256, bf16 with fp32 logits, 8192 tokens,
-  forward + backward: 97 ms with 256-token chunks, 63 ms with 1024, 59 ms with 2048.
-  Hence an accelerator floor of 2048 tokens; its 64 MiB budget (2048 x 16384 bf16 tiles)
-  is not measured (fewer, larger tiles: each costs a few kernel launches).
+The floors and budgets are measured in ``docs/op.md`` ("Tiles"): CPU 512 tokens and 7 MiB,
+an accelerator 2048 tokens and 64 MiB.
 
 ``chunk_size`` (or ``CHUNKCE_CHUNK_SIZE``) overrides ``n``; the budget still sets ``Vb``.
 :func:`resolve_tiles` is the one place the op (and the graph pass's report, which shows
-its tiles for each rewritten site) decides between the arguments, the environment and the
-default; None is "automatic" all the way there.
+its tiles for each rewritten site) decides, for each size: the argument, else its
+environment variable, else the default; None is "automatic" all the way there.
 
 The grads-in-forward op computes a row's gradient in the same walk as its log-sum-exp,
 so it needs the whole row's statistics before any gradient: it takes whole rows
@@ -57,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_pass.op.kernels import accumulate_dtype
+from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.settings import settings
 
 MiB = 1024 * 1024
@@ -163,13 +152,11 @@ def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, item
     """The tiles the op uses for one call; the graph pass's report shows what it returns
     for a rewritten site's sizes.
 
-    Tokens a tile: the argument ``chunk_size``; else, when the argument ``chunk_bytes`` is
-    not given, the environment's ``CHUNKCE_CHUNK_SIZE``; else the rule. The budget: the
-    argument ``chunk_bytes``, else ``CHUNKCE_CHUNK_BYTES``, else the device's default
-    (:func:`default_chunk_bytes`, with the device's full-speed floor): :func:`choose_tiles`.
-    So the two variables apply together (``CHUNKCE_CHUNK_SIZE`` sets ``n``,
-    ``CHUNKCE_CHUNK_BYTES`` the budget, hence ``Vb``), and an argument ``chunk_bytes``
-    sets ``CHUNKCE_CHUNK_SIZE`` aside.
+    One precedence for each of the two sizes, independently: the argument, else its
+    environment variable, else the default. Tokens a tile: ``chunk_size``, else
+    ``CHUNKCE_CHUNK_SIZE``, else the rule; the budget: ``chunk_bytes``, else
+    ``CHUNKCE_CHUNK_BYTES``, else the device's default (:func:`default_chunk_bytes`, with
+    the device's full-speed floor): :func:`choose_tiles`.
 
     Args:
         chunk_size: tokens a tile, or None for automatic.
@@ -193,10 +180,8 @@ def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, item
         if value is not None and value < 1:
             raise ValueError(f"chunkce: expected {name} to be a positive int or None (automatic), got {value}")
     env = settings()
-    if chunk_size is None:
-        chunk_size = env.chunk_size if chunk_bytes is None else None
-    if chunk_bytes is None:
-        chunk_bytes = env.chunk_bytes
+    chunk_size = env.chunk_size if chunk_size is None else chunk_size
+    chunk_bytes = env.chunk_bytes if chunk_bytes is None else chunk_bytes
     return choose_tiles(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
                         min_tokens=min_full_speed_tokens(device_type), chunk_size=chunk_size,
                         whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type))
@@ -241,8 +226,8 @@ class BackwardPlan:
 
     @property
     def zero_grad_hidden(self) -> bool:
-        """grad_hidden starts at zero: it sums, or no chunk writes it (N = 0)."""
-        return self.hidden_sums or not self.token_chunks
+        """grad_hidden starts at zero: it sums, or no tile writes it (N = 0, or V = 0: an empty shard)."""
+        return self.hidden_sums or not self.token_chunks or not self.vocab_blocks
 
     @property
     def zero_grad_weight(self) -> bool:

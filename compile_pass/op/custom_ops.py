@@ -1,8 +1,9 @@
 """The two custom ops behind :func:`compile_pass.linear_cross_entropy`, and their autograd.
 
-Their schemas are generated from :class:`compile_pass.op.schema.OpOptions` (the
-options, defined once): the bodies, fakes and ``setup_context`` read the options
-with ``OpOptions.parse``, and the backward is called with ``OpOptions.args``.
+Their tensors are positional (``hidden_states, weight, target, bias, class_weight,
+logit_scale_tensor``) and their options keyword-only (:data:`compile_pass.op.schema.OPTIONS`):
+the bodies and fakes take them as keywords, ``setup_context`` keeps them, and the backward op is
+called with them again.
 
 ``chunkce::linear_cross_entropy`` walks ``[n, Vb]`` tiles
 (:func:`compile_pass.op.loops.chunked_forward`): project one tile into the call's one
@@ -10,7 +11,7 @@ tile buffer, then the per-tile kernel of :mod:`compile_pass.op.kernels` carries 
 row's fp32 log-sum-exp across its vocabulary blocks and gives the per-token loss. It
 returns ``loss [N]`` and the log-sum-exp in two parts, ``row_max [N]`` and
 ``row_log_sum [N]``. Autograd saves only its tensor inputs (the scale's 0-d tensor
-among them) and those two; ``ctx.options`` keeps the other options.
+among them) and those two; ``ctx.options`` keeps the keyword options.
 
 ``chunkce::linear_cross_entropy_backward`` recomputes each tile's logits and
 applies the analytic gradient (:func:`compile_pass.op.loops.chunked_backward`,
@@ -20,7 +21,8 @@ refuses double backward. No autograd graph is built inside
 either op and ``torch.func`` is not used, so both run under any saved-tensor
 hooks and activation checkpointing. While a ``torch.func`` transform is active
 (never while tracing), the same forward and backward run through two thin
-``autograd.Function`` adapters, which ``torch.func`` accepts.
+``autograd.Function`` adapters, which ``torch.func`` accepts (their first argument: the
+options as one dict, since an ``autograd.Function`` under ``torch.func`` takes no keywords).
 """
 
 from __future__ import annotations
@@ -28,51 +30,50 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compile_pass.op import kernels, loops
-from compile_pass.op.schema import INPUTS, NAME, OpOptions, op_schema
+from compile_pass.op import loops
+from compile_pass.op.dtypes import accumulate_dtype
+from compile_pass.op.schema import DEFAULTS, INPUTS, NAME, op_schema
 
 FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
 BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
-                            "(Tensor, Tensor, Tensor)",
-                            extras="bool[] output_mask")
+                            "(Tensor, Tensor, Tensor)", own="bool[] output_mask")
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=(), schema=FORWARD_SCHEMA)
 def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                class_weight: Tensor | None, *options) -> tuple[Tensor, Tensor, Tensor]:
+                class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
+                **options) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]`` (0 where ignored), ``row_max [N]`` and ``row_log_sum [N]`` (the
     log-sum-exp is their sum, kept in two parts so that backward's probabilities round as
     torch's log-softmax does, with no row reduction), fp32 (fp64 for fp64 logits).
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
-    ``class_weight [V]`` or None, then the :class:`~compile_pass.op.schema.OpOptions`
-    (the head's transform as its schema arguments: at most one of ``logit_scale`` and
+    ``class_weight [V]`` or None, the head's 0-d scale tensor or None, then the keyword
+    options (:data:`compile_pass.op.schema.OPTIONS`; at most one of ``logit_scale`` and
     ``logit_scale_tensor`` is given; the logits are scaled by it before the loss,
     :class:`compile_pass.op.transform.HeadTransform`).
     """
-    _, options = OpOptions.parse(options)
-    with loops.op_body(hidden_states, weight, options, target) as plan:
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options, target) as plan:
         return loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
 
 
 @_forward_op.register_fake
-def _(hidden_states, weight, target, bias, class_weight, *options):
-    _, options = OpOptions.parse(options)
-    accumulate = kernels.accumulate_dtype(options.logits_dtype)
+def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **options):
+    accumulate = accumulate_dtype(options["logits_dtype"])
     num_tokens = hidden_states.shape[0]
     return tuple(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
 
 
 @torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
-                 bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
-                 *options_and_mask) -> tuple[Tensor, Tensor, Tensor]:
+                 bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
+                 row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool],
+                 **options) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
 
     ``grad_loss [N]`` fp32 (fp64 for fp64), the forward op's tensors, its ``row_max [N]``
-    and ``row_log_sum [N]``, then the forward op's options with ``output_mask`` (``[grad_hidden_states,
-    grad_weight, grad_bias]`` wanted) after those without a default, so that the
-    defaults of the others leave an older call as it was. A gradient that
+    and ``row_log_sum [N]``, then keyword ``output_mask`` (``[grad_hidden_states,
+    grad_weight, grad_bias]`` wanted) and the forward op's options. A gradient that
     ``output_mask`` does not ask for comes back as an empty tensor and costs no work.
     Sums over chunks accumulate in fp32 (fp64 for fp64) and are cast to the parameter's
     dtype once. It walks the forward's tiles (:func:`compile_pass.op.chunking.plan_backward`):
@@ -80,15 +81,14 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
     fp32 (at most ``V / VOCAB_BLOCKS`` wide); with several blocks the hidden-state gradient
     of a half-precision head sums over them in an fp32 ``[N, H]`` accumulator.
     """
-    (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
-    with loops.op_body(hidden_states, weight, options) as plan:
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
         return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
                                       class_weight, row_max, row_log_sum, output_mask)
 
 
 @_backward_op.register_fake
-def _(grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *options_and_mask):
-    (output_mask,), _ = OpOptions.parse(options_and_mask, extras=1)
+def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_tensor, row_max, row_log_sum,
+      *, output_mask, **options):
     return fake_gradients(hidden_states, weight, bias, output_mask)
 
 
@@ -106,26 +106,25 @@ def fake_gradients(hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
     )
 
 
-def _setup_context(ctx, inputs, output):
-    # inputs: every argument, defaults filled in
-    _, options = OpOptions.parse(inputs[5:])
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    # inputs: the six tensors (or None); keyword_only_inputs: every option, defaults filled in
     _, row_max, row_log_sum = output
     ctx.mark_non_differentiable(row_max, row_log_sum)
-    ctx.save_for_backward(*inputs[:5], row_max, row_log_sum, *options.tensors())
-    ctx.options = options.without_tensors()  # its tensors are saved above
+    ctx.save_for_backward(*inputs, row_max, row_log_sum)
+    ctx.options = keyword_only_inputs
     ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
-    hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *option_tensors = ctx.saved_tensors
-    options = ctx.options.with_tensors(option_tensors)
-    want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[:4]
-    backward_op = (FunctorchBackward.apply if torch._C._are_functorch_transforms_active()
-                   else torch.ops.chunkce.linear_cross_entropy_backward)
-    grad_hidden, grad_weight, grad_bias = backward_op(
-        grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum,
-        *options.args([want_hidden, want_weight, want_bias]),
-    )
+    hidden_states, weight, target, bias, class_weight, scale_tensor, row_max, row_log_sum = ctx.saved_tensors
+    # the op's inputs' flags (FunctorchForward's first input, the options, comes before them)
+    want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[-ctx.num_inputs:][:4]
+    tensors = (grad_loss, hidden_states, weight, target, bias, class_weight, scale_tensor, row_max, row_log_sum)
+    options = {**ctx.options, "output_mask": [want_hidden, want_weight, want_bias]}
+    if torch._C._are_functorch_transforms_active():
+        grad_hidden, grad_weight, grad_bias = FunctorchBackward.apply(options, *tensors)
+    else:
+        grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.linear_cross_entropy_backward(*tensors, **options)
     return input_grads(ctx, {0: grad_hidden if want_hidden else None, 1: grad_weight if want_weight else None,
                              3: grad_bias if want_bias else None})
 
@@ -150,11 +149,18 @@ def refuse_double_backward(op_name: str, unfused: str):
 
 _refuse_double_backward = refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy")
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
-_backward_op.register_autograd(_refuse_double_backward, setup_context=lambda ctx, inputs, output: None)
+_backward_op.register_autograd(_refuse_double_backward,
+                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
+
+
+def _options_first(op) -> staticmethod:
+    """A Function's ``forward(options, *tensors)``: ``op(*tensors, **options)``."""
+    return staticmethod(lambda options, *tensors: op(*tensors, **options))
 
 
 class FunctorchForward(torch.autograd.Function):
-    """The forward op with the same autograd, in the form ``torch.func`` accepts.
+    """The forward op with the same autograd, in the form ``torch.func`` accepts:
+    ``apply(options, *tensors)``, the keyword options as one dict.
 
     The autograd that ``register_autograd`` gives a custom op raises under
     ``torch.func`` transforms (grad, vjp, jacrev); the public function calls the op
@@ -164,23 +170,23 @@ class FunctorchForward(torch.autograd.Function):
     """
 
     generate_vmap_rule = True
+    forward = _options_first(_forward_op)
 
     @staticmethod
-    def forward(*inputs):
-        return torch.ops.chunkce.linear_cross_entropy(*inputs)
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs[1:], {**DEFAULTS, **inputs[0]}, output)
 
-    setup_context = staticmethod(_setup_context)
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *_backward(ctx, *grads)  # no gradient for the options
 
 
 class FunctorchBackward(torch.autograd.Function):
-    """The backward op under ``torch.func``: first order works, second order is refused."""
+    """The backward op under ``torch.func`` (``apply(options, *tensors)``): first order works,
+    second order is refused."""
 
     generate_vmap_rule = True
-
-    @staticmethod
-    def forward(*inputs):
-        return torch.ops.chunkce.linear_cross_entropy_backward(*inputs)
+    forward = _options_first(_backward_op)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

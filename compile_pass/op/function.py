@@ -1,23 +1,6 @@
-"""The chunked linear-cross-entropy op: ``chunkce::linear_cross_entropy``.
-
-Public entry point: :func:`linear_cross_entropy`, a drop-in for torch 2.13's
-``torch.nn.functional.linear_cross_entropy`` (class-index targets) that never
-materializes the ``[N, V]`` logits, their fp32 upcast, their log-softmax or their
-gradient. It is a traceable Python function: argument checks, then
-:func:`chunked_cross_entropy`: flattening, the custom op (one opaque node for
-Dynamo, AOTAutograd and Inductor) and the reduction in ordinary torch ops, so that
-``mean`` over class weights, and anything the surrounding graph does with the
-loss, stays visible to the compiler. The graph pass emits a rewritten site by
-tracing :func:`chunked_cross_entropy` into the graph, so a rewritten site and an
-eager call run the same code.
-
-The custom ops and their autograd are in :mod:`compile_pass.op.custom_ops` (and
-:mod:`compile_pass.op.grads_in_forward`, with its chunk loop), their options in
-:mod:`compile_pass.op.schema`, the recompute op's chunk loops in :mod:`compile_pass.op.loops`,
-their products into the gradients in :mod:`compile_pass.op.gradient_products`, the per-chunk
-math in :mod:`compile_pass.op.kernels`, and how it is compiled and run in
-:mod:`compile_pass.op.kernel_runner`.
-"""
+"""The chunked linear-cross-entropy op's public function, :func:`linear_cross_entropy`, and
+its traceable body, :func:`chunked_cross_entropy` (flatten, the custom op, the reduction in
+torch ops), which the graph pass traces into a rewritten site. Module map: docs/design.md."""
 
 from __future__ import annotations
 
@@ -26,13 +9,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from compile_pass.op import vocab_parallel
 from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
 from compile_pass.op.chunking import Tiles, resolve_tiles
 from compile_pass.op.custom_ops import FunctorchForward
 from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
-from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.loops import autocast_enabled
-from compile_pass.op.schema import OpOptions
+from compile_pass.op.reduction import reduce_total
+from compile_pass.op.schema import loss_inputs
 from compile_pass.op.transform import HeadTransform
 
 
@@ -48,7 +32,6 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     logits_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
-    release_cache: bool | None = None,
     logit_scale: float | Tensor | None = None,
     logit_divisor: float | Tensor | None = None,
     scale_dtype: torch.dtype | None = None,
@@ -78,7 +61,17 @@ def linear_cross_entropy(
         input: hidden states ``[N, H]`` or ``[B, T, H]`` (any leading dims), or one
             token ``[H]`` (unbatched: logits ``[V]``, a 0-d ``target``, as
             ``F.cross_entropy`` takes them), floating dtype.
-        linear_weight: the lm_head weight ``[V, H]``, same dtype as ``input``.
+        linear_weight: the lm_head weight ``[V, H]``, same dtype as ``input``; or a DTensor
+            sharded over the vocabulary (``Shard(0)`` on one mesh dimension, ``Replicate()`` on
+            any other: what ``ColwiseParallel`` makes of an ``nn.Linear``; shards may be
+            uneven): then every rank of the mesh calls with the same ``input`` and ``target``
+            (plain, or DTensors replicated everywhere, as ``linear_bias`` is sharded as the
+            weight and ``weight`` replicated), walks its shard only and combines the row
+            statistics over that mesh dimension's group
+            (:func:`compile_pass.op.vocab_parallel.sharded_loss`; no ``[N, V]``
+            or ``[N, V_local]`` tensor on any rank); the loss is a plain tensor, the same on
+            every rank, ``input``'s gradient the full one and the weight's a DTensor of its
+            layout.
         target: class indices, int64 (or uint8, as ``F.cross_entropy``),
             ``input.shape[:-1]``, each in ``[0, V)`` or ``ignore_index``; another
             value raises a ``RuntimeError`` on CPU (``F.cross_entropy`` raises
@@ -98,11 +91,8 @@ def linear_cross_entropy(
             ``torch.float32`` for HF's ``logits.float()``); None = the
             projection's dtype. Under ``torch.autocast`` the projection runs in
             the autocast dtype and the loss in fp32, as torch's autocast does.
-        chunk_size: tokens per tile (the ``n`` of the op's ``[n, Vb]`` tiles); None = automatic
-            (:func:`compile_pass.op.chunking.resolve_tiles`: ``CHUNKCE_CHUNK_SIZE`` when
-            ``chunk_bytes`` is None too, else the rule).
-        release_cache: empty the device allocator's cache after forward and
-            backward; None = ``CHUNKCE_RELEASE_CACHE``. Read at run time.
+        chunk_size: tokens per tile (the ``n`` of the op's ``[n, Vb]`` tiles); None =
+            ``CHUNKCE_CHUNK_SIZE``, else automatic (:func:`compile_pass.op.chunking.resolve_tiles`).
         logit_scale: multiply the logits by it before the loss (Cohere's
             ``logit_scale``): a Python number or a real 0-d tensor (on the input's
             device or the CPU) that does not require grad; None = no scaling. It is
@@ -120,8 +110,7 @@ def linear_cross_entropy(
         chunk_bytes: the budget of one tile of logits in bytes: it sets the tile's
             vocabulary width ``Vb`` (and the automatic ``n`` where whole rows fit);
             None = ``CHUNKCE_CHUNK_BYTES``, else the device's default
-            (:func:`compile_pass.op.chunking.resolve_tiles`). Given, it also sets
-            ``CHUNKCE_CHUNK_SIZE`` aside.
+            (:func:`compile_pass.op.chunking.resolve_tiles`).
         grads_in_forward: opt-in: for ``"mean"`` / ``"sum"`` with gradients wanted,
             compute the gradients during forward (three matmuls a chunk instead of
             the recompute's four) and hold them, ``[N, H] + [V, H]``, until backward
@@ -136,8 +125,13 @@ def linear_cross_entropy(
         TypeError / ValueError: an argument of the wrong type, dtype or shape
             (the message names it).
         NotImplementedError: probability (floating) targets; a scale that requires
-            grad; double backward.
+            grad; double backward; ``grads_in_forward`` with a sharded weight.
     """
+    sharded = vocab_parallel.is_dtensor(linear_weight) or vocab_parallel.is_dtensor(linear_bias)
+    if sharded:  # the layout decides: the vocabulary-parallel loss
+        mesh_dim = vocab_parallel.vocabulary_mesh_dim(linear_weight, linear_bias)
+        input, target, weight = (vocab_parallel.replicated(name, value) for name, value in
+                                 (("input", input), ("target", target), ("weight", weight)))
     check_loss_options(reduction, ignore_index, label_smoothing, logits_dtype)
     check_chunking(chunk_size, chunk_bytes, grads_in_forward)
     check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtype)
@@ -150,17 +144,21 @@ def linear_cross_entropy(
     if autocast_enabled(input.device.type):  # the projection in the autocast dtype, the loss in fp32
         projection_dtype = torch.get_autocast_dtype(input.device.type)
         logits_dtype = logits_dtype or torch.float32
-    return chunked_cross_entropy(
-        input, linear_weight, target, linear_bias, weight,
+    keywords = dict(
         reduction=reduction, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         logits_dtype=logits_dtype or input.dtype, projection_dtype=projection_dtype,
-        chunk_size=chunk_size, release_cache=release_cache,
+        chunk_size=chunk_size, chunk_bytes=chunk_bytes,
         transform=HeadTransform(scale=logit_divisor if logit_scale is None else logit_scale,
                                 divides=logit_divisor is not None, dtype=scale_dtype),
-        chunk_bytes=chunk_bytes,
         grads_in_forward=grads_wanted(input, linear_weight, linear_bias, torch.is_grad_enabled())
         if grads_in_forward else None,
     )
+    if sharded:
+        vocab_start, group_name = vocab_parallel.shard_of(linear_weight, mesh_dim)
+        return chunked_cross_entropy(
+            input, linear_weight.to_local(), target, None if linear_bias is None else linear_bias.to_local(), weight,
+            vocab_start=vocab_start, vocab_size=linear_weight.shape[0], group_name=group_name, **keywords)
+    return chunked_cross_entropy(input, linear_weight, target, linear_bias, weight, **keywords)
 
 
 def chunked_cross_entropy(
@@ -171,9 +169,17 @@ def chunked_cross_entropy(
     class_weight: Tensor | None,
     *,
     reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    logits_dtype: torch.dtype,
+    chunk_size: int | None = None,
+    chunk_bytes: int | None = None,
+    transform: HeadTransform | None = None,
     projection_dtype: torch.dtype | None = None,
     grads_in_forward: list[bool] | None = None,
-    **options: Any,
+    vocab_start: int = 0,
+    vocab_size: int | None = None,
+    group_name: str | None = None,
 ) -> Tensor:
     """:func:`linear_cross_entropy` after its checks, with every decision made by the caller.
 
@@ -187,64 +193,54 @@ def chunked_cross_entropy(
         hidden_states: ``[..., H]``; weight ``[V, H]``; target ``hidden_states.shape[:-1]``
             int64; bias, class_weight ``[V]`` or None.
         reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        ignore_index, label_smoothing: as :func:`linear_cross_entropy`'s.
+        logits_dtype: the dtype the loss is computed in (resolved, not None).
+        chunk_size, chunk_bytes: the tiles; None: ``CHUNKCE_*``, else automatic, resolved
+            by the op at run time (:func:`compile_pass.op.chunking.resolve_tiles`).
+        transform: the head's transform (:class:`compile_pass.op.transform.HeadTransform`,
+            whose scale is a Python number or a 0-d tensor, or the proxy of one); None = none.
         projection_dtype: cast hidden_states, weight and bias to it first (the
             autocast dtype); None = no cast.
         grads_in_forward: None = the recompute op; else which of ``[hidden_states, weight,
             bias]`` need a gradient (:func:`compile_pass.op.grads_in_forward.grads_wanted`),
             computed during forward by :mod:`compile_pass.op.grads_in_forward` for
             ``"mean"`` / ``"sum"`` (``"none"`` keeps the recompute op).
-        options: the op's options by name (:class:`compile_pass.op.schema.OpOptions`:
-            ``ignore_index``, ``label_smoothing``, ``logits_dtype`` (resolved, not None),
-            ``chunk_size`` and ``chunk_bytes`` (None = automatic), ``transform``: the head's
-            transform, :class:`compile_pass.op.transform.HeadTransform`, whose scale is a
-            Python number or a 0-d tensor (or the proxy of one), ...).
+        vocab_start, vocab_size, group_name: a vocabulary-sharded head's shard (``weight`` and
+            ``bias`` this rank's ``[V_local, H]`` / ``[V_local]`` from global class ``vocab_start``,
+            of ``vocab_size`` in all, over the c10d group ``group_name``):
+            :func:`compile_pass.op.vocab_parallel.sharded_loss`; ``group_name`` None: the whole head.
 
     Returns:
         The loss in ``logits_dtype``: 0-d, or shaped like ``target`` for ``"none"``.
 
     Raises:
-        TypeError: a keyword in ``options`` that is not an option's name.
+        TypeError: a keyword that is not an option's name. NotImplementedError: ``grads_in_forward``
+        with a shard.
     """
-    op_options = OpOptions(**options)
-    logits_dtype = op_options.logits_dtype
-    if projection_dtype is not None:
-        hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
-        bias = None if bias is None else bias.to(projection_dtype)
+    if group_name is not None and grads_in_forward is not None:
+        raise NotImplementedError(
+            f"{vocab_parallel.NAME}: grads_in_forward is not supported for a vocabulary-sharded head; "
+            "leave it off (the recompute path is exact and holds no [V_local, H] gradient in forward)")
+    hidden_states, weight, bias, scale_tensor, options = loss_inputs(
+        hidden_states, weight, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        logits_dtype=logits_dtype, chunk_size=chunk_size, chunk_bytes=chunk_bytes, transform=transform,
+        projection_dtype=projection_dtype)
     flat_target = target.reshape(-1)  # [N]
-    forward_op = (FunctorchForward.apply if torch._C._are_functorch_transforms_active()
-                  else torch.ops.chunkce.linear_cross_entropy.default)
+    tensors = (hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight, scale_tensor)
+    if group_name is not None:
+        return vocab_parallel.sharded_loss(tensors, options, target.shape, reduction=reduction,
+                                           vocab_start=vocab_start, vocab_size=vocab_size, group_name=group_name)
     if _gradients_now(grads_in_forward, reduction):  # the gradients now: grads_in_forward.py
-        total = summed_loss(hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight,
-                            grads_in_forward, op_options)  # 0-d fp32 (fp64 for fp64)
+        total = summed_loss(*tensors, grads_in_forward, options)  # 0-d fp32 (fp64 for fp64)
     else:
-        loss = forward_op(
-            hidden_states.flatten(0, -2), weight, flat_target, bias, class_weight, *op_options.args(),
-        )[0]  # [N] fp32 (fp64 for fp64 logits); [1], [2] are the row statistics backward takes
+        if torch._C._are_functorch_transforms_active():
+            loss = FunctorchForward.apply(options, *tensors)[0]
+        else:  # [N] fp32 (fp64 for fp64 logits); [1], [2] are the row statistics backward takes
+            loss = torch.ops.chunkce.linear_cross_entropy.default(*tensors, **options)[0]
         if reduction == "none":
             return loss.view_as(target).to(logits_dtype)
         total = loss.sum()
-    return reduce_total(total, flat_target, class_weight, reduction, op_options)
-
-
-def reduce_total(total: Tensor, flat_target: Tensor, class_weight: Tensor | None, reduction: str,
-                 options: OpOptions) -> Tensor:
-    """The summed loss ``total`` (0-d, fp32 or fp64) reduced as ``F.cross_entropy`` reduces it,
-    ``"sum"`` or ``"mean"`` (over the non-ignored targets ``flat_target [N]``, or over their class
-    weights), in ``options.logits_dtype``; shared with :mod:`compile_pass.op.vocab_parallel`."""
-    if reduction == "sum":
-        return total.to(options.logits_dtype)
-    valid = flat_target != options.ignore_index  # [N]
-    if class_weight is None:
-        denominator = valid.sum()
-    else:
-        class_weight = class_weight.to(accumulate_dtype(options.logits_dtype))
-        denominator = (class_weight[flat_target.masked_fill(~valid, 0)] * valid).sum()
-    mean = total / denominator
-    if class_weight is not None and options.label_smoothing > 0.0:
-        # torch divides the nll and the smoothing terms by the weight sum separately: with
-        # a zero sum its nll's 0 / 0 makes the loss nan, where total / 0 would be inf
-        mean = mean + torch.zeros_like(denominator) / denominator  # + 0, or nan when the sum is 0
-    return mean.to(options.logits_dtype)
+    return reduce_total(total, flat_target, class_weight, reduction, ignore_index, label_smoothing, logits_dtype)
 
 
 def _gradients_now(grads_in_forward: list[bool] | None, reduction: str) -> bool:

@@ -1,56 +1,19 @@
-"""Opt-in grads-in-forward mode: the gradients computed during forward, for scalar losses.
-
-``chunkce::linear_cross_entropy_grads_in_forward`` walks the token chunks once
-(:func:`chunked_grads_in_forward`, below: the tiles and kernels of :mod:`compile_pass.op.loops`,
-the products of :mod:`compile_pass.op.gradient_products`). Per chunk: the projection
-(``[n, V]`` logits), the per-chunk forward kernel (loss and log-sum-exp), the per-chunk
-backward kernel with an upstream gradient of one per token, then ``grad_logits @ weight``
-into ``grad_hidden_states[start:end]`` and ``grad_logits.T @ hidden_chunk`` (and
-``grad_logits.sum(0)``) added into the weight (and bias) gradients. Three matmuls a
-chunk where the recompute op runs four (it projects every chunk again in backward).
-
-It returns the loss summed over tokens (0-d, fp32; fp64 for fp64 logits) and the
-gradients of that sum. Its backward scales them: ``d total / d x = grad_total *
-saved_grad_x``; a ``"mean"``'s division by the number of valid tokens (or the
-class-weight sum) stays in the graph after the op, as in the recompute path, so
-autograd hands the op ``grad_total = grad_loss / denominator``. That is exact
-for any scalar reduction, and why ``reduction="none"`` (whose per-token upstream
-gradient is unknown in forward) keeps the recompute op.
-
-What it holds from forward to backward (saved with ``ctx.save_for_backward``,
-so ``torch.autograd.graph.saved_tensors_hooks`` see them; nothing is kept in
-ctx attributes): ``grad_hidden_states [N, H]``, ``grad_weight [V, H]`` and
-``grad_bias [V]`` of the inputs that require grad (the hidden states' in its dtype,
-the weight's and bias's in fp32 for a half-precision head: the forward's accumulator,
-rounded to the parameter's dtype once, in backward, after the upstream gradient), and
-``counted [N]`` bool, the tokens that are not ignored (an ignored token's is 0 for any upstream gradient, even the inf of a ``"mean"`` over no
-counted token). Their inputs are not saved. Backward scales them in place by the
-upstream gradient and returns them: no copy, no gradient-sized allocation (autograd's
-accumulation takes the tensors over; a half-precision head's fp32 accumulators are
-rounded to the parameter's dtype, the one new tensor). So a second
-``backward(retain_graph=True)`` through the same graph cannot be computed: it raises
-``NotImplementedError`` (autograd's check of a saved tensor modified in place, a
-version check where a saved-tensor hook hands back the same tensors, AOTAutograd's
-donated-buffer check when compiled), never returns a wrong gradient.
-While forward runs, a half-precision weight's gradient is summed in that fp32
-``[V, H]`` accumulator (``aten::addmm.dtype_out`` where the device has it).
-
-When to use it: plain training on one device or data parallel, where the
-gradients would be allocated in backward anyway and the recompute's fourth
-matmul is the cost to save. Not with activation offloading or pipeline
-parallelism: the ``[N, H] + [V, H]`` gradients live from forward to backward
-(an offload hook would move a weight-sized tensor per step), and under
-pipeline parallelism many micro-batches' forwards run before their backwards.
-``torch.func`` transforms and double backward are refused
-(``NotImplementedError``); the recompute op supports ``torch.func`` first order.
-"""
+"""Opt-in grads-in-forward mode: ``chunkce::linear_cross_entropy_grads_in_forward`` computes,
+in one walk over the token chunks, the summed loss (0-d, fp32; fp64 for fp64 logits) and its
+gradients (three matmuls a chunk where the recompute op runs four); backward scales the saved
+gradients in place by the upstream gradient, so a second backward through the same graph raises
+``NotImplementedError``; ``torch.func`` and double backward are refused. Scalar reductions only.
+Design, what it holds and when to use it: docs/op.md, "Grads-in-forward mode"."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from compile_pass.op import kernels
+from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.chunking import spans
 from compile_pass.op.gradient_products import (
     _add_vocabulary_products,
@@ -59,10 +22,10 @@ from compile_pass.op.gradient_products import (
     _product_scratch,
 )
 from compile_pass.op.loops import TileBuffer, _backward_kernel, _dense, op_body, row_statistics
-from compile_pass.op.schema import INPUTS, NAME, OpOptions, op_schema
+from compile_pass.op.schema import INPUTS, NAME, op_schema
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
-SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", extras="bool[] output_mask")
+SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own="bool[] output_mask")
 
 
 def _refuse_under_transforms() -> None:
@@ -97,19 +60,19 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
     ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
-    them. ``total`` is in ``kernels.accumulate_dtype(plan.options.logits_dtype)``, summed as the
+    them. ``total`` is in ``accumulate_dtype(plan.options["logits_dtype"])``, summed as the
     recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
     ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
     tensor and costs no work; ``grad_hidden_states`` is in its dtype, ``grad_weight`` and
-    ``grad_bias`` in ``kernels.accumulate_dtype(weight.dtype)`` (fp32 for a half-precision
+    ``grad_bias`` in ``accumulate_dtype(weight.dtype)`` (fp32 for a half-precision
     head: backward rounds them to the parameter's dtype once, after the upstream gradient).
     """
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     want_hidden, want_weight, want_bias = output_mask
     want_bias = want_bias and bias is not None
     target, class_weight = _dense(target), _dense(class_weight)
-    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
-    weight_accumulate = kernels.accumulate_dtype(weight.dtype)
+    accumulate = accumulate_dtype(plan.options["logits_dtype"])
+    weight_accumulate = accumulate_dtype(weight.dtype)
     loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
     ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
     chunks = spans(num_tokens, plan.tiles.tokens)
@@ -141,44 +104,42 @@ def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Ten
             if want_bias:
                 grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
             del grad_logits
-    counted = target != plan.options.ignore_index  # [N] bool
+    counted = target != plan.options["ignore_index"]  # [N] bool
     return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=(), schema=SCHEMA)
 def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                         class_weight: Tensor | None,
-                         *options_and_mask) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         class_weight: Tensor | None, logit_scale_tensor: Tensor | None, *,
+                         output_mask: list[bool], **options) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``total`` (0-d, fp32; fp64 for fp64 logits): the per-token losses summed, 0 where
     ignored; its gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias
     ``[V]`` (an empty tensor where ``output_mask`` does not ask; the weight's and bias's
     in fp32 for a half-precision head); and ``counted [N]``
     bool: the tokens that are not ignored (backward's zero gradient for the others). The
-    arguments are those of ``chunkce::linear_cross_entropy``, with ``output_mask``
-    (``[grad_hidden_states, grad_weight, grad_bias]`` wanted) after the options without a
-    default, as the recompute backward op takes it."""
-    (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
-    with op_body(hidden_states, weight, options, target, whole_rows=True) as plan:
+    arguments are those of ``chunkce::linear_cross_entropy``, with keyword ``output_mask``
+    (``[grad_hidden_states, grad_weight, grad_bias]`` wanted), as the recompute backward op
+    takes it."""
+    with op_body(hidden_states, weight, logit_scale_tensor, options, target, whole_rows=True) as plan:
         return chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight, output_mask)
 
 
 @_grads_in_forward_op.register_fake
-def _(hidden_states, weight, target, bias, class_weight, *options_and_mask):
-    (output_mask,), options = OpOptions.parse(options_and_mask, extras=1)
+def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, *, output_mask, **options):
     want_hidden, want_weight, want_bias = output_mask
     return (
-        hidden_states.new_empty((), dtype=kernels.accumulate_dtype(options.logits_dtype)),
+        hidden_states.new_empty((), dtype=accumulate_dtype(options["logits_dtype"])),
         torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
         if want_hidden else hidden_states.new_empty(0),
-        weight.new_empty(weight.shape, dtype=kernels.accumulate_dtype(weight.dtype))
+        weight.new_empty(weight.shape, dtype=accumulate_dtype(weight.dtype))
         if want_weight else weight.new_empty(0),
-        bias.new_empty(bias.shape, dtype=kernels.accumulate_dtype(weight.dtype))
+        bias.new_empty(bias.shape, dtype=accumulate_dtype(weight.dtype))
         if want_bias and bias is not None else weight.new_empty(0),
         target.new_empty(target.shape, dtype=torch.bool),
     )
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
     _, grad_hidden, grad_weight, grad_bias, counted = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias, counted)
     ctx.set_materialize_grads(False)  # no zero gradients of those four made for backward
@@ -255,8 +216,9 @@ _grads_in_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                class_weight: Tensor | None, output_mask: list[bool], options: OpOptions) -> Tensor:
-    """The per-token losses summed (0-d, ``kernels.accumulate_dtype(options.logits_dtype)``),
+                class_weight: Tensor | None, scale_tensor: Tensor | None, output_mask: list[bool],
+                options: Mapping[str, Any]) -> Tensor:
+    """The per-token losses summed (0-d, ``accumulate_dtype(options["logits_dtype"])``),
     gradients computed now, through ``chunkce::linear_cross_entropy_grads_in_forward``.
 
     Traceable (reads no tensor value or metadata):
@@ -265,14 +227,14 @@ def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
 
     Args:
         hidden_states: ``[N, H]``; weight ``[V, H]``; target ``[N]`` int64; bias,
-            class_weight ``[V]`` or None.
+            class_weight ``[V]`` or None; scale_tensor: the head's 0-d scale or None.
         output_mask: ``[hidden_states, weight, bias]`` need a gradient (:func:`grads_wanted`).
-        options: the op's options.
+        options: the op's keyword options (:func:`compile_pass.op.schema.op_arguments`).
 
     Raises:
         NotImplementedError: under a ``torch.func`` transform.
     """
     _refuse_under_transforms()
     return torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default(
-        hidden_states, weight, target, bias, class_weight, *options.args(list(output_mask)),
+        hidden_states, weight, target, bias, class_weight, scale_tensor, output_mask=list(output_mask), **options,
     )[0]

@@ -1,44 +1,12 @@
-"""Per-chunk math of the op: the two kernels of one tile of logits, and their constants.
+"""Per-chunk math of the op: the two kernels of one tile of logits ``[n, Vb]``.
 
-Two functions of one tile of logits ``[n, Vb]`` (``n`` tokens, ``Vb`` vocabulary columns
-of the ``V``; the tiles: :mod:`compile_pass.op.chunking`):
+Loss per token ``i`` (target ``y``, logits ``z`` in ``logits_dtype``, class weights ``w``,
+``W = sum_c w_c``, smoothing ``eps``, ``C = V``), ATen's ``cross_entropy_loss_label_smoothing``::
 
-* :func:`chunk_forward` -> one vocabulary block of the fp32 log-sum-exp, online across
-  the row's blocks (kept in two parts, the row maximum and the log-sum of the shifted
-  row), the target's logit from the block that holds it, and the per-token loss;
-* :func:`chunk_backward` -> the gradient of the per-token loss with respect to
-  the tile's logits, given the upstream per-token gradient and the whole rows'
-  statistics, written over the logits.
-
-The matmuls around them (projection, ``grad @ weight``, ``grad.T @ hidden``) run
-outside, so their outputs can be written in place into preallocated buffers; what
-is compiled is the memory-bound part, which Inductor fuses into a couple of
-reductions over the chunk.
-
-They run through :func:`compile_pass.op.kernel_runner.run`: compiled once per variant with
-dynamic shapes, or eagerly where Inductor cannot compile for the device.
-
-Loss per token ``i`` with target ``y``, logits ``z`` (cast to ``logits_dtype``),
-class weights ``w`` (all ones without them), ``W = sum_c w_c``, smoothing
-``eps`` and ``C = V`` classes — the formula of ATen's
-``cross_entropy_loss_label_smoothing`` / ``nll_loss`` with ``reduction="none"``:
-
-    lse_i  = log sum_c exp(z_ic)
     loss_i = (1 - eps) * w_y * (lse_i - z_iy) + eps / C * sum_c w_c * (lse_i - z_ic)
+    d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic - (1 - eps) * w_y * [c == y] - eps / C * w_c
 
-and 0 for ignored tokens (``lse_i - z_iy`` computed as torch's log-softmax rounds it:
-``log_sum_i - (z_iy - max_i)``, :func:`chunk_forward`). Its gradient, with
-``p_ic = exp(z_ic - lse_i)`` (computed as ``exp((z_ic - max_i) - log_sum_i)``):
-
-    d loss_i / d z_ic = ((1 - eps) * w_y + eps * W / C) * p_ic
-                        - (1 - eps) * w_y * [c == y] - eps / C * w_c
-
-The head's transform (:class:`compile_pass.op.transform.HeadTransform`, e.g. Cohere's
-``logits * logit_scale``, Granite's ``logits / logits_scaling``) gives ``z =
-transform.apply(x).to(logits_dtype)`` for the projection ``x``, and the gradient w.r.t. ``x``
-is ``transform.backward`` of the gradient w.r.t. ``z`` rounded to ``logits_dtype``: the two
-kernels call those two methods and nothing else of it. Both kernels take their constants
-as one record, :class:`KernelArgs`.
+and 0 for ignored tokens. Derivation, rounding and the online log-sum-exp: docs/op.md.
 """
 
 from __future__ import annotations
@@ -48,24 +16,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from compile_pass.op.dtypes import accumulate_dtype
+
 if TYPE_CHECKING:
     from compile_pass.op.transform import HeadTransform
 
 
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision logits, else the logits' own dtype (fp64 stays fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 class KernelArgs(NamedTuple):
-    """The constants of one kernel call (every argument but its tensors), as one record.
-
-    Dynamo takes the numbers in it as graph inputs, as it takes a plain argument (an int
-    or a float of a record is not specialised either), so no new ``vocab_start``, scale or
-    smoothing value recompiles a kernel; the dtypes, ``label_smoothing``'s presence and the
-    transform's :meth:`~compile_pass.op.transform.HeadTransform.form` are in its compile key
-    (:meth:`compile_pass.op.schema.ChunkPlan.variant`), never branched on otherwise.
-    """
+    """The constants of one kernel call (every argument but its tensors); Dynamo reads its
+    numbers as graph inputs, so a new value does not recompile."""
 
     ignore_index: int
     label_smoothing: float | None  # None: no smoothing term in the graph
@@ -80,8 +39,7 @@ class KernelArgs(NamedTuple):
 
 
 def _safe_target(target: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """``valid [n]`` (not ignored) and the target with ignored tokens pointed at class 0,
-    so it can index; every use masks those tokens with ``valid``."""
+    """``valid [n]`` and the target with ignored tokens pointed at class 0."""
     valid = target != ignore_index
     return valid, torch.where(valid, target, 0)
 
@@ -96,36 +54,13 @@ def chunk_forward(
     smooth: Tensor | None,  # [n], None without label smoothing
     args: KernelArgs,  # the tile's block is the columns [args.vocab_start, args.vocab_start + Vb)
 ) -> tuple[Tensor, ...]:
-    """One vocabulary block of the log-sum-exp, online across the row's blocks, and the
-    per-token loss of the columns seen so far.
+    """One vocabulary block of the log-sum-exp, online across the row's blocks.
 
     Returns ``(loss, row_max, row_log_sum, sum_exp, z_target, smooth)``, ``[n]`` each in
-    ``accumulate_dtype`` (``smooth`` None without smoothing): the last four are the state
-    the next block of the same rows takes; after a row's last block, ``loss [n]`` is its
-    per-token loss and ``row_max`` and ``row_log_sum`` are the whole row's maximum and the
-    log of the sum of the row shifted by it (what backward takes): the log-sum-exp kept in
-    two parts, as ``F.log_softmax`` (which ``F.cross_entropy`` calls) keeps it, so that
-    ``log p = (z - row_max) - row_log_sum`` rounds as torch's log-softmax does (one rounded
-    ``lse`` would carry an absolute error of half its ulp into every ``log p``: 3e-5 at an
-    lse of 1e3 in fp32, where torch's is that of ``log p`` itself). A row holding ``+inf``
-    or only ``-inf`` gives nan, and nan propagates, exactly as torch's loss does
-    (``torch.logsumexp`` would return ``inf`` for such a row). The state, started by
-    :func:`initial_state`:
-
-    * ``row_max``: the largest logit seen (``-inf`` before any);
-    * ``sum_exp = sum_c exp(z_c - shift)`` over the columns seen, ``shift`` being
-      ``row_max`` (0 while it is ``-inf``, so a block of ``-inf`` adds 0, not nan); a new
-      maximum rescales it by ``exp(old_shift - shift)``, as flash-attention does across keys;
-    * ``z_target``: the target's logit, taken from the block that holds it;
-    * ``smooth = sum_c w_c (z_c - shift)`` over the columns seen (rescaled with the shift:
-      ``+ W_seen (old_shift - shift)``; every term is <= 0, so nothing cancels).
-
-    ``row_log_sum = log(sum_exp)`` and the loss is ``row_log_sum - (z_target - row_max)``,
-    torch's ``-log_softmax(z)[y]`` rounded as torch rounds it; the smoothing term is
-    ``sum_c w_c (lse - z_c) = W row_log_sum - smooth``. ``label_smoothing`` and the
-    transform's scale are only ever computed with, never branched on (Dynamo then passes them
-    as graph inputs, the same way in every process). The head's transform
-    (:meth:`~compile_pass.op.transform.HeadTransform.apply`) comes before the log-sum-exp.
+    ``accumulate_dtype`` (``smooth`` None without smoothing); the last four are the state the
+    next block takes (:func:`initial_state` starts it). After a row's last block ``loss`` is
+    its per-token loss and ``row_max + row_log_sum`` its log-sum-exp, kept in two parts as
+    ``F.log_softmax`` keeps it. A row with ``+inf`` or only ``-inf`` gives nan, as torch.
     """
     ignore_index, label_smoothing, logits_dtype, vocab_start, vocab_size, transform = args
     block = logits.shape[-1]
@@ -174,14 +109,9 @@ def _gradient_coefficients(
     label_smoothing: float | None,
     vocab_size: int,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The per-token factors of ``g_i * d loss_i / d z_ic``, ``[n]`` each::
-
-        coef_probs_i   = g_i * ((1 - eps) * w_y + eps * W / C)   times p_ic
-        coef_target_i  = g_i * (1 - eps) * w_y                   subtracted where c == y
-        coef_uniform_i = g_i * eps / C                           times w_c, subtracted at every c
-
-    ``coef_uniform`` is None without label smoothing (``label_smoothing`` None: ``eps = 0``).
-    """
+    """The per-token factors of ``g_i * d loss_i / d z_ic``, ``[n]`` each: ``coef_probs``
+    (times ``p_ic``), ``coef_target`` (subtracted at ``c == y``), ``coef_uniform`` (times
+    ``w_c``; None without smoothing)."""
     grad_target = grad if class_weight is None else grad * class_weight[safe_target]  # g_i * w_y
     if label_smoothing is None:
         return grad_target, grad_target, None
@@ -200,23 +130,11 @@ def chunk_backward(
     grad_loss: Tensor,  # [n] fp32
     args: KernelArgs,  # the tile's block is the columns [args.vocab_start, args.vocab_start + Vb)
 ) -> None:
-    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits::
+    """Gradient of ``sum_i grad_loss_i * loss_i`` w.r.t. one block of the chunk's logits,
+    written over ``logits`` in place (``[n, Vb]``, projection dtype, rounded through
+    ``logits_dtype`` and the head transform's backward as autograd rounds it).
 
-        grad_ic = coef_probs_i * p_ic - coef_target_i * [c == y_i] - coef_uniform_i * w_c
-
-    (the module's formula times ``grad_loss_i``; factors from :func:`_gradient_coefficients`),
-    with ``p = exp((z - row_max) - row_log_sum)``, torch's ``exp(log_softmax(z))``, rounded
-    as torch rounds it. ``row_max`` and ``row_log_sum`` are the forward kernel's
-    (of the whole row, which a vocabulary block cannot see): the
-    grads-in-forward op hands them over, the recompute op saves them for backward, so
-    no row is reduced here and every walk, blocked or not, takes the same variant.
-
-    The block is the vocabulary columns ``[vocab_start, vocab_start + Vb)``.
-    Returns nothing: ``logits`` is overwritten in place with the gradient ``[n, Vb]`` in
-    the projection dtype, rounded through ``logits_dtype`` exactly as autograd rounds it
-    through the graph's cast, then through the head transform's backward
-    (:meth:`~compile_pass.op.transform.HeadTransform.backward`: ``grad * s`` or ``grad / s``
-    in the scale's dtype). The caller's chunk of logits is consumed.
+    ``row_max`` / ``row_log_sum`` are the forward kernel's, of the whole row.
     """
     ignore_index, label_smoothing, logits_dtype, vocab_start, vocab_size, transform = args
     block = logits.shape[-1]
@@ -235,7 +153,5 @@ def chunk_backward(
         uniform = coef_uniform.unsqueeze(1)  # [n, 1]
         out = out - (uniform if w is None else uniform * w.narrow(0, vocab_start, block))  # [n, Vb]
     out = transform.backward(out.to(logits_dtype), logits)  # the chain rule through the transform
-    # Into the logits' own buffer: every element is read once, then overwritten by its
-    # gradient (pointwise once the row's statistics are known), so a chunk's working set is one [n, Vb]
-    # buffer, not two (Inductor stores the fused result in place).
+    # In place: a chunk's working set is one [n, Vb] buffer.
     logits.copy_(out)

@@ -18,20 +18,22 @@ check, autocast off, the allocator cache released after.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from compile_pass.op import kernel_runner, kernels
-from compile_pass.op.chunking import plan_backward, spans
+from compile_pass.op.chunking import Tiles, plan_backward, spans
+from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.gradient_products import (
     _add_vocabulary_products,
     _gradient_buffer,
     _matmul_into,
     _product_scratch,
 )
-from compile_pass.op.schema import NAME, ChunkPlan, OpOptions
+from compile_pass.op.schema import NAME, ChunkPlan
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -55,22 +57,24 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
 
 
 @contextlib.contextmanager
-def op_body(hidden_states: Tensor, weight: Tensor, options: OpOptions,
-            target: Tensor | None = None, whole_rows: bool = False) -> Iterator[ChunkPlan]:
+def op_body(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
+            target: Tensor | None = None, **placement: Any) -> Iterator[ChunkPlan]:
     """What every op's body runs around its chunk loop: yields the call's plan
-    (:meth:`ChunkPlan.resolve` of ``hidden_states [N, H]``, ``weight [V, H]`` and the
-    options; tiles of whole rows with ``whole_rows``); first checks ``target [N]`` when given (the forward ops: every target in
-    ``[0, V)`` or ignored); runs the loop with autocast off (the inputs are already in
-    the dtypes the op computes in); then, when the loop returned, releases the
-    allocator's cache if the plan says so (:func:`release_cache`).
+    (:meth:`ChunkPlan.resolve` of ``hidden_states [N, H]``, ``weight [V, H]``, the head's
+    ``scale_tensor`` and the keyword ``options``; ``placement``: its keywords ``option_defaults``,
+    ``whole_rows``, ``vocab_offset``, ``vocab_size``); first checks ``target [N]`` when given
+    (the forward ops: every target in ``[0, V)`` or ignored); runs the loop with autocast off
+    (the inputs are already in the dtypes the op computes in); then, when the loop returned,
+    applies the allocator policy of the environment (``CHUNKCE_RELEASE_CACHE``:
+    :func:`release_cache`), which no op's schema carries.
 
     Raises:
         ValueError: a ``CHUNKCE_*`` variable holds a bad value.
         RuntimeError: (CPU) a target outside ``[0, V)`` that is not ``ignore_index``.
     """
-    plan = ChunkPlan.resolve(hidden_states, weight, options, whole_rows)
+    plan = ChunkPlan.resolve(hidden_states, weight, scale_tensor, options, **placement)
     if target is not None:
-        _assert_targets_in_range(target, weight.shape[0], options.ignore_index)
+        _assert_targets_in_range(target, weight.shape[0], plan.options["ignore_index"])
     device = hidden_states.device
     autocast_off = (torch.autocast(device.type, enabled=False) if autocast_enabled(device.type)
                     else contextlib.nullcontext())
@@ -112,7 +116,7 @@ class TileBuffer:
 def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
                     state: tuple, vocab_start: int) -> tuple[Tensor, ...]:
     """``kernels.chunk_forward`` of one tile: ``(loss, row_max, row_log_sum, *state)``, ``[n]``
-    each in ``kernels.accumulate_dtype(plan.options.logits_dtype)``, from ``logits_chunk [n, Vb]``
+    each in ``accumulate_dtype(plan.options["logits_dtype"])``, from ``logits_chunk [n, Vb]``
     (projection dtype; the vocabulary columns ``[vocab_start, vocab_start + Vb)``),
     ``target [n]`` int64, ``class_weight [V]`` or None and the state of the
     row's earlier blocks (``kernels.initial_state`` for the first); after a row's last
@@ -149,7 +153,7 @@ def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, we
     ``buffer``: the whole rows' when there is one block).
 
     ``hidden_chunk [n, H]``, ``target [n]``; ``weight``, ``bias``, ``class_weight`` whole."""
-    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    accumulate = accumulate_dtype(plan.options["logits_dtype"])
     state = kernels.initial_state(hidden_chunk.shape[0], hidden_chunk.new_empty(0, dtype=accumulate),
                                   plan.kernel_label_smoothing is not None)
     for vocab_start, vocab_end in vocab_blocks:
@@ -164,14 +168,14 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]``, and ``row_max [N]`` and ``row_log_sum [N]`` (the log-sum-exp in
     two parts, :func:`compile_pass.op.kernels.chunk_forward`: what backward needs), in
-    ``kernels.accumulate_dtype(plan.options.logits_dtype)``.
+    ``accumulate_dtype(plan.options["logits_dtype"])``.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]``
     and ``class_weight [V]`` (or None), as the op takes them. Holds one ``[n, Vb]`` tile.
     """
     num_tokens, vocab_size = hidden_states.shape[0], weight.shape[0]
     target, class_weight = _dense(target), _dense(class_weight)
-    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    accumulate = accumulate_dtype(plan.options["logits_dtype"])
     loss, row_max, row_log_sum = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))  # [N]
     vocab_blocks, token_chunks = spans(vocab_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = TileBuffer(hidden_states, token_chunks, vocab_blocks)
@@ -191,10 +195,28 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
 
     ``grad_loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` (:func:`chunked_forward`'s)
     are fp32 (fp64 for fp64); the other tensors are as :func:`chunked_forward` takes them.
+    The forward's row statistics are of whole rows, so a vocabulary block's probabilities
+    round as torch's log-softmax does, and no row is reduced again here.
     """
-    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
-    walk = plan_backward(num_tokens, vocab_size, plan.tiles, hidden_states.dtype,
+
+    def tile_gradient(logits_chunk: Tensor, start: int, end: int, vocab_start: int) -> Tensor:
+        return _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
+                                target[start:end], class_weight, grad_loss[start:end], vocab_start)
+
+    return backward_walk(plan.tiles, hidden_states, weight, bias, output_mask, tile_gradient)
+
+
+def backward_walk(tiles: Tiles, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                  output_mask: list[bool], tile_gradient) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward walk every recompute op shares (:func:`compile_pass.op.chunking.plan_backward`):
+    each tile's logits ``[n, Vb]`` are projected into one buffer, ``tile_gradient(logits, start,
+    end, vocab_start)`` turns them into their gradient (in place, the projection dtype; the tokens
+    ``[start, end)``, the columns from ``vocab_start`` of ``weight``), and that is multiplied into
+    ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (each in its
+    parameter's dtype; empty where ``output_mask`` does not ask)."""
+    (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
+    walk = plan_backward(num_tokens, vocab_size, tiles, hidden_states.dtype,
                          weight.dtype, output_mask, bias is not None)
     buffer = TileBuffer(hidden_states, walk.token_chunks, walk.vocab_blocks)
     grad_hidden = _gradient_buffer(walk.want_hidden, hidden_states, (num_tokens, hidden_size),
@@ -204,8 +226,6 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
     scratch = _product_scratch(grad_hidden, hidden_states, walk.token_chunks, hidden_size)  # [n, H]
-    # The forward's row statistics are of whole rows, so a vocabulary block's probabilities
-    # round as torch's log-softmax does, and no row is reduced again here.
     for vocab_start, vocab_end in walk.vocab_blocks:
         weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
@@ -217,9 +237,7 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
         for start, end in walk.token_chunks:
             hidden_chunk = hidden_states[start:end]  # [n, H]
             logits_chunk = buffer.project(hidden_chunk, weight_block, bias_block)  # [n, Vb]
-            grad_logits = _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
-                                           target[start:end], class_weight, grad_loss[start:end],
-                                           vocab_start)  # [n, Vb] projection dtype, in place
+            grad_logits = tile_gradient(logits_chunk, start, end, vocab_start)  # [n, Vb], in place
             del logits_chunk
             if walk.want_hidden:
                 _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight_block, scratch,

@@ -1,42 +1,25 @@
-"""The op's options, defined once, and their resolution for one call.
+"""The recompute op's options as its schemas hold them, and :class:`ChunkPlan`, the options of
+one op call resolved.
 
-:class:`OpOptions` is what the three custom ops take besides their tensors, and
-:data:`SCHEMA_OPTIONS` the same options as the schemas hold them (flat torch types: names,
-types, defaults and order; the head's transform, one field of :class:`OpOptions`, is several
-arguments there, flattened and rebuilt here only). From them come
+Every custom op of the package takes its tensors positionally and its options as keyword-only
+schema arguments (:data:`OPTIONS`, after ``*``): the dispatcher hands an op's body the keywords
+it was called with, the same names everywhere from the public function to the kernels. The
+head's transform is one :class:`~compile_pass.op.transform.HeadTransform` in Python and several
+schema arguments (``logit_scale`` or the positional ``logit_scale_tensor``, ``scale_divides``,
+``scale_dtype``): :func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. The
+schema strings are what torch registers, stores in graphs and hashes into cache keys
+(``tests/test_op.py`` pins them).
 
-* the ops' registered schemas (:func:`op_schema`): an op's leading tensors, the
-  options without a default, the op's own arguments (``output_mask``), then the
-  options with a default. A new option gets a default and goes last, so every call,
-  traced graph and cache entry made before it keeps its meaning;
-* the ops' bodies, fakes and ``setup_context``, which read the arguments after the
-  leading tensors with :meth:`OpOptions.parse`;
-* the ops' calls (:meth:`OpOptions.args`), made by
-  :func:`compile_pass.op.function.chunked_cross_entropy`, which the public function
-  and the graph pass's rewrite call with the options as keywords;
-* :class:`ChunkPlan`: the options resolved for one call's tensors and environment.
-
-The schema is generated as a string and given to ``torch.library.custom_op(...,
-schema=...)``, rather than inferred from a generated Python signature: the string is
-what torch registers, stores in graphs and hashes into cache keys, and it is written
-here in plain sight (``tests/test_op.py`` pins it); a synthesised ``__signature__``
-would hide it behind ``infer_schema``. The op bodies then take their options
-positionally: the dispatcher passes every argument up to the last one that differs
-from its default, and :meth:`OpOptions.parse` fills in the rest from the defaults.
-
-Adding an option: a field here and its schema argument (with its default), its use in the
-loops or kernels, and its argument in the public function (and in the rewrite, if the pass
-sets it). Adding a head transform: :mod:`compile_pass.op.transform`, and its arguments in
-:func:`_transform_arguments` / :func:`_transform_of`.
+Adding an option: its keyword (with a default) in :data:`OPTIONS`, its use in the loops or
+kernels, and its argument in the public function (and in the rewrite, if the pass sets it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
-import typing
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,163 +30,125 @@ from compile_pass.op.settings import settings
 from compile_pass.op.transform import HeadTransform
 
 NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
-# the leading arguments of the forward ops (the backward op's, between grad_loss and the row statistics)
-INPUTS = "Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight"
+# the leading arguments of the forward ops (the backward ops', between grad_loss and the row statistics)
+INPUTS = ("Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
+          "Tensor? logit_scale_tensor")
+# the keyword-only options of every recompute-family op (torch refuses keyword-only tensors: the
+# scale's 0-d tensor is the positional logit_scale_tensor)
+OPTIONS = ("SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size=None, "
+           "SymInt? chunk_bytes=None, float? logit_scale=None, bool scale_divides=False, "
+           "ScalarType? scale_dtype=None")
 
 
-# The options as the ops' schemas hold them, in order: flat torch types, written out as torch
-# registers them. Those without a default come first (an op's own arguments follow them: see
-# op_schema); a new one gets a default and goes last. Each is the OpOptions field of its name,
-# but for the head's transform, one field flattened into several (_TRANSFORM_ARGUMENTS).
-SCHEMA_OPTIONS = (
-    "SymInt ignore_index", "float label_smoothing", "ScalarType logits_dtype", "SymInt? chunk_size",
-    "bool? release_cache",
-    "float? logit_scale=None", "Tensor? logit_scale_tensor=None", "bool scale_divides=False",
-    "ScalarType? scale_dtype=None",
-    "SymInt? chunk_bytes=None",
-)
-_ARGUMENTS = torch._C.parse_schema(f"options({', '.join(SCHEMA_OPTIONS)}) -> ()").arguments
-_NAMES = [argument.name for argument in _ARGUMENTS]
-_REQUIRED = [argument.name for argument in _ARGUMENTS if not argument.has_default_value()]
-_DEFAULTS = {argument.name: argument.default_value for argument in _ARGUMENTS if argument.has_default_value()}
-_TENSORS = [argument.name for argument in _ARGUMENTS if "Tensor" in str(argument.type)]
+def op_schema(tensors: str, returns: str, own: str = "", options: str = OPTIONS) -> str:
+    """A custom op's schema string: the positional ``tensors``, then keyword-only the op's
+    ``own`` arguments and the ``options``, ``-> returns`` (schema syntax each)."""
+    keywords = f"{own}, {options}" if own else options
+    return f"({tensors}, *, {keywords}) -> {returns}"
 
 
-def _transform_arguments(transform: HeadTransform) -> dict[str, typing.Any]:
-    """The transform as the schema holds it: its scale as a float when it is a Python
-    number (``logit_scale``), else as a tensor (``logit_scale_tensor``)."""
+def defaults(options: str) -> dict[str, Any]:
+    """The defaults of the options (schema syntax) that have one: what the dispatcher leaves out
+    of an op body's keywords."""
+    arguments = torch._C.parse_schema(f"options(*, {options}) -> ()").arguments
+    return {argument.name: argument.default_value for argument in arguments if argument.has_default_value()}
+
+
+DEFAULTS = defaults(OPTIONS)
+
+
+def op_arguments(transform: HeadTransform = HeadTransform(), **options: Any) -> tuple[Tensor | None, dict[str, Any]]:
+    """``(logit_scale_tensor, keywords)``: the options as the ops take them, ``transform`` as its
+    schema arguments (its scale a float ``logit_scale`` when it is a Python number, else the
+    0-d tensor)."""
     number = isinstance(transform.scale, numbers.Real)
-    return {"logit_scale": float(transform.scale) if number else None,
-            "logit_scale_tensor": None if number else transform.scale,
-            "scale_divides": transform.divides, "scale_dtype": transform.dtype}
+    keywords = {**options, "logit_scale": float(transform.scale) if number else None,
+                "scale_divides": transform.divides, "scale_dtype": transform.dtype}
+    return None if number else transform.scale, keywords
 
 
-def _transform_of(arguments: typing.Mapping[str, typing.Any]) -> HeadTransform:
-    """The transform of :func:`_transform_arguments`' arguments (at most one scale is given)."""
-    tensor = arguments["logit_scale_tensor"]
-    return HeadTransform(scale=arguments["logit_scale"] if tensor is None else tensor,
-                         divides=arguments["scale_divides"], dtype=arguments["scale_dtype"])
+def loss_inputs(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, *, ignore_index: int,
+                label_smoothing: float, logits_dtype: Any, chunk_size: int | None = None,
+                chunk_bytes: int | None = None, transform: HeadTransform | None = None,
+                projection_dtype: Any = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, dict[str, Any]]:
+    """``(hidden_states, weight, bias, logit_scale_tensor, keywords)`` as a loss op takes them: the
+    tensors cast to ``projection_dtype`` (None: no cast), the options by :func:`op_arguments`.
+
+    Raises:
+        TypeError: a keyword that is not an option's name.
+    """
+    scale_tensor, options = op_arguments(
+        HeadTransform() if transform is None else transform, ignore_index=ignore_index,
+        label_smoothing=label_smoothing, logits_dtype=logits_dtype, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+    if projection_dtype is not None:
+        hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
+        bias = None if bias is None else bias.to(projection_dtype)
+    return hidden_states, weight, bias, scale_tensor, options
 
 
-_TRANSFORM_ARGUMENTS = list(_transform_arguments(HeadTransform()))
-
-
-@dataclass(frozen=True, eq=False)
-class OpOptions:
-    """What every custom op of the package takes besides its tensors (schema:
-    :data:`SCHEMA_OPTIONS`, where ``transform`` is several flat arguments)."""
-
-    ignore_index: int  # the target value that has no loss and no gradient
-    label_smoothing: float  # as F.cross_entropy's; <= 0 is none
-    logits_dtype: torch.dtype  # the dtype the loss is computed in (resolved, never None)
-    chunk_size: int | None  # tokens per tile; None = automatic (chunking.resolve_tiles)
-    release_cache: bool | None  # empty the allocator's cache after the op; None = CHUNKCE_RELEASE_CACHE
-    transform: HeadTransform = HeadTransform()  # what the logits go through before the loss
-    chunk_bytes: int | None = None  # the budget of one tile of logits in bytes; None = automatic
-
-    @classmethod
-    def parse(cls, args: Sequence[typing.Any], extras: int = 0) -> tuple[tuple, OpOptions]:
-        """``(the op's own arguments, the options)`` from an op's arguments after its
-        leading tensors: the options without a default, ``extras`` arguments of the op's
-        own, then the options with a default (trailing ones may be left out)."""
-        required = len(_REQUIRED)
-        values = [*args[:required], *args[required + extras:]]
-        return tuple(args[required:required + extras]), cls._of_arguments({**_DEFAULTS, **dict(zip(_NAMES, values))})
-
-    def args(self, *extras: typing.Any) -> tuple:
-        """The options as an op takes them after its leading tensors, with the op's own
-        arguments ``extras`` after those without a default."""
-        arguments = self._arguments()
-        values = [arguments[name] for name in _NAMES]
-        return (*values[:len(_REQUIRED)], *extras, *values[len(_REQUIRED):])
-
-    def tensors(self) -> tuple[Tensor | None, ...]:
-        """The options' tensors (autograd saves them: ``save_for_backward``)."""
-        arguments = self._arguments()
-        return tuple(arguments[name] for name in _TENSORS)
-
-    def without_tensors(self) -> OpOptions:
-        """These options with the tensors left out (what ``ctx`` may keep as attributes)."""
-        return self.with_tensors([None] * len(_TENSORS))
-
-    def with_tensors(self, tensors: Sequence[Tensor | None]) -> OpOptions:
-        """These options with :meth:`tensors` put back (after ``ctx.saved_tensors``)."""
-        return self._of_arguments({**self._arguments(), **dict(zip(_TENSORS, tensors, strict=True))})
-
-    def _arguments(self) -> dict[str, typing.Any]:
-        """The options by schema argument name: the one place the transform is flattened."""
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        transform = fields.pop("transform")
-        return {**fields, **_transform_arguments(transform)}
-
-    @classmethod
-    def _of_arguments(cls, arguments: dict[str, typing.Any]) -> OpOptions:
-        """The options of schema arguments by name (:meth:`_arguments` reversed)."""
-        fields = {name: value for name, value in arguments.items() if name not in _TRANSFORM_ARGUMENTS}
-        return cls(**fields, transform=_transform_of(arguments))
-
-
-def op_schema(tensors: str, returns: str, extras: str = "") -> str:
-    """A custom op's schema string: the leading arguments ``tensors``, the options without
-    a default, the op's own arguments ``extras``, the options with a default, ``->
-    returns`` (each in schema syntax, e.g. ``"Tensor grad_loss, Tensor? bias"``)."""
-    required = len(_REQUIRED)
-    arguments = [tensors, *SCHEMA_OPTIONS[:required], *([extras] if extras else []), *SCHEMA_OPTIONS[required:]]
-    return f"({', '.join(arguments)}) -> {returns}"
+def head_transform(scale_tensor: Tensor | None, options: Mapping[str, Any]) -> HeadTransform:
+    """The transform of :func:`op_arguments` (at most one of the two scales is given)."""
+    scale = options.get("logit_scale") if scale_tensor is None else scale_tensor
+    return HeadTransform(scale=scale, divides=options.get("scale_divides", False), dtype=options.get("scale_dtype"))
 
 
 @dataclass(frozen=True, eq=False)
 class ChunkPlan:
     """The options of one op call, resolved for its tensors and the environment."""
 
-    options: OpOptions
+    options: Mapping[str, Any]  # the op's keyword arguments, every default filled in
     tiles: Tiles  # tokens and vocabulary columns a tile, resolved
-    release_cache: bool  # resolved
+    release_cache: bool  # CHUNKCE_RELEASE_CACHE: empty the allocator's cache after the op
     eager_kernels: bool  # CHUNKCE_EAGER_KERNELS
-    transform: HeadTransform  # options.transform with its dtype resolved (HeadTransform.resolve)
-    vocab_size: int  # V
+    transform: HeadTransform  # the head's transform, its dtype resolved (HeadTransform.resolve)
+    vocab_size: int  # V (the whole vocabulary's, for a shard)
+    vocab_offset: int = 0  # a shard's first column: the kernels see a tile at its global columns
 
     @staticmethod
-    def resolve(hidden_states: Tensor, weight: Tensor, options: OpOptions,
-                whole_rows: bool = False) -> ChunkPlan:
-        """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]``:
-        the tiles (``chunk_size`` and ``chunk_bytes`` None are automatic; tiles of whole
-        rows for the grads-in-forward op:
-        :func:`~compile_pass.op.chunking.resolve_tiles`) and ``release_cache`` None
-        (``CHUNKCE_*``) are resolved; the transform's dtype None is the projection dtype
-        (the hidden states').
+    def resolve(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
+                *, option_defaults: Mapping[str, Any] = DEFAULTS, whole_rows: bool = False,
+                vocab_offset: int = 0, vocab_size: int | None = None) -> ChunkPlan:
+        """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
+        ``options`` (``option_defaults`` filled in): the tiles (``chunk_size`` / ``chunk_bytes``
+        None: ``CHUNKCE_*``, else automatic; whole rows for the grads-in-forward op:
+        :func:`~compile_pass.op.chunking.resolve_tiles`), the environment's flags, the transform's
+        dtype None as the projection dtype (the hidden states'). ``vocab_offset`` and
+        ``vocab_size`` place a shard (default: the whole head, ``weight.shape[0]``).
 
         Raises:
             ValueError: a ``CHUNKCE_*`` variable holds a bad value.
         """
         env = settings()
+        options = {**option_defaults, **options}
         return ChunkPlan(
             options=options,
-            tiles=resolve_tiles(options.chunk_size, hidden_states.shape[0], weight.shape[0],
+            tiles=resolve_tiles(options.get("chunk_size"), hidden_states.shape[0], weight.shape[0],
                                 hidden_states.element_size(), hidden_states.device.type,
-                                chunk_bytes=options.chunk_bytes, whole_rows=whole_rows),
-            release_cache=env.release_cache if options.release_cache is None else options.release_cache,
+                                chunk_bytes=options.get("chunk_bytes"), whole_rows=whole_rows),
+            release_cache=env.release_cache,
             eager_kernels=env.eager_kernels,
-            transform=options.transform.resolve(hidden_states.dtype),
-            vocab_size=weight.shape[0],
+            transform=head_transform(scale_tensor, options).resolve(hidden_states.dtype),
+            vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
+            vocab_offset=vocab_offset,
         )
 
     @property
     def kernel_label_smoothing(self) -> float | None:
         """What the kernels take: the value, or None when there is no smoothing (a variant
         whose graph has no smoothing terms)."""
-        smoothing = self.options.label_smoothing
+        smoothing = self.options["label_smoothing"]
         return smoothing if smoothing > 0.0 else None
 
     def kernel_args(self, vocab_start: int) -> KernelArgs:
-        """The kernels' constants for the tile whose first vocabulary column is ``vocab_start``."""
-        return KernelArgs(self.options.ignore_index, self.kernel_label_smoothing, self.options.logits_dtype,
-                          vocab_start, self.vocab_size, self.transform)
+        """The kernels' constants for the tile whose first vocabulary column (in ``weight``) is
+        ``vocab_start``."""
+        return KernelArgs(self.options["ignore_index"], self.kernel_label_smoothing, self.options["logits_dtype"],
+                          vocab_start + self.vocab_offset, self.vocab_size, self.transform)
 
     def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
         """The kernels' compile key: device type, projection dtype (``logits``: a chunk's
         projection, or the hidden states), logits dtype, class weights present, label
         smoothing present, the head transform's form (:meth:`HeadTransform.form`: what it
         does, in which dtype), never a value."""
-        return (logits.device.type, logits.dtype, self.options.logits_dtype,
+        return (logits.device.type, logits.dtype, self.options["logits_dtype"],
                 class_weight is not None, self.kernel_label_smoothing is not None, self.transform.form())

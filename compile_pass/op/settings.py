@@ -5,22 +5,22 @@ lookups), so a change made between two training steps is seen by the next op
 call; nothing is cached at import time.
 
 Variables:
-    CHUNKCE_CHUNK_SIZE      tokens a tile (``n``) for every op call that passes neither
-                            ``chunk_size`` nor ``chunk_bytes`` (positive int; unset
-                            = automatic).
+    CHUNKCE_CHUNK_SIZE      tokens a tile (``n``) for every op call that passes no
+                            ``chunk_size`` (positive int; unset = automatic).
     CHUNKCE_CHUNK_BYTES     the byte budget of one tile of logits (it sets the tile's
                             vocabulary width ``Vb``) for every op call that passes no
                             ``chunk_bytes`` (positive int; unset = the device's
                             default, ``chunking.default_chunk_bytes``).
-                            Both set: they apply together, ``n`` from
-                            ``CHUNKCE_CHUNK_SIZE`` and ``Vb`` from the budget
-                            (``chunking.resolve_tiles``).
+                            Each size: the argument, else its variable, else the
+                            default (``chunking.resolve_tiles``).
     CHUNKCE_EAGER_KERNELS   ``1`` runs the per-chunk math eagerly instead of
                             compiling it with Inductor (debugging; a device
                             Inductor cannot compile for runs it eagerly anyway,
                             by ``kernel_runner.inductor_compiles_for``).
     CHUNKCE_RELEASE_CACHE   ``1`` returns the allocator's cached blocks to the
-                            device after the op's forward and backward.
+                            device after each op call's forward and backward (an
+                            allocator policy: no op's schema or argument carries it;
+                            ``loops.op_body`` applies it).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each rank of a tensor-parallel group holds one shard of the head, ``weight [V_local, H]``:
 the classes ``[vocab_start, vocab_start + V_local)`` of the ``V``. Three ops, each on this
 rank's shard only (the collectives between them are plain ``_c10d_functional`` calls in
-:func:`compile_pass.op.vocab_parallel.vocab_parallel_cross_entropy` and in the loss op's
+:func:`compile_pass.op.vocab_parallel.sharded_loss` and in the loss op's
 autograd, so Dynamo, AOTAutograd and the graph pass see them):
 
 * ``chunkce::vocab_parallel_statistics`` walks the shard in the op's ``[n, Vb]`` tiles with
@@ -18,7 +18,7 @@ autograd, so Dynamo, AOTAutograd and the graph pass see them):
   the global ``row_max`` and ``row_log_sum`` and its backward runs
 * ``chunkce::vocab_parallel_backward``: the single-device backward walk
   (:func:`compile_pass.op.loops.chunked_backward`) over the shard against the global row
-  statistics, the kernel seeing each tile at its GLOBAL columns (:class:`ShardPlan`), with
+  statistics, the kernel seeing each tile at its GLOBAL columns (``ChunkPlan.vocab_offset``), with
   the full ``class_weight [V]`` and the global target: a target outside the shard has no
   one-hot term here and is not ignored. It returns this rank's part of the hidden-state
   gradient (all-reduced by the loss op's autograd) and the shard's weight and bias gradients.
@@ -26,42 +26,24 @@ autograd, so Dynamo, AOTAutograd and the graph pass see them):
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.chunking import spans
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
-from compile_pass.op.kernels import KernelArgs
-from compile_pass.op.schema import INPUTS, ChunkPlan, OpOptions, op_schema
+from compile_pass.op.dtypes import accumulate_dtype
+from compile_pass.op.schema import INPUTS, ChunkPlan, op_schema
 
 NAME = "chunkce.vocab_parallel_cross_entropy"  # how these ops name themselves in messages
 SHARD = "SymInt vocab_start, SymInt vocab_size"  # the ops' own arguments: the shard's place in V
 _OUTSIDE = -1  # a target outside the shard (or ignored), as the forward kernel takes it: its ignore_index
 
-STATISTICS_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", extras=SHARD)
+STATISTICS_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own=SHARD)
 LOSS_SCHEMA = op_schema(f"Tensor loss, {INPUTS}, Tensor row_max, Tensor row_log_sum", "Tensor",
-                        extras=f"{SHARD}, str group_name")
+                        own=f"{SHARD}, str group_name")
 BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
-                            "(Tensor, Tensor, Tensor)", extras=f"bool[] output_mask, {SHARD}")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShardPlan(ChunkPlan):
-    """A :class:`ChunkPlan` for a shard of the vocabulary: the kernels see a tile at its global
-    columns (``vocab_offset`` + its column in the shard) and ``vocab_size`` is the global V."""
-
-    vocab_offset: int = 0
-
-    @classmethod
-    def of(cls, plan: ChunkPlan, vocab_start: int, vocab_size: int) -> ShardPlan:
-        fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(ChunkPlan)}
-        return cls(**{**fields, "vocab_size": vocab_size}, vocab_offset=vocab_start)
-
-    def kernel_args(self, vocab_start: int) -> KernelArgs:
-        return super().kernel_args(vocab_start + self.vocab_offset)
+                            "(Tensor, Tensor, Tensor)", own=f"bool[] output_mask, {SHARD}")
 
 
 def check_global_targets(target: Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -78,27 +60,27 @@ def _in_shard(target: Tensor, vocab_start: int, shard_size: int, ignore_index: i
 
 @torch.library.custom_op("chunkce::vocab_parallel_statistics", mutates_args=(), schema=STATISTICS_SCHEMA)
 def _statistics_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                   class_weight: Tensor | None, *options) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   class_weight: Tensor | None, logit_scale_tensor: Tensor | None, *, vocab_start: int,
+                   vocab_size: int, **options) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The shard's row statistics: ``row_max [N]``, ``sum_exp [N]``, ``z_target [N]``, ``smooth [N]``
     (``[0]`` without label smoothing) and ``weight_sum`` (0-d: the shard's class weights summed, or
     ``V_local``), in ``accumulate_dtype(logits_dtype)``.
 
     ``hidden_states [N, H]``, ``weight [V_local, H]`` (this rank's shard), ``target [N]`` GLOBAL
-    class indices, ``bias [V_local]`` or None, ``class_weight [V]`` (full) or None, the options,
-    then ``vocab_start`` (the shard's first class) and ``vocab_size`` (V).
+    class indices, ``bias [V_local]`` or None, ``class_weight [V]`` (full) or None, the head's
+    scale tensor or None; keywords ``vocab_start`` (the shard's first class), ``vocab_size`` (V)
+    and the options.
     """
-    (vocab_start, vocab_size), options = OpOptions.parse(options, extras=2)
-    check_global_targets(target, vocab_size, options.ignore_index)
-    with loops.op_body(hidden_states, weight, options) as plan:
+    check_global_targets(target, vocab_size, options["ignore_index"])
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
         return shard_statistics(plan, hidden_states, weight, target, bias, class_weight, vocab_start)
 
 
 @_statistics_op.register_fake
-def _(hidden_states, weight, target, bias, class_weight, *options):
-    _, options = OpOptions.parse(options, extras=2)
-    accumulate = kernels.accumulate_dtype(options.logits_dtype)
+def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **options):
+    accumulate = accumulate_dtype(options["logits_dtype"])
     num_tokens = hidden_states.shape[0]
-    smooth = num_tokens if options.label_smoothing > 0.0 else 0
+    smooth = num_tokens if options["label_smoothing"] > 0.0 else 0
     return (*(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3)),
             hidden_states.new_empty(smooth, dtype=accumulate), hidden_states.new_empty((), dtype=accumulate))
 
@@ -111,9 +93,9 @@ def shard_statistics(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, tar
     the shard, or ignored, is the kernel's ``ignore_index``; its picked logit is discarded).
     Holds one ``[n, Vb]`` tile."""
     num_tokens, shard_size = hidden_states.shape[0], weight.shape[0]
-    accumulate = kernels.accumulate_dtype(plan.options.logits_dtype)
+    accumulate = accumulate_dtype(plan.options["logits_dtype"])
     smoothing = plan.kernel_label_smoothing is not None
-    in_shard = _in_shard(target, vocab_start, shard_size, plan.options.ignore_index)  # [N]
+    in_shard = _in_shard(target, vocab_start, shard_size, plan.options["ignore_index"])  # [N]
     local_target = torch.where(in_shard, target - vocab_start, _OUTSIDE)  # [N] in the shard's columns
     local_weight = None if class_weight is None else class_weight.narrow(0, vocab_start, shard_size)  # [V_local]
     row_max, sum_exp, z_target = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
@@ -144,41 +126,43 @@ def shard_statistics(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, tar
 
 @torch.library.custom_op("chunkce::vocab_parallel_loss", mutates_args=(), schema=LOSS_SCHEMA)
 def _loss_op(loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-             class_weight: Tensor | None, row_max: Tensor, row_log_sum: Tensor, *options) -> Tensor:
+             class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
+             **keywords) -> Tensor:
     """``loss [N]`` copied: the op is where the loss rows' gradient w.r.t. ``hidden_states``,
     ``weight`` and ``bias`` (this rank's shard) attaches; ``row_max`` and ``row_log_sum`` are the
-    GLOBAL row statistics; the options, then ``vocab_start``, ``vocab_size`` and ``group_name``
-    (the tensor-parallel group, which backward all-reduces the hidden-state gradient over)."""
+    GLOBAL row statistics; keywords ``vocab_start``, ``vocab_size``, ``group_name`` (the
+    tensor-parallel group, which backward all-reduces the hidden-state gradient over) and the options."""
     return loss.clone()
 
 
 @_loss_op.register_fake
-def _(loss, *args):
+def _(loss, *tensors, **keywords):
     return torch.empty_like(loss)
 
 
 @torch.library.custom_op("chunkce::vocab_parallel_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                 class_weight: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
-                 *options_and_extras) -> tuple[Tensor, Tensor, Tensor]:
+                 class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
+                 row_log_sum: Tensor, *, output_mask: list[bool], vocab_start: int, vocab_size: int,
+                 **options) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's part of the gradient w.r.t. ``hidden_states [N, H]`` (its shard's classes' terms;
     the sum over ranks is the gradient), and the gradients w.r.t. its ``weight [V_local, H]`` and
     ``bias [V_local]``: :func:`compile_pass.op.loops.chunked_backward` over the shard with the global
     ``row_max [N]`` and ``row_log_sum [N]``, GLOBAL ``target [N]`` and full ``class_weight [V]``."""
-    (output_mask, vocab_start, vocab_size), options = OpOptions.parse(options_and_extras, extras=3)
     if weight.shape[0] == 0:  # a rank DTensor gave no rows (V < ranks * ceil(V / ranks)): no terms
         return (torch.zeros_like(hidden_states, memory_format=torch.contiguous_format)
                 if output_mask[0] else hidden_states.new_empty(0),
                 torch.empty_like(weight) if output_mask[1] else weight.new_empty(0),
                 weight.new_empty(0))  # the bias gradient of no rows: [0] either way
-    with loops.op_body(hidden_states, weight, options) as plan:
-        return loops.chunked_backward(ShardPlan.of(plan, vocab_start, vocab_size), grad_loss, hidden_states,
-                                      weight, target, bias, class_weight, row_max, row_log_sum, output_mask)
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options, vocab_offset=vocab_start,
+                       vocab_size=vocab_size) as plan:  # the kernels see each tile at its global columns
+        return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias, class_weight,
+                                      row_max, row_log_sum, output_mask)
 
 
 @_backward_op.register_fake
-def _(grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *options_and_extras):
-    (output_mask, _, _), _ = OpOptions.parse(options_and_extras, extras=3)
+def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_tensor, row_max, row_log_sum,
+      *, output_mask, **keywords):
     return fake_gradients(hidden_states, weight, bias, output_mask)
 
 
@@ -188,26 +172,22 @@ def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
     return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(tensor, op, group_name))
 
 
-def _setup_context(ctx, inputs, output):
-    (vocab_start, vocab_size, group_name), options = OpOptions.parse(inputs[8:], extras=3)
-    ctx.save_for_backward(*inputs[1:8], *options.tensors())
-    ctx.options = options.without_tensors()
-    ctx.shard = (vocab_start, vocab_size, group_name)
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs[1:])  # the six tensors, row_max, row_log_sum
+    keywords = dict(keyword_only_inputs)
+    ctx.group_name = keywords.pop("group_name")
+    ctx.keywords = keywords  # vocab_start, vocab_size and the options
     ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, grad_loss):
-    hidden_states, weight, target, bias, class_weight, row_max, row_log_sum, *option_tensors = ctx.saved_tensors
-    options = ctx.options.with_tensors(option_tensors)
-    vocab_start, vocab_size, group_name = ctx.shard
     want_hidden, want_weight, want_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[4]
     grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.vocab_parallel_backward(
-        grad_loss, hidden_states, weight, target, bias, class_weight, row_max, row_log_sum,
-        *options.args([want_hidden, want_weight, want_bias], vocab_start, vocab_size))
-    return input_grads(ctx, {1: all_reduce(grad_hidden, "sum", group_name) if want_hidden else None,  # every shard's
+        grad_loss, *ctx.saved_tensors, output_mask=[want_hidden, want_weight, want_bias], **ctx.keywords)
+    return input_grads(ctx, {1: all_reduce(grad_hidden, "sum", ctx.group_name) if want_hidden else None,  # every shard's
                              2: grad_weight if want_weight else None, 4: grad_bias if want_bias else None})
 
 
 _loss_op.register_autograd(_backward, setup_context=_setup_context)
 _backward_op.register_autograd(refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
-                               setup_context=lambda ctx, inputs, output: None)
+                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)

@@ -1,0 +1,171 @@
+"""The row-statistics op's loops: the walk over ``[n, Vb]`` tiles (forward, and the recompute
+backward of the dense terms), and the selected logits from the gathered weight rows
+``weight[indices] [N, K, H]`` (no walk). A vocabulary shard walks its own columns; an index
+outside it selects 0 and has no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from compile_pass.op import kernel_runner, loops, statistics_kernels
+from compile_pass.op.chunking import spans
+from compile_pass.op.dtypes import accumulate_dtype
+from compile_pass.op.schema import ChunkPlan
+from compile_pass.op.statistics_kernels import StatisticsArgs
+
+
+def kernel_args(plan: ChunkPlan, vocab_start: int) -> StatisticsArgs:
+    """The kernels' constants for columns from ``vocab_start`` (``plan.options``: the keywords of
+    ``chunkce::linear_statistics``, :data:`compile_pass.op.statistics_ops.OPTIONS`)."""
+    options = plan.options
+    return StatisticsArgs(options["logits_dtype"], options["statistics_dtype"], plan.transform,
+                          options["temperature_value"], options["temperature_multiplies"], vocab_start)
+
+
+def variant(plan: ChunkPlan, logits: Tensor, *present) -> tuple:
+    """The kernels' compile key: device, dtypes, the transform's and temperature's forms, which
+    optional tensors are given (``present``), never a value."""
+    options = plan.options
+    temperature = None if options["temperature_value"] is None else "number"
+    return (logits.device.type, logits.dtype, options["logits_dtype"], options["statistics_dtype"],
+            plan.transform.form(), temperature, options["temperature_multiplies"],
+            *(tensor is not None for tensor in present))
+
+
+def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                    indices: Tensor | None, temperature: Tensor | None, vocab_start: int) -> tuple[Tensor, ...]:
+    """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (``[N]`` each,
+    ``argmax`` int64 in whole-vocabulary columns, the rest in the statistics' accumulate dtype;
+    ``selected [N, 0]`` without indices) of the columns ``weight [V_local, H]`` holds."""
+    num_tokens = hidden_states.shape[0]
+    accumulate = accumulate_dtype(plan.options["statistics_dtype"])
+    indices, temperature = _dense(indices), _dense(temperature)
+    num_indices = None if indices is None else indices.shape[1]
+    selected = hidden_states.new_zeros(num_tokens, num_indices or 0, dtype=accumulate)
+    argmax = hidden_states.new_zeros(num_tokens, dtype=torch.int64)
+    lse, entropy, row_max, row_log_sum, row_mean = (
+        hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(5))
+    vocab_blocks, token_chunks = spans(weight.shape[0], plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
+    buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
+    for start, end in token_chunks:
+        rows = slice(start, end)
+        index_rows = None if indices is None else indices[rows]
+        temperature_rows = None if temperature is None else temperature[rows]
+        state = statistics_kernels.initial_state(end - start, num_indices, selected)
+        for block_start, block_end in vocab_blocks:
+            bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
+            logits = buffer.project(hidden_states[rows], weight[block_start:block_end], bias_block)  # [n, Vb]
+            state = kernel_runner.run(
+                "statistics_forward", variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
+                logits, index_rows, temperature_rows, *state, kernel_args(plan, vocab_start + block_start))
+        row_max[rows], _, _, argmax[rows], picked = state
+        if picked is not None:
+            selected[rows] = picked
+        lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = statistics_kernels.finish(*state[:3])
+    return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean
+
+
+def statistics_gradients(plan: ChunkPlan, grads: tuple, hidden_states: Tensor, weight: Tensor,
+                         bias: Tensor | None, indices: Tensor | None, temperature: Tensor | None,
+                         statistics: tuple[Tensor, ...], output_mask: list[bool],
+                         vocab_start: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_hidden_states [N, H], grad_weight [V_local, H], grad_bias [V_local])`` (empty where
+    ``output_mask`` does not ask) of ``grads = (grad_selected [N, K], grad_lse, grad_entropy,
+    grad_max [N])`` (None: no term), given the forward's ``statistics = (row_max, row_log_sum,
+    row_mean, argmax)`` of the whole rows. The walk runs only for a dense term."""
+    grad_selected, *dense = (_dense(grad) for grad in grads)
+    temperature = _dense(temperature)
+    if any(grad is not None for grad in dense):
+        row_max, row_log_sum, row_mean, argmax = statistics
+
+        def tile_gradient(logits: Tensor, start: int, end: int, block_start: int) -> Tensor:
+            rows = slice(start, end)
+            temperature_rows = None if temperature is None else temperature[rows]
+            tile_grads = [None if grad is None else grad[rows] for grad in dense]
+            kernel_runner.run(
+                "statistics_backward", variant(plan, logits, temperature_rows, *tile_grads), plan.eager_kernels,
+                logits, temperature_rows, row_max[rows], row_log_sum[rows], row_mean[rows], argmax[rows],
+                *tile_grads, kernel_args(plan, vocab_start + block_start))
+            return logits
+
+        gradients = loops.backward_walk(plan.tiles, hidden_states, weight, bias, output_mask, tile_gradient)
+    else:
+        gradients = _zero_gradients(hidden_states, weight, bias, output_mask)
+    if grad_selected is not None and indices is not None:
+        selected_backward(plan, grad_selected, hidden_states, weight, bias, indices, temperature, vocab_start,
+                          gradients)
+    return gradients
+
+
+def _dense(tensor: Tensor | None) -> Tensor | None:
+    """The tensor with one stride pattern for the kernels: ``[N]`` as ``loops._dense`` makes it,
+    ``[N, K]`` contiguous (a copy where strided or expanded)."""
+    if tensor is None or tensor.dim() == 1:
+        return loops._dense(tensor)
+    return tensor.contiguous()
+
+
+def _zero_gradients(hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                    output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    want_hidden, want_weight, want_bias = output_mask
+    return (torch.zeros_like(hidden_states) if want_hidden else hidden_states.new_empty(0),
+            torch.zeros_like(weight) if want_weight else weight.new_empty(0),
+            torch.zeros_like(bias) if want_bias and bias is not None else weight.new_empty(0))
+
+
+def _gathered(weight: Tensor, bias: Tensor | None, indices: Tensor, vocab_start: int):
+    """``(rows [N, K, H], bias_rows [N, K] or None, owned [N, K], local [N, K])`` of the
+    indices this shard holds (the others point at row 0, masked by ``owned``)."""
+    local = indices - vocab_start
+    owned = (local >= 0) & (local < weight.shape[0])
+    local = torch.where(owned, local, 0)
+    return weight[local], None if bias is None else bias[local], owned, local
+
+
+def _project(hidden_states: Tensor, rows: Tensor, bias_rows: Tensor | None) -> Tensor:
+    """``x [N, K]``: each row's logits at its indices, as ``F.linear`` computes them."""
+    column = hidden_states.unsqueeze(-1)  # [N, H, 1]
+    if bias_rows is None:
+        return torch.bmm(rows, column).squeeze(-1)
+    return torch.baddbmm(bias_rows.unsqueeze(-1), rows, column).squeeze(-1)
+
+
+def selected_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                     indices: Tensor, temperature: Tensor | None, vocab_start: int) -> Tensor:
+    """``selected [N, K]`` (accumulate dtype) from the gathered rows, 0 at an index this shard
+    does not hold."""
+    accumulate = accumulate_dtype(plan.options["statistics_dtype"])
+    if weight.shape[0] == 0:  # a shard of no rows
+        return hidden_states.new_zeros(indices.shape, dtype=accumulate)
+    rows, bias_rows, owned, _ = _gathered(weight, bias, indices, vocab_start)
+    z = statistics_kernels.values(_project(hidden_states, rows, bias_rows), temperature,
+                                  kernel_args(plan, vocab_start))
+    return torch.where(owned, z, 0.0)
+
+
+def selected_backward(plan: ChunkPlan, grad_selected: Tensor, hidden_states: Tensor, weight: Tensor,
+                      bias: Tensor | None, indices: Tensor, temperature: Tensor | None, vocab_start: int,
+                      gradients: tuple[Tensor, Tensor, Tensor]) -> None:
+    """Adds ``selected``'s gradient (``grad_selected [N, K]``) into ``gradients`` (the three of
+    :func:`statistics_gradients`, empty where not wanted), in place: ``O(N K H)``, no ``[V, H]``
+    temporary (a half-precision weight's rows sum in its own dtype; its bias's in fp32)."""
+    grad_hidden, grad_weight, grad_bias = gradients
+    if weight.shape[0] == 0:
+        return
+    rows, bias_rows, owned, local = _gathered(weight, bias, indices, vocab_start)
+    logits = _project(hidden_states, rows, bias_rows)  # [N, K]
+    grad = torch.where(owned, grad_selected.to(accumulate_dtype(plan.options["statistics_dtype"])), 0.0)
+    grad_logits = statistics_kernels.values_backward(grad, logits, temperature,
+                                                     kernel_args(plan, vocab_start)).to(logits.dtype)  # [N, K]
+    if grad_hidden.numel():
+        grad_hidden += torch.bmm(grad_logits.unsqueeze(1), rows).squeeze(1)  # [N, H]
+    flat = local.flatten()  # [N K]
+    accumulate = accumulate_dtype(weight.dtype)
+    if grad_weight.numel():  # each product rounded once to the weight's dtype, then summed there
+        products = grad_logits.unsqueeze(-1).to(accumulate) * hidden_states.unsqueeze(1).to(accumulate)  # [N, K, H]
+        grad_weight.index_add_(0, flat, products.flatten(0, 1).to(grad_weight.dtype))
+    if grad_bias.numel():
+        grad_bias += torch.zeros_like(grad_bias, dtype=accumulate).index_add_(
+            0, flat, grad_logits.flatten().to(accumulate)).to(grad_bias.dtype)
