@@ -3,18 +3,14 @@
     loss = compile_pass.linear_cross_entropy(hidden_states, weight, target)  # the op, eager
     model = torch.compile(model, backend="chunkce")                           # the pass, compiled
 
-Importing the package changes no torch setting. It tells Dynamo where the
-``chunkce`` backend is (an entry point, as the installed distribution's metadata
-does) without importing it. The backend module is imported at its first use, the
-first ``torch.compile(..., backend="chunkce")`` or access to
-``compile_pass.chunkce_backend``, and only then does :mod:`compile_pass.dynamo_scope`
-change Dynamo's logging-ignore set (``explain`` does so when called).
+Importing the package changes no torch setting; it registers the backend's entry point
+without importing the backend.
 """
 import importlib
 from importlib.metadata import EntryPoint
 from typing import Any
 
-from compile_pass.op import linear_cross_entropy
+from compile_pass.op import RowStatistics, linear_cross_entropy, linear_statistics
 from compile_pass.explain import explain  # imported, not lazy: the submodule of that name would shadow it
 from compile_pass.graph import fuse_linear_cross_entropy
 from compile_pass.graph.publish import last_report
@@ -29,6 +25,8 @@ BACKEND_ENTRY_POINT = EntryPoint(name=BACKEND_NAME, value="compile_pass.backend:
 
 __all__ = [
     "linear_cross_entropy",
+    "linear_statistics",
+    "RowStatistics",
     "chunkce_backend",
     "explain",
     "fuse_linear_cross_entropy",
@@ -56,14 +54,8 @@ def __dir__() -> list[str]:
 
 
 def _register_backend() -> None:
-    """Tell Dynamo about ``chunkce`` without importing the backend.
-
-    Dynamo's ``lookup_backend`` loads a name's entry point when it is not yet
-    registered, then registers what it loaded. Entry points are discovered from the
-    installed metadata only at Dynamo's first lookup of an unknown name, so a source
-    checkout without that metadata would not find ``chunkce``: add the same entry
-    point unless Dynamo already has one or the backend itself.
-    """
+    """Add the ``chunkce`` entry point for a source checkout (Dynamo reads installed metadata
+    only), unless Dynamo already has one or the backend."""
     from torch._dynamo.backends import registry
 
     if BACKEND_NAME not in registry._BACKENDS and BACKEND_NAME not in registry._COMPILER_FNS:

@@ -1,17 +1,6 @@
-"""The ``chunkce`` torch.compile backend: the pass, then an inner backend.
+"""The ``chunkce`` torch.compile backend: the pass, then an inner backend (docs/api.md).
 
-    model = torch.compile(model, backend="chunkce")
-    model = torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "inner_backend": "aot_eager"})
-
-Dynamo finds it under the name ``chunkce`` through an entry point: the
-``torch_dynamo_backends`` one of the installed distribution, or the same one that
-``import compile_pass`` adds for a source checkout. Either way Dynamo imports this
-module at the first ``torch.compile(..., backend="chunkce")``; that import is
-chunkce's first use, and it installs :mod:`compile_pass.dynamo_scope`.
-
-The compiled graph's cache entries are tied to chunkce's source and options: while
-the inner backend compiles, ``torch.compiler.config.cache_key_tag`` carries
-:func:`compile_pass.cache_key.tag` after the user's own tag.
+    model = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})
 """
 
 from __future__ import annotations
@@ -22,11 +11,10 @@ from typing import Any
 
 import torch
 from torch._dynamo.backends import registry
-from torch._dynamo.exc import RestartAnalysis
 
 from compile_pass import cache_key, dynamo_scope
-from compile_pass.graph.driver import publish_report, rewrite_losses
-from compile_pass.graph.returned_logits import take_out_returned_logits
+from compile_pass.graph.pipeline import run_pass
+from compile_pass.graph.publish import publish
 from compile_pass.lazy_logits import wrap_compiled
 from compile_pass.options import Options
 
@@ -40,28 +28,14 @@ def chunkce_backend(
     options: Mapping[str, Any] | Options | None = None,
     mode: str | None = None,
 ) -> Callable[..., Any]:
-    """Rewrite ``linear -> cross_entropy`` sites of a Dynamo graph, then compile it.
-
-    The losses (:func:`compile_pass.graph.driver.rewrite_losses`), then the returned-logits
-    pass (:func:`compile_pass.graph.returned_logits.take_out_returned_logits`), then the
-    inner backend; the compiled graph is wrapped (:func:`compile_pass.lazy_logits.wrap_compiled`) when
-    logits were taken out, so that the caller gets a ``LazyLogits`` in their place.
-
-    Args:
-        gm: the graph Dynamo captured (torch-level ops).
-        example_inputs: its (fake) example inputs.
-        options: see :class:`compile_pass.options.Options`; torch.compile passes
-            its ``options=`` dict here.
-        mode: torch.compile's ``mode=``; with the Inductor inner backend it
-            selects Inductor's mode options (e.g. ``"max-autotune"``).
+    """Rewrite the ``linear -> cross_entropy`` sites of Dynamo's graph ``gm``, compile it with the
+    inner backend, and wrap it to return ``LazyLogits`` where logits were taken out.
+    ``options``: :class:`compile_pass.options.Options` or torch.compile's ``options=`` dict;
+    ``mode``: torch.compile's, for the Inductor inner backend.
 
     Raises:
-        ValueError / TypeError: an unknown option key or a bad value, or ``mode`` /
-            ``inductor_config`` with a non-Inductor inner backend. Raised here, at the
-            first call of the compiled model (Dynamo wraps it in ``BackendCompilerFailed``):
-            ``torch.compile`` stores ``options=`` and hands it over only then, with no
-            hook for a backend to check it earlier. ``options=compile_pass.Options(...)``
-            is checked where it is built.
+        ValueError / TypeError: a bad option (at the compiled model's first call: torch hands
+            ``options=`` over only then), or ``mode`` / ``inductor_config`` with another inner backend.
         NotImplementedError: ``strict=True`` and a site the pass must refuse.
     """
     try:
@@ -74,19 +48,12 @@ def chunkce_backend(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
-    fused = rewrite_losses(gm.graph, opts)  # the losses
-    plan = take_out_returned_logits(gm.graph, fused, opts)  # returned logits only the output reads: lazy, dropped
+    result = run_pass(gm.graph, opts, take_out=True, publish=False)
     gm.recompile()
-    retried = False
-    try:
-        compiled = _compile_inner(gm, example_inputs, opts, mode)
-    except RestartAnalysis:  # Dynamo traces the frame again ([0/0] -> [0/0_1]) and calls us again
-        retried = True
-        raise
-    finally:
-        if not retried:  # a site is logged and counted once, by the attempt that compiles
-            publish_report(fused.report, opts.strict)
-    return wrap_compiled(compiled, plan) if plan is not None else compiled
+    # reported only once compiled: a graph the inner backend fails on is traced again by Dynamo
+    compiled = _compile_inner(gm, example_inputs, opts, mode)
+    publish(result.report, opts.strict)
+    return wrap_compiled(compiled, result.returned) if result.returned is not None else compiled
 
 
 def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,

@@ -1,18 +1,14 @@
-"""What ties torch.compile's caches to chunkce: a hash of the package's source, plus the options.
-
-    tag(options)  ->  "chunkce:<source hash>:<options.cache_key()>"
-
-The backend adds this tag to ``torch.compiler.config.cache_key_tag`` while its inner
-backend compiles (the FX graph and AOTAutograd cache keys include that config);
-:meth:`compile_pass.pre_grad.ChunkcePreGradPass.uuid` returns it. So a cache entry
-written by another chunkce source, or with other options, never answers.
+"""The tag that ties torch.compile's caches to chunkce's source and options:
+``tag(options) -> "chunkce:<source hash>:<options.cache_key()>"``, appended to
+``torch.compiler.config.cache_key_tag`` by the backend and the pre-grad pass's ``uuid()``.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
+
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
 from compile_pass.options import Options
 
@@ -21,15 +17,11 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 
 @functools.cache
 def source_hash() -> str:
-    """SHA-256 (hex) of every ``.py`` file of the package, walked and sorted by path;
-    computed once per process."""
-    hasher = hashlib.sha256()
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        hasher.update(path.relative_to(PACKAGE_DIR).as_posix().encode())
-        hasher.update(b"\0")
-        hasher.update(path.read_bytes())
-        hasher.update(b"\0")
-    return hasher.hexdigest()
+    """Inductor's hash of every ``.py`` file of the package (walked, sorted by path), their
+    relative paths included (a moved file changes it); computed once per process."""
+    paths = sorted(PACKAGE_DIR.rglob("*.py"))
+    names = "\0".join(path.relative_to(PACKAGE_DIR).as_posix() for path in paths)
+    return get_hash_for_files(tuple(map(str, paths)), extra=names).hex()
 
 
 def tag(options: Options) -> str:

@@ -1,40 +1,8 @@
-"""What Dynamo does differently while it traces a graph for chunkce: skip
-transformers' one-shot logging calls, so they do not break the graph.
-
-transformers logs advisories with ``logger.warning_once`` / ``logger.info_once``
-from inside forward, some on the way from the lm_head to the loss (GPT-2's
-``loss_function`` property warns ``loss_type=None ... Using the default loss``).
-Dynamo cannot trace a ``logging.Logger`` method: it breaks the graph there, the
-logits reach the loss as a graph input, and the pass cannot rewrite the site.
-
-Dynamo skips (runs nothing for, does not break on) the functions in
-``torch._dynamo.config.ignore_logging_functions``. Adding transformers' helpers
-to that set would change every ``torch.compile`` in the process, whatever its
-backend. Instead :func:`install` puts a set there that also holds them, but
-only while Dynamo traces a frame whose backend is chunkce's (or
-:func:`compile_pass.explain`'s); for every other backend the set behaves as the
-one it replaced. Dynamo's guards pin each compiled frame to its backend, so a
-frame traced for chunkce is never reused by another backend.
-
-When: not on ``import compile_pass`` (that changes no torch setting), but on
-first use: the import of :mod:`compile_pass.backend` (Dynamo imports it at the
-first ``torch.compile(..., backend="chunkce")``, or the user imports
-``chunkce_backend``), every chunkce backend call, and every ``explain`` call.
-
-Any thread: Dynamo's config values are per thread (``ContextVar`` overrides; a
-thread's first read copies the entry's default). :func:`install` wraps both the
-default, so every thread that reads the set later gets the scoped one, and the
-calling thread's value. A thread that had read the set before the first use
-keeps its copy until a chunkce backend call on it wraps that too: its first
-chunkce frame is traced as stock (GPT-2's site is then refused as
-``graph_break``, never miscompiled). Compile-start callbacks are no substitute:
-``torch._dynamo.reset()`` clears them, and they fire once for all threads.
-
-What a chunkce user gives up: those one-shot messages are not printed from
-inside a compiled region (an eager call of the same code still prints them).
-Other backends see the set behave as stock: same members, same membership
-answers, and adding to it or assigning a new set works as before (a set
-assigned later is wrapped again at the next chunkce compile).
+"""While Dynamo traces a frame for chunkce (or :func:`compile_pass.explain`), it skips
+transformers' ``warning_once`` / ``info_once``, which would break the graph between the lm_head
+and the loss (GPT-2); every other backend sees ``ignore_logging_functions`` as stock.
+Installed on first use, never on import, for every thread. Why and how: docs/models.md,
+"GPT-2, and transformers' one-shot logging".
 """
 
 from __future__ import annotations
@@ -69,11 +37,8 @@ class _ScopedIgnoreSet(set):
 
 
 def install() -> None:
-    """Make Dynamo's ignore set scope-aware for every thread (idempotent; keeps what it holds).
-
-    Wraps the config entry's default (what a thread copies on its first read) and the
-    calling thread's current value.
-    """
+    """Make Dynamo's ignore set scope-aware for every thread (idempotent): the config entry's
+    default and the calling thread's value."""
     config = torch._dynamo.config
     entry = getattr(config, "_config", {}).get(_CONFIG_NAME)  # Dynamo's config internals; absent: this thread only
     if entry is not None and not isinstance(entry.default, _ScopedIgnoreSet):

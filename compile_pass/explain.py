@@ -1,62 +1,51 @@
-"""``explain(model, *args, **kwargs)``: what the pass would do, site by site.
+"""``explain(model, *args, options=None, **kwargs)``: what the pass would do, site by site.
 
-    print(compile_pass.explain(model, input_ids=ids, labels=ids))
+    print(compile_pass.explain(model, input_ids=ids, labels=ids, options={"returned_logits": "keep"}))
 
-Runs one forward through Dynamo with a capturing backend: each captured graph is
-copied and the pass runs on the copy (the forward itself runs the original,
-uncompiled graph), so nothing is trained, compiled by Inductor or changed. Dynamo
-traces as it does for the chunkce backend (:mod:`compile_pass.dynamo_scope`).
-
-Unlike ``torch._dynamo.explain``, it does not reset Dynamo: every other compiled
-code (the op's per-chunk kernels, the user's compiled model) keeps its cache.
-Each call traces afresh (a new capturing backend never matches an earlier call's
-cache entries), and afterwards drops the Dynamo caches that hold its capture's
-entries, so repeated calls never reach Dynamo's recompile limit. Those are the
-code objects it traced: its own root function, and, where the graph broke, the
-model's frames (``forward``, resume functions), whose entries for other backends
-go too (they recompile on their next call; logged at DEBUG).
+One forward through Dynamo with a capturing backend that runs the pass on a copy of each
+graph (the forward runs the original, uncompiled). Dynamo is not reset: afterwards only the
+code caches holding the capture's entries are dropped (its root function; where the graph
+broke, the model's frames, whose entries for other backends recompile on their next call).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._dynamo.utils import counters
 
 from compile_pass import dynamo_scope
-from compile_pass.graph.driver import rewrite_losses
+from compile_pass.graph.pipeline import run_pass
 from compile_pass.graph.report import PassReport
-from compile_pass.graph.returned_logits import take_out_returned_logits
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
 
 
-def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
-    """Report every cross-entropy site ``model(*args, **kwargs)`` reaches.
+def explain(model: Callable[..., Any], *args: Any, options: Mapping[str, Any] | Options | None = None,
+            **kwargs: Any) -> PassReport:
+    """Report every cross-entropy site ``model(*args, **kwargs)`` reaches, as the ``chunkce``
+    backend with ``options`` (:class:`compile_pass.options.Options`) would rewrite it.
 
-    One row per site: source line, module, rewritten / refused, reason, the chunk
-    size the op would choose, and the bytes of logits the rewrite avoids. A loss
-    whose logits arrive as a graph input (the graph broke between projection and
-    loss) is named with its cause and a fix, and the graph-break reasons Dynamo
-    gave are listed under the table, and so is a projection to the vocabulary of a
-    training graph with no site (:mod:`compile_pass.graph.no_site`). Nothing is logged.
+    Returns a :class:`compile_pass.graph.report.PassReport` (``str()``: a table), with the graph
+    breaks Dynamo gave and the projections to the vocabulary no site reads; nothing is logged.
 
-    Returns:
-        A :class:`compile_pass.graph.report.PassReport`; ``str()`` of it is a table.
+    Raises:
+        ValueError / TypeError: a bad option. NotImplementedError: ``strict`` and a refused site
+        (the backend's error).
     """
+    opts = Options.from_mapping(options)
     reports: list[PassReport] = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         graph = torch.fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         copy = torch.fx.GraphModule(gm, graph)
-        fused = rewrite_losses(copy.graph, Options())  # no counters, no logs
-        take_out_returned_logits(copy.graph, fused, Options())  # as the backend does: the report says so
-        reports.append(fused.report)
+        reports.append(run_pass(copy.graph, opts, take_out=True, publish=False).report)  # as the backend
         return gm.forward
 
     def root(*args: Any, **kwargs: Any) -> Any:
@@ -69,11 +58,14 @@ def explain(model: Callable[..., Any], *args: Any, **kwargs: Any) -> PassReport:
     breaks_before = dict(counters["graph_break"])
     try:
         torch.compile(root, backend=capture)(*args, **kwargs)
+    except BackendCompilerFailed as exc:  # strict=True and a refused site: the pass's own error
+        raise exc.inner_exception from exc
     finally:
         _forget(capture)
     breaks = [reason for reason, n in counters["graph_break"].items() if n > breaks_before.get(reason, 0)]
     return PassReport([record for r in reports for record in r.records], graph_breaks=breaks,
-                      unmatched=[record for r in reports for record in r.unmatched])
+                      unmatched=[record for r in reports for record in r.unmatched],
+                      returned=[record for r in reports for record in r.returned])
 
 
 def _forget(backend: Callable[..., Any]) -> None:

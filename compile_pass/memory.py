@@ -1,38 +1,10 @@
-"""Measured peak memory of a region of code, on any device.
+"""Measured peak memory of a region of code, in bytes, on any device (how: docs/api.md).
 
     with PeakMemory("cpu") as mem:
         loss = step(batch)
     mem.peak_bytes        # most bytes live at once inside the block, above what was live on entry
 
     loss, peak = measure_peak_bytes(step, batch)      # the same, for one call
-
-Every number is *measured* and in bytes. How:
-
-- Accelerators (``cuda``, ``xpu``, ``npu``, ``mps``, ...): the caching
-  allocator's own counters, through ``torch.accelerator`` when the device is the
-  current accelerator, else through the device's torch module
-  (``getattr(torch, device.type)``). Peak = ``max_memory_allocated`` after the
-  region minus ``memory_allocated`` on entry (allocated, not reserved, bytes).
-- CPU: torch keeps no allocator statistics, so the region runs under
-  ``torch.profiler`` with ``profile_memory=True``. c10's CPU allocator then
-  reports every allocation and free (signed size, time stamp); the running sum in
-  time order is the live-bytes curve and its maximum is the peak. This sees every
-  tensor torch allocates on CPU, eager or from Inductor-generated code (its buffers
-  come from ``empty_strided``), but not memory libraries take with their own
-  ``malloc`` (oneDNN scratch, BLAS workspaces, Python objects). Limitation: a
-  tensor allocated while no profiler was running and freed inside the region is
-  not subtracted (the allocator never learnt its size; torch warns once), so free
-  such tensors before entering (e.g. ``optimizer.zero_grad(set_to_none=True)``
-  outside the region): the result is then exact, otherwise an upper bound.
-
-  Kineto (the profiler's backend) writes ``USDT: ... profiler_start`` and
-  ``... profiler_stop`` to the process's stderr on every start and stop, at its
-  highest log severity, above ERROR: the only ``KINETO_LOG_LEVEL`` that hides
-  them also hides Kineto's errors, for the whole process, and only when set
-  before Kineto's first use. So those two lines alone are dropped from what the
-  profiler's start and stop write to file descriptor 2; every other line is
-  passed on. With ``KINETO_LOG_LEVEL`` set, nothing is filtered (the user chose
-  what Kineto prints).
 """
 
 from __future__ import annotations
@@ -73,19 +45,9 @@ def _index(device: torch.device, module: Any) -> int:
 
 
 class PeakMemory:
-    """Context manager: the peak bytes allocated inside the block, above the entry level.
-
-    Args:
-        device: the device whose memory is measured (``"cpu"``, ``"cuda:0"``, ...).
-
-    Attributes (set on exit):
-        peak_bytes: most bytes live at once inside the block minus bytes live on
-            entry (int, >= 0).
-        end_bytes: bytes live on exit minus bytes live on entry (may be negative
-            on accelerators; on CPU, frees of pre-existing tensors are not seen).
-
-    On CPU the block runs under ``torch.profiler``, so no other profiler may be
-    active and the block runs somewhat slower; do not time it.
+    """Context manager: the peak bytes allocated inside the block on ``device``, above the entry
+    level. Sets ``peak_bytes`` (int, >= 0) and ``end_bytes`` (live on exit minus on entry) on exit.
+    On CPU the block runs under ``torch.profiler``: no other profiler may be active.
     """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
@@ -125,12 +87,8 @@ _KINETO_USDT_LINE = re.compile(rb"^USDT:[^\n]*\] profiler_(?:start|stop)\r?(?:\n
 
 @contextlib.contextmanager
 def _without_kineto_usdt_lines() -> Iterator[None]:
-    """Drop Kineto's ``profiler_start`` / ``profiler_stop`` lines from fd 2 inside the block.
-
-    Kineto writes them with ``std::cerr`` on the calling thread, so fd 2 is pointed
-    at a temporary file for the block (the profiler's start or stop, milliseconds)
-    and what landed there, less those lines, is written to the real fd 2 after it.
-    """
+    """Drop Kineto's ``profiler_start`` / ``profiler_stop`` lines from fd 2 inside the block
+    (fd 2 points at a temporary file, copied back less those lines)."""
     if os.environ.get("KINETO_LOG_LEVEL"):
         yield
         return
@@ -169,17 +127,8 @@ def _cpu_peak(prof: profile) -> tuple[int, int]:
 
 def measure_peak_bytes(fn: Callable[..., Any], *args: Any,
                        device: str | torch.device | None = None, **kwargs: Any) -> tuple[Any, int]:
-    """Call ``fn(*args, **kwargs)`` and measure its peak memory.
-
-    Args:
-        fn: the code to measure.
-        device: whose memory; default the device of the first tensor in ``args``,
-            else CPU.
-
-    Returns:
-        ``(result, peak_bytes)``: what ``fn`` returned, and the most bytes live at
-        once during the call above the bytes live before it (see :class:`PeakMemory`).
-    """
+    """``(result, peak_bytes)`` of ``fn(*args, **kwargs)``, measured on ``device`` (default: the
+    first tensor argument's, else CPU); see :class:`PeakMemory`."""
     if device is None:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     with PeakMemory(device) as mem:

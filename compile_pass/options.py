@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -17,12 +16,6 @@ from compile_pass.op.checks import check_bool, check_chunking
 
 _INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 RETURNED_LOGITS = ("lazy", "keep", "drop")
-# options that were removed, and what to pass instead
-_REMOVED = {"drop_unused_logits": "returned_logits='drop' (options={'returned_logits': 'drop'})"}
-
-
-def _refuse_removed(name: str) -> None:
-    raise ValueError(f"chunkce: option {name} was removed; pass {_REMOVED[name]} instead")
 
 
 @dataclass(frozen=True)
@@ -82,13 +75,6 @@ class Options:
     chunk_bytes: int | None = None
     grads_in_forward: bool = False
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Options:
-        # A removed option (no field, no attribute) given to the constructor: the ValueError
-        # that says what to pass instead, before the dataclass's TypeError of an unknown keyword.
-        for name in _REMOVED.keys() & kwargs.keys():
-            _refuse_removed(name)
-        return super().__new__(cls)
-
     def __post_init__(self) -> None:
         check_chunking(self.chunk_size, self.chunk_bytes, self.grads_in_forward, where="chunkce", prefix="option ")
         check_bool("option strict", self.strict, where="chunkce")
@@ -115,8 +101,7 @@ class Options:
         """Options from the ``options=`` dict torch.compile passes on.
 
         Raises:
-            ValueError: a key that is not an option (the message names it; a removed one,
-                ``drop_unused_logits``, what to pass instead), or a bad value.
+            ValueError: a key that is not an option (the message names it), or a bad value.
             TypeError: a value of the wrong type.
         """
         if options is None:
@@ -125,8 +110,6 @@ class Options:
             return options
         if not isinstance(options, Mapping):
             raise TypeError(f"chunkce: expected options to be a dict, got {type(options).__name__}")
-        for name in _REMOVED.keys() & options.keys():
-            _refuse_removed(name)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -148,15 +131,9 @@ class Options:
         """What every rewritten site passes the op from these options: the keywords of
         :func:`compile_pass.op.function.chunked_cross_entropy` (``chunk_size`` and
         ``chunk_bytes``, None = automatic, resolved by the op at run time:
-        :func:`compile_pass.op.chunking.resolve_tiles`; ``release_cache`` None, the
-        environment's). The one place the pass turns ``Options`` into the op's options;
+        :func:`compile_pass.op.chunking.resolve_tiles`). The one place the pass turns ``Options`` into the op's options;
         ``grads_in_forward`` picks the op per site (:func:`compile_pass.graph.rewrite.rewrite_site`)."""
-        return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes, "release_cache": None}
-
-
-# help(Options) and inspect show the fields' keywords, not ``__new__``'s (*args, **kwargs)
-_init = inspect.signature(Options.__init__)
-Options.__signature__ = _init.replace(parameters=list(_init.parameters.values())[1:])
+        return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes}
 
 
 def _key_text(value: Any) -> str:

@@ -1,13 +1,7 @@
-"""The pass as a pre-grad custom pass for stock Inductor.
+"""The pass as a pre-grad custom pass for stock Inductor; ``uuid()`` is the cache key tag.
 
-    from compile_pass import ChunkcePreGradPass
     with torch._inductor.config.patch(pre_grad_custom_pass=ChunkcePreGradPass()):
         torch.compile(model, backend="inductor")(...)
-
-Inductor's pre-grad graph is the torch-level graph Dynamo captured, so this is
-the same pass the ``chunkce`` backend runs. ``uuid()`` is :func:`compile_pass.cache_key.tag`
-(the package's source hash plus the options), so the FX graph and AOTAutograd caches
-never serve a graph compiled without the pass, by another version of it, or with other options.
 """
 
 from __future__ import annotations
@@ -20,28 +14,17 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compile_pass import cache_key
-from compile_pass.graph import fuse_linear_cross_entropy
+from compile_pass.graph.pipeline import run_pass
 from compile_pass.options import Options
 
 
 class ChunkcePreGradPass(CustomGraphPass):
-    """``pre_grad_custom_pass`` for Inductor: rewrites ``linear -> cross_entropy`` sites.
-
-    Args:
-        options: :class:`compile_pass.options.Options` or a dict of them
-            (``chunk_size``, ``strict``; ``inner_backend`` and ``inductor_config``
-            are ignored).
-
-    Returned logits stay computed in the step (``returned_logits="lazy"``, the default,
-    means ``"keep"`` here): lazy logits need the backend's wrapper around the compiled
-    graph, which a pre-grad pass cannot add, so it runs the driver alone, with no
-    returned-logits pass (:mod:`compile_pass.graph.returned_logits`). So in a graph
-    without grad (evaluation) a site whose logits are returned is left as stock compiles
-    it: rewriting it would add a second projection and save nothing
-    (``compile_pass.graph.report.LEFT``).
+    """``pre_grad_custom_pass`` for Inductor with ``options`` (``Options`` or a dict;
+    ``inner_backend`` and ``inductor_config`` ignored). Returned logits stay computed
+    (``"lazy"`` means ``"keep"``: no wrapper around the compiled graph here).
 
     Raises:
-        ValueError: ``returned_logits="drop"``: it needs that wrapper too.
+        ValueError: ``returned_logits="drop"``.
     """
 
     def __init__(self, options: Mapping[str, Any] | Options | None = None) -> None:
@@ -53,7 +36,7 @@ class ChunkcePreGradPass(CustomGraphPass):
         self.options = dataclasses.replace(options, returned_logits="keep")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        fuse_linear_cross_entropy(graph, self.options, subgraphs=False)  # Inductor visits each subgraph itself
+        run_pass(graph, self.options, subgraphs=False)  # Inductor visits each subgraph itself
 
     def uuid(self) -> str:
         return cache_key.tag(self.options)

@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
+from conftest import OP
 from rewrite_proof import compare_with_stock
 from compile_pass import ChunkcePreGradPass, Options, cache_key, chunkce_backend
 
@@ -160,20 +161,28 @@ def test_pre_grad_pass_uuid_follows_options_and_source(monkeypatch):
 
 
 def test_source_hash_covers_every_py_file_of_the_package_walked(monkeypatch, tmp_path):
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    def uncached():  # a new process's hash (Inductor's helper keeps its last answer)
+        get_hash_for_files.cache_clear()
+        return cache_key.source_hash.__wrapped__()
+
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "notes.txt").write_text("not source\n")
     monkeypatch.setattr(cache_key, "PACKAGE_DIR", tmp_path)
-    hashes = [cache_key.source_hash.__wrapped__()]
+    hashes = [uncached()]
     (tmp_path / "notes.txt").write_text("still not source\n")
-    assert cache_key.source_hash.__wrapped__() == hashes[0]
+    assert uncached() == hashes[0]
     (tmp_path / "sub" / "b.py").write_text("y = 2\n")
-    hashes.append(cache_key.source_hash.__wrapped__())
+    hashes.append(uncached())
     (tmp_path / "a.py").write_text("x = 3\n")
-    hashes.append(cache_key.source_hash.__wrapped__())
-    assert len(set(hashes)) == 3
+    hashes.append(uncached())
+    (tmp_path / "a.py").rename(tmp_path / "c.py")  # the same source under another name
+    hashes.append(uncached())
+    assert len(set(hashes)) == 4
     monkeypatch.undo()
-    assert cache_key.source_hash() == cache_key.source_hash.__wrapped__()  # the package's own, cached
+    assert cache_key.source_hash() == uncached()  # the package's own, cached
 
 
 def test_backend_tags_the_inner_compile_with_source_and_options(eager_kernels):
@@ -237,6 +246,29 @@ def test_explain_reports_every_site(eager_kernels):
     table = str(report)
     assert table.splitlines()[0] == "chunkce: 2 cross-entropy site(s), 1 rewritten, 1 refused"
     assert "soft-capped logits" in table and "lm_head" in table
+
+
+class ReturnsLogits(Toy):
+    def forward(self, h, labels):
+        logits = self.lm_head(torch.relu(self.proj(h)))
+        return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
+
+
+def test_explain_runs_the_pass_with_the_users_options(eager_kernels):
+    """explain reports what the backend would do with the same options: the returned logits'
+    fate, the tiles; ``strict`` raises the backend's error for a refused site."""
+    from compile_pass.graph.report import LOGITS_KEPT, LOGITS_LAZY
+
+    (lazy,) = compile_pass.explain(ReturnsLogits(), *make_inputs()).records
+    (kept,) = compile_pass.explain(ReturnsLogits(), *make_inputs(),
+                                   options={"returned_logits": "keep", "chunk_size": 5}).records
+    assert (lazy.reason, kept.reason) == (LOGITS_LAZY, LOGITS_KEPT)
+    assert kept.chunk_size == 5 and lazy.chunk_size != 5
+    assert kept.logits_bytes_avoided < lazy.logits_bytes_avoided  # the kept logits are still computed
+    with pytest.raises(NotImplementedError, match="soft-capped logits.*strict=True"):
+        compile_pass.explain(TwoHeads(), *make_inputs(), options=Options(strict=True))
+    with pytest.raises(ValueError, match="unknown option 'chunk'"):
+        compile_pass.explain(Toy(), *make_inputs(), options={"chunk": 5})
 
 
 def test_explain_names_a_graph_break_between_projection_and_loss(eager_kernels):
@@ -332,6 +364,29 @@ def test_a_frame_dynamo_traces_again_is_counted_and_logged_once(eager_kernels, c
     assert len(rewrote) == 1
 
 
+def test_a_graph_the_inner_backend_fails_on_is_not_counted(eager_kernels):
+    """An inner backend that fails on a data-dependent op (as aot_eager on ``nonzero``): Dynamo
+    breaks the graph and traces again; only the graphs it then compiles are reported."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    compiled_graphs = []
+
+    def inner(gm, example_inputs):
+        if not compiled_graphs and not getattr(inner, "failed", False):
+            inner.failed = True
+            raise DynamicOutputShapeException(torch.ops.aten.nonzero.default)
+        compiled_graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    model = Toy()
+    compiled = torch.compile(model, backend="chunkce", options={"inner_backend": inner})
+    torch.testing.assert_close(compiled(*make_inputs()), model(*make_inputs()))
+    assert inner.failed
+    op_nodes = sum(node.target is OP for gm in compiled_graphs for node in gm.graph.nodes)
+    stats = counters["chunkce"]
+    assert (stats["sites_found"], stats["sites_rewritten"]) == (op_nodes, op_nodes), (dict(stats), op_nodes)
+
+
 @pytest.mark.slow
 def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
     import transformers
@@ -360,7 +415,7 @@ def test_llama_loss_and_every_gradient_match_inductor(eager_kernels):
 
 @pytest.mark.slow
 def test_dynamic_true_compiles_the_models_frame_as_often_as_stock(monkeypatch):
-    """``dynamic=True`` over six sequence lengths (issue 23, part 5): chunkce's three distinct graphs
+    """``dynamic=True`` over six sequence lengths: chunkce's three distinct graphs
     (``counters["stats"]["unique_graphs"]``) against stock's one are the model's one frame and the op's
     two per-tile kernels (``chunk_forward``, ``chunk_backward``: compiled once each, for every length),
     not recompiles of the model's frame: it is compiled once, as stock's is, and no length after the

@@ -207,16 +207,15 @@ def test_returned_logits_see_them_exact(mode):
     assert counters["chunkce"]["logits_lazy"] == (mode == "lazy")
 
 
-def test_a_fault_while_settling_kept_logits_keeps_the_rewrite(monkeypatch, caplog):
-    """Telling which logits are kept runs after every site of the graph is rewritten: a fault
-    there is logged, and the compile goes on with the rewritten graph."""
-    from compile_pass.graph import driver
+def test_a_fault_while_planning_the_logits_keeps_the_rewrite(caplog):
+    """Telling what becomes of the logits is a stage of its own (``fate``): a fault there is
+    logged, and the compile goes on with the losses rewritten."""
+    from compile_pass.graph import stages
 
-    def broken(*args, **kwargs):
+    def broken(node):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(driver, "_settle_logits", broken)
-    with caplog.at_level("WARNING", logger="compile_pass"):
+    with stages.hooked("fate", broken), caplog.at_level("WARNING", logger="compile_pass"):
         recorder, _ = compare_with_stock(SharedLogits(), *inputs())
     recorder.assert_rewritten(N, V, sites=2)
     assert any("could not tell which rewritten sites' logits are kept" in r.getMessage() for r in caplog.records)

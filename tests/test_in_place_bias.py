@@ -1,8 +1,10 @@
 """An in-place bias, ``logits = h @ W.T; logits += bias`` (Cut Cross-Entropy's reference
 spelling), is a projection with a bias (compile_pass/graph/forms.py): rewritten, and equal
 to stock compile in loss and every gradient. Other in-place ops between the projection and
-the loss stay refused, bit for bit stock: an added tensor that is not a ``[V]`` bias, and
-a bias added in place to logits that something else also reads.
+the loss stay refused, bit for bit stock: an added tensor that is not a ``[V]`` bias, a bias
+added in place to logits that something else also reads, and a change of what the projection
+read (compile_pass/graph/guard.py); one on a tensor the graph allocated that is none of the
+head's tensors or the logits (ProphetNet fills its targets in place) is rewritten.
 """
 
 from __future__ import annotations
@@ -87,3 +89,40 @@ def test_other_in_place_adds_stay_refused(loss, key):
     (record,) = compile_pass.last_report().records
     assert (record.decision, record.reason_key) == ("refused", key), record.reason
     assert "F.linear(h, W, b)" in record.fix and "logits += b" in record.fix, record.fix  # how to get it taken
+
+
+def targets_filled_in_place(m, h, y):  # as ProphetNet's _compute_loss
+    logits = h @ m.weight.T
+    targets = y.new_zeros(B, T).fill_(-100)
+    targets[:, 1:] = y[:, 1:]
+    return F.cross_entropy(logits.view(-1, V), targets.view(-1))
+
+
+def test_targets_filled_in_place_are_rewritten_and_match_stock():
+    recorder, _ = compare_with_stock(Head(targets_filled_in_place), *inputs())
+    recorder.assert_rewritten(B * T, V)
+    assert counters["chunkce"]["sites_rewritten"] == 1 and counters["chunkce"]["sites_refused"] == 0
+
+
+# A frozen head (autograd then saves no input of the projection: changing it is legal), whose
+# input is changed after the projection read it: the op would read the changed values.
+def hidden_changed_after(m, h, y):
+    buffer = h.clone()
+    logits = F.linear(buffer, m.weight.detach())
+    buffer.mul_(2.0)
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + buffer.sum()
+
+
+def view_of_the_hidden_changed(m, h, y):
+    buffer = h.clone()
+    logits = F.linear(buffer[:, :], m.weight.detach())
+    buffer[:, 0] = 0.0
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + buffer.sum()
+
+
+@pytest.mark.parametrize("loss", [hidden_changed_after, view_of_the_hidden_changed], ids=["hidden", "view"])
+def test_a_change_of_what_the_projection_read_stays_refused(loss):
+    recorder, _ = compare_with_stock(Head(loss), *inputs(), exact=True)
+    recorder.assert_untouched()
+    (record,) = compile_pass.last_report().records
+    assert (record.decision, record.reason_key) == ("refused", "mutation"), record.reason

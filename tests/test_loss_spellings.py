@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass.graph.report import LOGITS_KEPT
-from compile_pass.graph.spellings import NO_IGNORE_INDEX
+from compile_pass.graph.gather import NO_IGNORE_INDEX
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 

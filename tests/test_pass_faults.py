@@ -1,15 +1,17 @@
 """The pass never breaks a compile: a fault at any step leaves the site's graph as it was.
 
-Each test injects an exception into one step of the pass (finding the sites, the
-guard, the rewrite part-way through, reporting) and checks, on a graph Dynamo captured:
+Each test injects an exception into one stage of the pass (finding the sites, the guard,
+the rewrite part-way through, reporting), through the pass's own points
+(:mod:`compile_pass.graph.stages`), and checks, on a graph Dynamo captured:
 the graph is node for node what it was, a warning names the failure, the site is counted
 as refused with key ``internal_error`` — and end to end, the model compiled with
 ``backend="chunkce"`` trains exactly as stock compile does. A fault in the returned-logits
-pass (after the losses are rewritten) leaves the graph as the driver left it: the loss
+pass (after the losses are rewritten) leaves the graph as the losses' rewrite left it: the loss
 rewritten, the logits computed (kept), exact. With ``strict=True`` the original exception
 reaches the caller instead.
 """
 
+import contextlib
 import logging
 
 import pytest
@@ -19,9 +21,8 @@ from conftest import OP
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
-from compile_pass.graph import driver, guard, publish, report, returned_logits, rewrite
-from compile_pass.graph.driver import fuse_linear_cross_entropy, rewrite_losses
-from compile_pass.graph.returned_logits import take_out_returned_logits
+from compile_pass.graph import report, stages
+from compile_pass.graph.pipeline import fuse_linear_cross_entropy, run_pass
 from compile_pass.options import Options
 from compile_pass.pre_grad import ChunkcePreGradPass
 
@@ -72,33 +73,38 @@ def _raise(*args, **kwargs):
     raise Injected("injected fault")
 
 
-def _after(real):
-    """``real`` runs (and changes the graph), then the fault."""
-    def run(*args, **kwargs):
-        real(*args, **kwargs)
-        raise Injected("injected fault")
-    return run
+@contextlib.contextmanager
+def _lint_fails():
+    """``Graph.lint`` (which every edit runs before it is kept) raises."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.fx.Graph, "lint", _raise)
+        yield
 
 
-FAULTS = {
-    "matcher": lambda mp: mp.setattr(driver, "find_sites", _raise),
-    "guard": lambda mp: mp.setattr(guard, "check", _raise),
-    "report_source": lambda mp: mp.setattr(report, "module_of", _raise),
-    "rewrite_start": lambda mp: mp.setattr(driver, "rewrite_site", _raise),
-    "rewrite_traced": lambda mp: mp.setattr(rewrite, "trace_into", _after(rewrite.trace_into)),
-    "rewrite_erased": lambda mp: mp.setattr(rewrite, "_erase_dead", _after(rewrite._erase_dead)),
-    "lint": lambda mp: mp.setattr(torch.fx.Graph, "lint", _raise),
+@contextlib.contextmanager
+def _lint_fails_from(point):
+    """``Graph.lint`` raises once the pass reaches ``point``."""
+    with pytest.MonkeyPatch.context() as mp, stages.hooked(point, lambda _: mp.setattr(torch.fx.Graph, "lint", _raise)):
+        yield
+
+
+FAULTS = {  # the stage a fault is injected at: what the pass is doing then
+    "matcher": lambda: stages.hooked("find", _raise),  # reading the graph's sites
+    "guard": lambda: stages.hooked("check", _raise),
+    "report_source": lambda: stages.hooked("plan", _raise),  # reading what the record says of the site
+    "rewrite_start": lambda: stages.hooked("rewrite", _raise),
+    "rewrite_traced": lambda: stages.hooked("traced", _raise),  # the op's nodes in, the loss not yet replaced
+    "rewrite_erased": lambda: stages.hooked("erased", _raise),  # the loss replaced, the dead nodes disconnected
+    "lint": _lint_fails,
 }
 
 
 @pytest.mark.parametrize("stage", FAULTS)
-def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, monkeypatch, caplog):
+def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, caplog):
     gm = _captured(Head(returns_logits=True))
     before = str(gm.graph)
-    FAULTS[stage](monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+    with FAULTS[stage](), caplog.at_level(logging.WARNING, logger="compile_pass"):
         result = fuse_linear_cross_entropy(gm.graph, Options(returned_logits="drop"))
-    monkeypatch.undo()
     assert str(gm.graph) == before
     gm.graph.lint()
     assert not any(node.target is OP for node in gm.graph.nodes)
@@ -110,50 +116,51 @@ def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, monkeypatch, caplog):
 
 
 RETURNED_FAULTS = {
-    "take_out_start": lambda mp: mp.setattr(returned_logits, "take_out", _raise),
-    "take_out_done": lambda mp: mp.setattr(returned_logits, "take_out", _after(returned_logits.take_out)),
-    "lint": lambda mp: mp.setattr(torch.fx.Graph, "lint", _raise),
+    "take_out_start": lambda: stages.hooked("take_out", _raise),
+    "take_out_done": lambda: stages.hooked("taken_out", _raise),  # the stand-in in the logits' place
+    "lint": lambda: _lint_fails_from("take_out"),  # the lint of the take-out's edit
 }
+
+
+def _after_losses(mode):
+    """The graph of ``Head(returns_logits=True)`` once its loss is rewritten, its logits kept."""
+    gm = _captured(Head(returns_logits=True))
+    result = run_pass(gm.graph, Options(returned_logits=mode))  # no take_out: the losses alone
+    assert [r.reason for r in result.report.records] == [report.LOGITS_KEPT]
+    return str(gm.graph)
 
 
 @pytest.mark.parametrize("mode", ["lazy", "drop"])
 @pytest.mark.parametrize("stage", RETURNED_FAULTS)
-def test_a_fault_in_the_returned_logits_pass_leaves_the_logits_computed(stage, mode, monkeypatch, caplog):
-    """The returned-logits pass runs after the driver: a fault while it takes some logits out
-    leaves the graph as the driver left it (the loss rewritten, the projection read by the output),
-    logs a warning, and the record says the logits are kept."""
+def test_a_fault_in_the_returned_logits_pass_leaves_the_logits_computed(stage, mode, caplog):
+    """Taking returned logits out runs after the losses are rewritten: a fault while it takes some
+    out leaves the graph as the losses' rewrite left it (the loss rewritten, the projection read by
+    the output), logs a warning, and the record says the logits are kept."""
+    after_losses = _after_losses(mode)
     gm = _captured(Head(returns_logits=True))
-    options = Options(returned_logits=mode)
-    fused = rewrite_losses(gm.graph, options)
-    after_driver = str(gm.graph)
-    assert [r.reason for r in fused.report.records] == [report.LOGITS_KEPT] and len(fused.kept) == 1
-    RETURNED_FAULTS[stage](monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="compile_pass"):
-        plan = take_out_returned_logits(gm.graph, fused, options)
-    monkeypatch.undo()
-    assert plan is None and str(gm.graph) == after_driver
+    with RETURNED_FAULTS[stage](), caplog.at_level(logging.WARNING, logger="compile_pass"):
+        result = run_pass(gm.graph, Options(returned_logits=mode), take_out=True)
+    assert result.returned is None and str(gm.graph) == after_losses
     gm.graph.lint()
     assert sum(node.target is OP for node in gm.graph.nodes) == 1
-    assert [(r.decision, r.reason) for r in fused.report.records] == [(report.REWRITTEN, report.LOGITS_KEPT)]
+    assert [(r.decision, r.reason) for r in result.report.records] == [(report.REWRITTEN, report.LOGITS_KEPT)]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and any(r.exc_info and r.exc_info[0] is Injected for r in warnings)
-    with pytest.raises(Injected, match="injected fault"):  # strict: the original error
-        RETURNED_FAULTS[stage](monkeypatch)
-        take_out_returned_logits(gm.graph, fused, Options(returned_logits=mode, strict=True))
-    monkeypatch.undo()
-    assert str(gm.graph) == after_driver
+    gm = _captured(Head(returns_logits=True))
+    with pytest.raises(Injected, match="injected fault"), RETURNED_FAULTS[stage]():  # strict: the original error
+        run_pass(gm.graph, Options(returned_logits=mode, strict=True), take_out=True)
+    assert str(gm.graph) == after_losses
 
 
-def test_a_fault_in_the_returned_logits_pass_compiles_and_trains_as_stock_compile(monkeypatch):
+def test_a_fault_in_the_returned_logits_pass_compiles_and_trains_as_stock_compile():
     """End to end: the step returns the logits computed (a plain tensor), loss, logits and every
     gradient equal to stock compile's."""
     torch.manual_seed(0)
     model, reference = Head(returns_logits=True), Head(returns_logits=True)
     reference.load_state_dict(model.state_dict())
     x, labels = _inputs()
-    RETURNED_FAULTS["take_out_done"](monkeypatch)
-    loss, logits = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})(x, labels)
-    monkeypatch.undo()
+    with RETURNED_FAULTS["take_out_done"]():
+        loss, logits = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})(x, labels)
     (loss + logits.sum() * 1e-3).backward()
     expected_loss, expected_logits = torch.compile(reference, backend="aot_eager")(x, labels)
     (expected_loss + expected_logits.sum() * 1e-3).backward()
@@ -165,11 +172,10 @@ def test_a_fault_in_the_returned_logits_pass_compiles_and_trains_as_stock_compil
     assert (stats["sites_rewritten"], stats["logits_kept"], stats["logits_lazy"]) == (1, 1, 0)
 
 
-def test_a_fault_in_reporting_keeps_the_rewritten_graph(monkeypatch, caplog):
+def test_a_fault_in_reporting_keeps_the_rewritten_graph(caplog):
     """Reporting runs after every site is rewritten and proven (lint): the graph stays rewritten."""
     gm = _captured(Head())
-    monkeypatch.setattr(publish, "publish", _raise)
-    with caplog.at_level(logging.WARNING, logger="compile_pass"):
+    with stages.hooked("report", _raise), caplog.at_level(logging.WARNING, logger="compile_pass"):
         result = fuse_linear_cross_entropy(gm.graph)
     assert [r.decision for r in result.records] == [report.REWRITTEN]
     assert sum(node.target is OP for node in gm.graph.nodes) == 1
@@ -177,16 +183,15 @@ def test_a_fault_in_reporting_keeps_the_rewritten_graph(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("stage", ["matcher", "guard", "rewrite_traced", "rewrite_erased"])
-def test_a_fault_compiles_and_trains_as_stock_compile(stage, monkeypatch):
+def test_a_fault_compiles_and_trains_as_stock_compile(stage):
     torch.manual_seed(0)
     model = Head()
     reference = Head()
     reference.load_state_dict(model.state_dict())
     x, labels = _inputs()
-    FAULTS[stage](monkeypatch)
-    loss = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})(x, labels)
-    loss.backward()
-    monkeypatch.undo()
+    with FAULTS[stage]():
+        loss = torch.compile(model, backend="chunkce", options={"inner_backend": "aot_eager"})(x, labels)
+        loss.backward()
     expected = torch.compile(reference, backend="aot_eager")(x, labels)
     expected.backward()
     torch.testing.assert_close(loss, expected)
@@ -197,13 +202,11 @@ def test_a_fault_compiles_and_trains_as_stock_compile(stage, monkeypatch):
 
 
 @pytest.mark.parametrize("stage", ["matcher", "rewrite_traced", "rewrite_erased"])
-def test_strict_raises_the_original_fault_and_leaves_the_graph(stage, monkeypatch):
+def test_strict_raises_the_original_fault_and_leaves_the_graph(stage):
     gm = _captured(Head())
     before = str(gm.graph)
-    FAULTS[stage](monkeypatch)
-    with pytest.raises(Injected, match="injected fault"):
+    with pytest.raises(Injected, match="injected fault"), FAULTS[stage]():
         fuse_linear_cross_entropy(gm.graph, Options(strict=True))
-    monkeypatch.undo()
     assert str(gm.graph) == before
 
 

@@ -14,7 +14,7 @@ Keys no Dynamo graph produces are shown on the FX graphs that do have them:
 ``nn.CrossEntropyLoss``; torch itself refuses a class-index target that is not
 int64 under fake tensors: int32 eagerly, uint8 in the meta kernel), ``unreadable`` on
 a captured graph whose loss input lost its fake value; ``internal_error`` by a fault
-injected into the matcher.
+injected into the matcher (a stage of :mod:`compile_pass.graph.stages`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import fnmatch
 import re
 import string
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +39,8 @@ from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils.checkpoint import checkpoint
 
 import compile_pass
-from compile_pass.graph import guard, refusals, sites
-from compile_pass.graph.driver import fuse_linear_cross_entropy
+from compile_pass.graph import guard, refusals, stages
+from compile_pass.graph.pipeline import fuse_linear_cross_entropy
 from compile_pass.graph.refusals import OPAQUE_NAMED, STOPS, Refusal
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -249,25 +248,20 @@ def assert_refused(key, words, logs, records=None):
 
 
 @pytest.fixture
-def reasons(monkeypatch):
-    """What the guard said: ``checked``, every (site, reason) of ``guard.check``; ``stops``,
-    every (stop kind of a site, the reason the guard worded that stop as)."""
+def reasons():
+    """What the guard says of each site the pass checks (the guard is pure: asked again at the
+    ``check`` stage): ``checked``, every (site, reason); ``stops``, every (stop kind of a site,
+    the reason the guard words that stop as)."""
     seen = {"checked": [], "stops": []}
-    real_check, real_stop = guard.check, guard._check_stop
 
-    def check(site, order):
-        reason = real_check(site, order)
-        seen["checked"].append((site, reason))
-        return reason
+    def check(site):
+        order = {node: i for i, node in enumerate(site.node.graph.nodes)}
+        seen["checked"].append((site, guard.check(site, order)))
+        if site.stop_kind is not None:
+            seen["stops"].append((site.stop_kind, guard.stop_reason(site)))
 
-    def check_stop(site):
-        reason = real_stop(site)
-        seen["stops"].append((site.stop_kind, reason))
-        return reason
-
-    monkeypatch.setattr(guard, "check", check)
-    monkeypatch.setattr(guard, "_check_stop", check_stop)
-    return seen
+    with stages.hooked("check", check):
+        yield seen
 
 
 def assert_stops_worded_as_their_kind(stops):
@@ -389,17 +383,17 @@ def test_unreadable_loss_input(chunkce_logs):
     torch.testing.assert_close(expected, (model(h, y),), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("broken", [sites._classify, sites.match_site, guard.check],
-                         ids=lambda f: f"{f.__module__.rsplit('.', 1)[1]}.{f.__name__}")
-def test_internal_error_in_the_pass(broken, monkeypatch, chunkce_logs):
+@pytest.mark.parametrize("point", ["walk", "read", "check"])
+def test_internal_error_in_the_pass(point, chunkce_logs):
     """Only a bug produces ``internal_error``: one injected into the walk back from the loss,
-    the matcher or the guard. The site is refused, the compile does not fail."""
-    def injected(*args, **kwargs):
+    the matcher or the guard (:mod:`compile_pass.graph.stages`). The site is refused, the
+    compile does not fail."""
+    def injected(value):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(sys.modules[broken.__module__], broken.__name__, injected)
-    recorder, _ = compare_with_stock(Head(lambda m, h, y: flat(m.lm_head(h).float(), y)), hidden(), labels(),
-                                     exact=True)
+    with stages.hooked(point, injected):
+        recorder, _ = compare_with_stock(Head(lambda m, h, y: flat(m.lm_head(h).float(), y)), hidden(), labels(),
+                                         exact=True)
     recorder.assert_untouched()
     assert_refused("internal_error", "chunkce could not analyse this site (RuntimeError: injected)", chunkce_logs)
 

@@ -95,8 +95,9 @@ def _local(grad: Any) -> torch.Tensor:
 
 
 def _read(logits: torch.Tensor) -> torch.Tensor:
-    """The values of ``logits``, read now (an op on them: a LazyLogits' ``clone()`` is a lazy copy)."""
-    return logits.detach().float().mul(1)
+    """The values of ``logits``, read now (an op on them: a LazyLogits' ``clone()`` is a lazy copy, and
+    so is ``* 1``, a temperature)."""
+    return logits.detach().float().add(0)
 
 
 def _plain(value: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,5 @@
-"""The dtypes a site's logits pass through, between the projection and the loss.
-
-The guard (:mod:`compile_pass.graph.guard`) accepts a site only where the op rounds the
-logits as the graph does, and the rewrite (:mod:`compile_pass.graph.rewrite`) takes the
-op's ``logits_dtype`` from the same chains: :func:`logits_dtypes`, and :func:`cast_chains`,
-split at the site's scaling (which the op rounds to its own dtype).
-"""
+"""The dtypes a site's logits pass through between the projection and the loss, which the guard
+and the rewrite both read."""
 
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ def logits_dtypes(site: Site) -> list[torch.dtype]:
 
 
 def cast_chains(site: Site) -> list[list[torch.dtype]]:
-    """The dtype chains between the points where the op rounds the logits: one chain,
-    :func:`logits_dtypes`, without a scaling; with one, projection -> the scaling's dtype
-    and the scaling's dtype -> the loss's (the op rounds to each chain's last dtype)."""
+    """The dtype chains between the points where the op rounds the logits: :func:`logits_dtypes`,
+    split at the scaling's dtype when there is one."""
     if site.scale is None:
         return [logits_dtypes(site)]
     chains: list[list[torch.dtype]] = [[example_value(site.projection.node).dtype]]

@@ -20,6 +20,7 @@ from torch.fx import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from compile_pass.graph import diagnostics
+from compile_pass.graph.calls import LOSS
 from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
 from compile_pass.graph.refusals import Reason, Refusal
@@ -35,6 +36,11 @@ _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.setitem,
 }
+_VIEWS = {"view", "reshape", "getitem", "transpose", "t", ".T", ".mT", "permute", "expand", "squeeze", "unsqueeze",
+          "narrow", "select", "flatten", "unflatten", "view_as", "reshape_as", "expand_as", "contiguous", "detach",
+          "as_strided", "movedim", "swapaxes", "swapdims", "unfold", "diagonal", "split", "chunk", "unbind"}
+_ALLOCATIONS = {"new_zeros", "new_ones", "new_full", "new_empty", "zeros", "ones", "full", "empty", "zeros_like",
+                "ones_like", "full_like", "empty_like", "clone", "arange"}
 _MODE_SWITCHES = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast",
                   "_enter_inference_mode", "_exit_inference_mode"}
 
@@ -47,8 +53,8 @@ def check(site: Site, order: dict[Node, int]) -> Reason | None:
         order: position of every node of the graph (to look between projection and loss).
     """
     if site.call is None:  # a site with no call to read stopped (call_module, internal_error)
-        return _check_stop(site)
-    return (_check_call(site) or _check_stop(site) or _check_projection(site)
+        return stop_reason(site)
+    return (_check_call(site) or stop_reason(site) or _check_projection(site)
             or _check_casts(site) or _check_between(site, order))
 
 
@@ -59,8 +65,10 @@ def internal_error(what: str | None) -> Reason:
 
 def _check_call(site: Site) -> Reason | None:
     call = site.call
-    if call.unsupported:  # an older loss spelling (spellings.py) the op cannot reproduce
+    if call.unsupported:  # a spelling the op cannot reproduce
         return Reason(Refusal.LOSS_SPELLING, form=call.form, detail=call.unsupported)
+    if call.spelling.kind != LOSS:
+        return None
     if not is_tensor_node(call.target):
         return Reason(Refusal.TARGET, detail="target is not a tensor computed in this graph")
     target = example_value(call.target)
@@ -68,7 +76,7 @@ def _check_call(site: Site) -> Reason | None:
         return Reason(Refusal.PROBABILITY_TARGET, dtype=target.dtype)
     if target.dtype != torch.int64:
         return Reason(Refusal.TARGET, detail=f"target dtype {target.dtype}: the op takes int64 class indices")
-    # (a gather's labels: the reader checked them against its index, spellings.py)
+    # (a gather's labels: its reader checked them against its index)
     if call.class_dim == 1 and is_tensor_node(call.input) and target.dim() != example_value(call.input).dim() - 1:
         return Reason(Refusal.TARGET, detail=f"class-index target of shape {tuple(target.shape)} for logits of "
                                              f"shape {tuple(example_value(call.input).shape)}")
@@ -88,8 +96,9 @@ def _check_call(site: Site) -> Reason | None:
     return None
 
 
-def _check_stop(site: Site) -> Reason | None:
-    """The reason for the matcher's stop: its kind, worded with the stop's fields."""
+def stop_reason(site: Site) -> Reason | None:
+    """The reason for the matcher's stop (None: it reached a projection): its kind, worded with
+    the stop's fields."""
     kind, stop = site.stop_kind, site.stop
     if kind is None:
         return None
@@ -119,10 +128,8 @@ def _check_projection(site: Site) -> Reason | None:
     """The head's tensors are plain floating ones (a vocabulary-sharded head's: their local
     shards, and its loss as the layout makes it: :mod:`compile_pass.graph.tensor_parallel`)."""
     projection = site.projection
-    if projection.sharded is not None:
-        problem = loss_parallel_problem(site.node, projection) if projection.sharded.loss_parallel else None
-        if site.call.gather is not None:
-            problem = "a gather of log-probabilities (the vocabulary-parallel op computes a loss)"
+    if projection.sharded is not None and projection.sharded.loss_parallel:
+        problem = loss_parallel_problem(site.node, projection)
         if problem:
             return Reason(Refusal.TENSOR_PARALLEL, detail=problem)
     for role, node in (("weight", projection.weight), ("hidden states", projection.hidden),
@@ -166,8 +173,15 @@ def _mutates(node: Node) -> bool:
 
 
 def _check_between(site: Site, order: dict[Node, int]) -> Reason | None:
-    """The op runs where the loss ran: nothing in between may change its inputs or the modes."""
+    """The op runs where the loss ran: nothing in between may change its inputs or the modes.
+    A mutation of a tensor that is none of the head's tensors or the logits changes nothing the
+    op reads earlier: one the graph allocated (ProphetNet fills its targets in place) or an
+    integer / bool graph input (labels masked in place: ``labels[labels == pad] = -100``)."""
     start, end = order[site.projection.node], order[site.node]
+    projection = site.projection
+    read = {_storage(node) for node in (projection.hidden, projection.weight, projection.bias, projection.node,
+                                        *projection.inner, *(step.node for step in site.steps))
+            if isinstance(node, Node)}
     for node in site.node.graph.nodes:
         position = order[node]
         if position <= start:
@@ -176,6 +190,31 @@ def _check_between(site: Site, order: dict[Node, int]) -> Reason | None:
             break
         if node.op == "call_function" and getattr(node.target, "__name__", "") in _MODE_SWITCHES:
             return Reason(Refusal.MODE_SWITCH, op=op_name(node))
-        if _mutates(node):
+        if _mutates(node) and not _fresh_and_unread(node, read):
             return Reason(Refusal.MUTATION, op=op_name(node))
     return None
+
+
+def _storage(node: Node) -> Node:
+    """The node whose memory ``node`` views (itself when it is no view of another node; an
+    in-place op's result is its input)."""
+    while node.op in ("call_method", "call_function") and (op_name(node) in _VIEWS or _mutates(node)) \
+            and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _fresh_and_unread(node: Node, read: set[Node]) -> bool:
+    """Whether the tensor ``node`` mutates views memory that is none of ``read``'s and that the
+    graph allocated (a factory call, a clone) or is an integer / bool graph input (labels, a
+    mask: no view of the head's floating tensors)."""
+    mutated = node.kwargs.get("out") if "out" in node.kwargs else (node.args[0] if node.args else None)
+    if not isinstance(mutated, Node):
+        return False
+    storage = _storage(mutated)
+    if storage in read:
+        return False
+    if storage.op == "placeholder":
+        value = example_value(storage)
+        return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+    return op_name(storage) in _ALLOCATIONS

@@ -77,8 +77,9 @@ def is_vocabulary(vocab: int, hidden: int | None = None) -> bool:
     return vocab >= VOCAB_MIN and (hidden is None or vocab > hidden)
 
 
-def unmatched_projections(graph: Graph) -> list[VocabProjection]:
-    """Every projection of ``graph`` the module's rule calls a projection to the vocabulary.
+def unmatched_projections(graph: Graph, *, training: bool = True) -> list[VocabProjection]:
+    """Every projection of ``graph`` the module's rule calls a projection to the vocabulary;
+    ``training=False``: without rule 1 (a forward under ``no_grad`` too).
 
     The caller checks that ``graph`` has no cross-entropy site and is a top-level graph
     (and catches what this raises: only a warning depends on it, never a rewrite).
@@ -91,7 +92,7 @@ def unmatched_projections(graph: Graph) -> list[VocabProjection]:
     found = []
     for projection, vocab in zip(projections, widths):
         logits = example_value(projection.node)
-        if not logits.requires_grad or vocab != widest or not is_tensor_node(projection.hidden):
+        if training and not logits.requires_grad or vocab != widest or not is_tensor_node(projection.hidden):
             continue
         if not is_vocabulary(vocab, size_hint(example_value(projection.hidden).shape[-1])):
             continue

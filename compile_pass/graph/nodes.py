@@ -1,11 +1,6 @@
-"""Reading and writing nodes of a torch-level FX graph (what Dynamo captures).
-
-Reading: what a node does (:func:`op_name`, :func:`tensor_op_name`), its tensor
-metadata (``node.meta["example_value"]``, a fake tensor) and sizes that may be
-symbolic. Writing: :func:`create_node` and :func:`trace_into` add nodes whose
-``example_value`` is computed on the fake inputs, as Dynamo's own nodes carry it
-(AOTAutograd's cache reads it to accept ``call_method`` nodes, and later steps of
-the pass read it). An :class:`Edit` makes a site's changes all-or-nothing.
+"""Reading and writing nodes of a torch-level FX graph: op names, fake values
+(``meta["example_value"]``), sizes; nodes created or traced in with their ``example_value``;
+an :class:`Edit` makes a site's changes all or nothing.
 """
 
 from __future__ import annotations
@@ -134,14 +129,9 @@ def create_node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: Mappi
 
 def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[str, Any] | None = None,
                **kwargs: Any) -> Node:
-    """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs`` (and
-among the fields of a dataclass instance there, e.g. the op's head transform).
-
-    The tensor ops ``fn`` runs become nodes of ``graph`` at its insertion point
-    (``torch.ops`` calls as ``call_function``, tensor methods as ``call_method``),
-    each with its ``example_value``; Python values among the arguments steer
-    ``fn`` as they would at run time. ``fn`` must read no tensor value or metadata
-    (a proxy has none). Returns the node of ``fn``'s result.
+    """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs`` (dataclass
+    fields included): its tensor ops become nodes of ``graph`` at the insertion point, each with
+    its ``example_value``. ``fn`` must read no tensor value or metadata. Returns the result's node.
     """
     tracer = _MetaTracer(graph, meta or {})
 
@@ -187,11 +177,8 @@ def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
 
 
 def _saved_tensors_hooks_off() -> contextlib.AbstractContextManager[None]:
-    """Autograd's saved-tensor hooks off while computing an ``example_value``, as Dynamo
-    computes its own (``_disable_saved_tensors_hooks_during_tracing``): a fake op that
-    requires grad would otherwise be packed by the hooks active where the compile runs
-    (``torch.utils.checkpoint(..., use_reentrant=False)`` counts what its region saves,
-    and a first call compiling inside it would count these too)."""
+    """Autograd's saved-tensor hooks off while computing an ``example_value``, as Dynamo does (a
+    checkpoint region would otherwise count what the fake ops save)."""
     disable = getattr(dynamo_utils, "_disable_saved_tensors_hooks_during_tracing", None)
     return disable() if disable is not None else contextlib.nullcontext()
 
@@ -202,14 +189,7 @@ class Edit:
         with Edit(graph) as edit:     # an exception inside undoes every change, then propagates
             new = create_node(...)
             edit.replace_all_uses_with(old, new)
-            edit.erase(old)
-
-    New nodes are found by difference with the nodes present on entry; uses are
-    replaced through :meth:`replace_all_uses_with` and nodes removed through
-    :meth:`erase`, which disconnects a node at once (so nothing counts as its user)
-    but takes it out of the graph only when the block ends without an exception.
-    Undoing reconnects the erased nodes, points every replaced use back, and erases
-    the new nodes: the graph is then node for node, argument for argument, what it was.
+            edit.erase(old)           # disconnected now, removed when the block succeeds
     """
 
     def __init__(self, graph: Graph) -> None:

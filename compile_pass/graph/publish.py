@@ -20,7 +20,8 @@ that still reads the logits) is logged at INFO with its reason, never warned.
 Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``, ``sites_left``,
 ``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten
 sites whose logits other users still need), ``logits_lazy`` (returned logits
-computed only when read, the default ``returned_logits="lazy"``), ``logits_dropped``
+computed only when read, the default ``returned_logits="lazy"``, of a loss's graph or of a
+forward without labels), ``logits_dropped``
 (returned logits not computed, ``returned_logits="drop"``), ``logits_bytes_avoided`` and
 ``unmatched_projections`` (projections to the vocabulary of training graphs with no site).
 """
@@ -28,6 +29,7 @@ computed only when read, the default ``returned_logits="lazy"``), ``logits_dropp
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from torch._dynamo.utils import counters
 
@@ -41,6 +43,7 @@ from compile_pass.graph.report import (
     PassReport,
     tiles_text,
 )
+from compile_pass.graph.stages import attempt, reached
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,22 @@ _last: PassReport | None = None
 _warned: set[tuple[str, str]] = set()  # (source, reason key) of every warning this process logged
 
 
-def publish(report: PassReport) -> None:
+def publish(report: PassReport, strict: bool = False) -> None:
     """Log each record (the module docstring says at which level), count it, and keep the
-    report for :func:`last_report` if it has any site."""
+    report for :func:`last_report` if it has any site; a failure is logged, not raised, unless
+    ``strict`` (:func:`compile_pass.graph.stages.attempt`)."""
+    attempt(strict, partial(_publish, report), lambda exc: None,
+            "could not report the pass's decisions; the graph is rewritten")
+
+
+def forget_warnings() -> None:
+    """Forget which (source, reason key) pairs were warned of: the next of each warns again."""
+    _warned.clear()
+
+
+def _publish(report: PassReport) -> None:
     global _last
+    reached("report", report)
     if report.records:
         _last = report
     stats = counters["chunkce"]
@@ -77,6 +92,10 @@ def publish(report: PassReport) -> None:
             level = _once(record.source, record.reason_key) if record.warns else logging.INFO
             log.log(level, "chunkce: left %s unfused%s: %s; %s",
                     record.source, module, record.reason, advice)
+    for returned in report.returned:
+        stats["logits_lazy"] += 1
+        stats["logits_bytes_avoided"] += returned.logits_bytes_avoided
+        log.info("chunkce: %s", returned)
     for unmatched_record in report.unmatched:
         stats["unmatched_projections"] += 1
         log.log(_once(unmatched_record.source, "unmatched"), "chunkce: %s; %s", unmatched_record,

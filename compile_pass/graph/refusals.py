@@ -1,20 +1,7 @@
-"""Why a site is refused: every kind of refusal, and for each its counter key, message and fix.
-
-The matcher (:mod:`compile_pass.graph.sites`, :mod:`compile_pass.graph.scale`) states
-where and why its walk from a loss back to the projection stopped with a kind of
-:data:`STOPS` (``Site.stop_kind``); the guard (:mod:`compile_pass.graph.guard`) checks
-the rest, and every refusal it returns is a :class:`Reason` of one :class:`Refusal`,
-worded from this table alone:
-
-    key      the counter key (``counters["chunkce"]["refused_<key>"]``, ``SiteRecord.reason_key``);
-             the kind's own name unless the table says otherwise (``GRAPH_INPUT`` is counted
-             as ``graph_break``, ``IN_PLACE_SCALE`` as ``mutation``, ``OPAQUE`` as ``op_<name>``)
-    message  the one-line reason, a ``str.format`` template of the fields the guard gives
-    fix      what to do about it, or that nothing can be done and the site stays unfused, exact
-             (``SiteRecord.fix``); kinds counted under one key share their fix
-
-The keys are documented (docs/api.md, docs/design.md) and users count them: a key
-changes only with the docs.
+"""Why a site is refused: every kind of refusal, and for each its counter key
+(``counters["chunkce"]["refused_<key>"]``: the kind's name unless the table says otherwise),
+message (a ``str.format`` template of the guard's fields) and fix. The keys are documented
+(docs/api.md, docs/design.md): a key changes only with the docs.
 """
 
 from __future__ import annotations

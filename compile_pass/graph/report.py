@@ -15,10 +15,7 @@ from dataclasses import dataclass, field
 from torch.fx import Graph, Node
 
 from compile_pass.graph import no_site
-from compile_pass.graph.forms import as_projection
-from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
 from compile_pass.graph.refusals import Reason, fix_for
-from compile_pass.graph.sites import Site
 from compile_pass.op.chunking import Tiles
 
 log = logging.getLogger(__name__)
@@ -69,49 +66,10 @@ class SiteRecord:
         return None if self.tiles is None else self.tiles.tokens
 
 
-def refused(site: Site, reason: Reason) -> SiteRecord:
-    """The record of a site the guard refused with ``reason``."""
-    return SiteRecord(source_of(site.node), module_of(site.projection.node if site.projection else site.stop),
-                      REFUSED, str(reason), reason.key, fix=reason.fix, form=_form(site),
-                      warns=_saves_memory(site))
-
-
-def _saves_memory(site: Site) -> bool:
-    """Whether rewriting ``site`` would have saved memory: its loss's classes (the class dim of
-    its input) are a vocabulary's (:func:`compile_pass.graph.no_site.is_vocabulary`), against the
-    hidden size of the projection the walk reached, or found right under its stop. True when
-    the class count is not known (a site the pass could not read)."""
-    try:
-        logits = site.call.input if site.call is not None else None
-        if not is_tensor_node(logits) or example_value(logits).dim() == 0:
-            return True
-        value = example_value(logits)
-        vocab = size_hint(value.shape[0 if value.dim() == 1 else site.call.class_dim])
-        projection = site.projection
-        if projection is None and site.stop is not None and site.stop.args:
-            projection = as_projection(site.stop.args[0])
-        hidden = projection.hidden if projection is not None else None
-        hidden_size = size_hint(example_value(hidden).shape[-1]) if is_tensor_node(hidden) else None
-        return no_site.is_vocabulary(vocab, hidden_size)
-    except Exception:  # noqa: BLE001 - only a log level depends on it: warn
-        log.debug("chunkce: could not tell the width of a refused site's logits", exc_info=True)
-        return True
-
-
 def failed(where: str, reason: Reason) -> SiteRecord:
     """The record of a site (``where``: its node's name, or ``"(whole graph)"``) the pass
     failed on (``reason``: ``internal_error``)."""
     return SiteRecord(where, "", REFUSED, str(reason), reason.key, fix=reason.fix)
-
-
-def rewritten(site: Site, *, note: str = "", logits_bytes_avoided: int = 0,
-              tiles: Tiles | None = None) -> SiteRecord:
-    """The record of a rewritten site; its ``tiles`` are the rewrite's
-    (:attr:`compile_pass.graph.rewrite.Rewritten.tiles`: the op's own
-    :func:`compile_pass.op.chunking.resolve_tiles` for the site's sizes, which the op calls
-    again at run time with the real ones)."""
-    return SiteRecord(source_of(site.node), module_of(site.projection.node), REWRITTEN, note, tiles=tiles,
-                      logits_bytes_avoided=logits_bytes_avoided, form=_form(site))
 
 
 SOFT_CAP_BY_DESIGN = ("refused by design: the op has no soft cap, so a soft-capped head's logits stay as stock "
@@ -155,8 +113,20 @@ def unmatched(graph: Graph) -> list[UnmatchedRecord]:
         return []
 
 
-def _form(site: Site) -> str:
-    return site.call.form if site.call is not None else ""
+@dataclass(frozen=True)
+class ReturnedRecord:
+    """Returned logits of a graph with no cross-entropy site, taken out: computed only when read
+    (a forward without labels; :func:`compile_pass.graph.plan.plan_returned`)."""
+
+    source: str  # of the projection
+    module: str
+    vocab: int
+    logits_bytes_avoided: int
+
+    def __str__(self) -> str:
+        module = f" (module {self.module})" if self.module else ""
+        return (f"{self.source}{module}: the returned [N, {self.vocab}] logits are computed only when read "
+                f"({format_bytes(self.logits_bytes_avoided)} not computed in the step)")
 
 
 @dataclass
@@ -166,6 +136,7 @@ class PassReport:
     records: list[SiteRecord] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)  # reasons Dynamo gave, when explain saw any
     unmatched: list[UnmatchedRecord] = field(default_factory=list)  # logits of a graph with no site
+    returned: list[ReturnedRecord] = field(default_factory=list)  # lazy logits of a graph with no site
 
     @property
     def rewritten(self) -> list[SiteRecord]:
@@ -192,6 +163,7 @@ class PassReport:
                 lines.append(" " * (widths[0] + 2) + record.fix)
         for record in self.unmatched:
             lines += [f"no cross-entropy site: {record}", "  " + record.fix]
+        lines += [f"lazy logits: {record}" for record in self.returned]
         for reason in self.graph_breaks:
             lines.append(f"graph break: {reason}")
         return "\n".join(lines)

@@ -12,27 +12,21 @@ becomes
 The scaling is passed to the op as its head transform (``transform=``: what
 :meth:`compile_pass.graph.scale.Scale.head_transform` read) and its node erased with the
 casts when nothing else uses it.
-Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone.
-
-What replaces the loss node is chosen here from what the reader read (:func:`replacement`):
-:func:`compile_pass.op.function.chunked_cross_entropy` for a loss, :func:`gathered_log_probs`
-for a gather of log-probabilities (``CrossEntropyCall.gather``).
+Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone. What is
+traced in place of the loss node is the spelling's replacement (:mod:`compile_pass.graph.spellings`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.fx import Graph, Node
 
 from compile_pass.graph import tensor_parallel
 from compile_pass.graph.dtype_chains import cast_chains
-from compile_pass.graph.forms import CrossEntropyCall
 from compile_pass.graph.nodes import (
     Edit,
     create_node,
@@ -42,8 +36,9 @@ from compile_pass.graph.nodes import (
     trace_into,
 )
 from compile_pass.graph.sites import Site
+from compile_pass.graph.stages import reached
 from compile_pass.op.chunking import Tiles
-from compile_pass.op.function import chunked_cross_entropy, planned_tiles
+from compile_pass.op.function import planned_tiles
 from compile_pass.op.grads_in_forward import grads_wanted
 from compile_pass.op.transform import HeadTransform
 from compile_pass.options import Options
@@ -53,7 +48,6 @@ from compile_pass.options import Options
 class Rewritten:
     """What the rewrite of one site did."""
 
-    logits_kept: bool  # the projection stays for other users
     # bytes no longer materialized: cross_entropy's own [N, V] buffers (the log-softmax it
     # saves for backward and the logits' gradient), plus the forward logits and their
     # casts where nothing else needs them
@@ -61,17 +55,11 @@ class Rewritten:
     tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.function.planned_tiles)
 
 
-def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
-    """Rewrite an accepted ``site`` in place (the guard must have returned None), as
-    part of ``edit`` (which keeps or undoes the change as a whole), with the op's options
-    from ``options`` (:meth:`compile_pass.options.Options.op_options`; ``grads_in_forward``
-    picks the grads-in-forward op where the site's loss wants gradients).
-
-    The new nodes are those :func:`compile_pass.op.function.chunked_cross_entropy`
-    runs, traced into the graph: token-dim indexing replayed on the hidden states,
-    ``torch.ops.chunkce.linear_cross_entropy`` (with the site's scaling, if any), and
-    the reduction in tensor ops.
-    """
+def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options) -> Rewritten:
+    """Replace an accepted ``site``'s loss node by ``replacement`` traced in (the spelling's:
+    token-dim indexing replayed on the hidden states, then the op's nodes), as part of ``edit``,
+    with the op's options from ``options`` (``grads_in_forward`` picks the grads-in-forward op
+    where the site's loss wants gradients)."""
     graph: Graph = site.node.graph
     projection, call, scale = site.projection, site.call, site.scale
     meta = site.node.meta
@@ -81,6 +69,8 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
         weight, bias = projection.weight, projection.bias
         if sharded is not None:  # this rank's shards, [V_local, H] and [V_local]
             _, weight, bias = tensor_parallel.local_operands(projection, graph, meta, hidden=False)
+        elif bias is not None and example_value(bias).dim() > 1:  # an added [1, ..., 1, V]: the op's [V]
+            bias = create_node(graph, "call_method", "reshape", (bias, -1), meta=meta)
         if projection.weight_is_hv:
             weight = create_node(graph, "call_method", "t", (weight,), meta=meta)  # [H, V] -> [V, H]
         projection_dtype = example_value(projection.node).dtype
@@ -91,9 +81,8 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
             wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
                                     for node in (hidden, weight, bias)),
                                   grad_enabled=example_value(site.node).requires_grad)
-        loss = replacement(call) if sharded is None else tensor_parallel.loss_function(sharded)
         new = trace_into(
-            graph, loss, hidden, weight, call.target, bias, call.weight,
+            graph, replacement, hidden, weight, call.target, bias, call.weight,
             reduction=call.reduction, ignore_index=call.ignore_index,
             label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
@@ -102,9 +91,11 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
         )
         if sharded is not None and sharded.loss_parallel:  # the loss a replicated DTensor, as loss_parallel's
             new = tensor_parallel.as_dtensor_loss(sharded, new, graph, meta)
+    reached("traced", site)
     logits = example_value(projection.node)  # [..., V]
     vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
-    tiles = planned_tiles(size_hint(example_value(call.target).numel()), vocab,
+    rows = call.target if call.target is not None else site.node  # a row statistic's value: one per row
+    tiles = planned_tiles(size_hint(example_value(rows).numel()), vocab,
                           projection_dtype, logits.device.type, reduction=call.reduction, grads_in_forward=wanted,
                           **options.op_options())
     # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
@@ -113,50 +104,11 @@ def rewrite_site(site: Site, edit: Edit, options: Options) -> Rewritten:
     edit.replace_all_uses_with(site.node, new)
     edit.erase(site.node)
     bytes_avoided = loss_buffers + _erase_dead(site, edit)
+    reached("erased", site)
     if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
         scaled = tensor_parallel.local_value(example_value(scale.node))
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
-    return Rewritten(bool(projection.node.users), bytes_avoided, tiles)
-
-
-def replacement(call: CrossEntropyCall) -> Callable[..., Any]:
-    """The function whose traced nodes replace the loss node of ``call``, with
-    :func:`compile_pass.op.function.chunked_cross_entropy`'s signature."""
-    if call.gather is None:
-        return chunked_cross_entropy
-    gather = call.gather
-    return partial(gathered_log_probs, negated=gather.negated, flat=gather.flat, squeeze=gather.squeeze,
-                   wraps=gather.wraps)
-
-
-def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                       class_weight: Tensor | None, *, negated: bool, flat: bool, ignore_index: int,
-                       squeeze: bool = False, wraps: bool = False, **options: Any) -> Tensor:
-    """``log_softmax(hidden_states @ weight.T + bias, -1).gather(-1, target[..., None])``
-    through the op: ``[..., 1]`` in the call's ``logits_dtype`` (negated when ``negated``;
-    ``[N, 1]`` when ``flat``: the index was ``labels.reshape(-1, 1)``).
-
-    Traced into the graph by the rewrite (:func:`compile_pass.graph.nodes.trace_into`);
-    the arguments and ``options`` are :func:`compile_pass.op.function.chunked_cross_entropy`'s
-    (the call gives ``reduction="none"``, ``ignore_index=NO_IGNORE_INDEX``, no class
-    weight: :mod:`compile_pass.graph.spellings`). A label equal to ``ignore_index`` is mapped
-    to -1 first, so that the op raises for it as for every other label outside ``[0, V)``,
-    as ``gather`` does. ``wraps`` (``take_along_dim``): the label is taken modulo ``V`` first,
-    as torch's ``take_along_dim`` does (``indices % V`` in ``torch._refs``: ``-1`` reads class
-    ``V - 1``, ``-100`` class ``-100 % V``; it raises for none), so that labels such as
-    ``-100`` masked out after the gather give what stock gives.
-    ``squeeze``: ``target`` is the gather index itself, ``[..., 1]`` (e.g. ``labels[:, 1:, None]``),
-    whose last dim is dropped.
-    """
-    if squeeze:
-        target = target.squeeze(-1)  # [..., 1] -> [...]
-    if wraps:
-        target = target.remainder(weight.shape[0])  # [...] in [0, V)
-    target = target.masked_fill(target == ignore_index, -1)  # [...]
-    nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
-                                **options)  # [...] = -log p(target)
-    log_p = nll if negated else nll.neg()  # shaped like target
-    return log_p.reshape(-1, 1) if flat else log_p.unsqueeze(-1)
+    return Rewritten(bytes_avoided, tiles)
 
 
 def _hidden_states(site: Site, meta: dict) -> Node:
@@ -189,12 +141,8 @@ def _erase_dead(site: Site, edit: Edit) -> int:
         materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
     materialized.update(step.node for step in site.steps if step.kind == "cast"
                         and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
-    candidates = [*site.call.inner, *(step.node for step in site.steps[::-1]), projection.node,
-                  *projection.inner[::-1]]  # call.inner: a spelling's own nodes (a gather's index)
-    if site.class_dim_moved is not None:
-        candidates.insert(0, site.class_dim_moved)
     bytes_avoided = 0
-    for node in candidates:
+    for node in site.erasable():
         if node.users:
             continue
         value = tensor_parallel.local_value(example_value(node))  # a DTensor: this rank's bytes

@@ -1,15 +1,7 @@
-"""Read a scaling of the logits by a constant between projection and loss, which the op
-reproduces (its head transform, :class:`compile_pass.op.transform.HeadTransform`:
-:meth:`Scale.head_transform`):
-
-    logits * s, s * logits      call_function operator.mul / torch.mul, call_method mul
-    logits / s                  call_function operator.truediv / torch.div / torch.true_divide,
-                                call_method div / true_divide
-
-with ``s`` a Python number (a constant of the graph), a 0-d tensor node (an input,
-buffer or parameter) that does not require grad, or the ``.item()`` of one (a float
-argument Dynamo made dynamic). Anything else a multiply or divide does to the logits
-is read as a stop of the walk (:class:`compile_pass.graph.refusals.Refusal`).
+"""Read a scaling of the logits by a constant between projection and loss, which the op takes
+as its head transform: ``logits * s``, ``s * logits`` or ``logits / s`` (operator, torch or
+method spellings) with ``s`` a Python number, a 0-d tensor node that needs no grad, or the
+``.item()`` of one. Anything else is a stop of the walk (:class:`compile_pass.graph.refusals.Refusal`).
 """
 
 from __future__ import annotations
@@ -66,17 +58,8 @@ class ScaleRead(NamedTuple):
 
 
 def read_scale(node: Node) -> ScaleRead | None:
-    """The scaling a multiply / divide node applies to the logits; None when ``node`` is
-    no multiply or divide.
-
-    Absorbed: ``logits * s``, ``s * logits`` and ``logits / s`` for ``s`` a Python int or
-    float, or a 0-d real tensor node that does not require grad, the result in the
-    logits' own dtype (a 0-d tensor or a number does not promote a dimensioned tensor
-    of its category: ``bf16 * fp32 0-d -> bf16``). Anything else is read as a stop:
-    ``IN_PLACE_SCALE`` (``mul_``, ``*=``, ``out=``), ``SCALE_REQUIRES_GRAD`` (the scale
-    would need its own gradient), ``SCALE_OPERAND`` (every other multiplier or divisor:
-    a tensor with dims, a symbolic number, ``s / logits``, a rounding mode, a promotion).
-    """
+    """The scaling a multiply / divide ``node`` applies to the logits (in their own dtype), a stop
+    (``IN_PLACE_SCALE``, ``SCALE_REQUIRES_GRAD``, ``SCALE_OPERAND``), or None for no such node."""
     function = function_of(node)
     if function in _SCALE_IN_PLACE or (function in _MULTIPLY + _DIVIDE and "out" in node.kwargs):
         return ScaleRead(None, Refusal.IN_PLACE_SCALE)
@@ -108,13 +91,8 @@ def read_scale(node: Node) -> ScaleRead | None:
 
 
 def _item_of_0d_tensor(value: Any) -> Node | None:
-    """``value`` when it is ``t.item()`` of a 0-d tensor node ``t``, else None.
-
-    A Python float argument of the compiled function that Dynamo made dynamic (a new
-    value on a later call) enters the graph as a 0-d fp64 tensor and is read back with
-    ``.item()``. Scaling by that number rounds as scaling by the tensor does (a
-    0-d tensor does not promote the logits either; both are converted to the
-    logits' computation dtype), so the op takes the tensor."""
+    """``t`` when ``value`` is ``t.item()`` of a 0-d tensor node (a float Dynamo made dynamic),
+    else None: scaling by either rounds the same."""
     if not (isinstance(value, Node) and value.op == "call_method" and value.target == "item"
             and len(value.args) == 1 and not value.kwargs and is_tensor_node(value.args[0])):
         return None
@@ -146,16 +124,8 @@ def _scale_problem(value: Any, logits: torch.Tensor, output: torch.Tensor) -> tu
 
 
 def _scale_from_item(graph: Graph, tensor: Node, item: Node, meta: dict) -> Node:
-    """The op's 0-d scale tensor for ``logits / tensor.item()``: ``ones_like(tensor) * item``,
-    exactly ``tensor`` (``1 * x`` is ``x``, signed zeros, infinities and nan included).
-
-    ``tensor`` is a Python float argument Dynamo made dynamic (a 0-d fp64 input; ``item``
-    its symbolic float). AOTAutograd's ``tensorify_python_scalars`` pass turns a symbolic
-    float that a multiplication reads into tensor math; one it finds no such use of, it
-    specialises, and Dynamo then re-traces the frame with the value as a constant (a guard
-    ``temperature == 1.3``, a recompile for every new value). Passing the op ``tensor``
-    itself would leave ``item`` unread; this product keeps the float dynamic, as stock
-    compile's ``logits / item`` does.
-    """
+    """The op's 0-d scale for ``logits / tensor.item()``: ``ones_like(tensor) * item``, exactly
+    ``tensor``; reading ``item`` keeps the float dynamic (unread, AOTAutograd would specialise
+    it and recompile for every value)."""
     ones = create_node(graph, "call_function", torch.ones_like, (tensor,), meta=meta)  # [] fp64
     return create_node(graph, "call_function", operator.mul, (ones, item), meta=meta)  # [] fp64

@@ -23,22 +23,22 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
-from compile_pass.graph.forms import CrossEntropyCall, Projection, as_projection
+from compile_pass.graph.calls import Call
+from compile_pass.graph.forms import Projection, as_projection
 from compile_pass.graph.nodes import (
     CASTS,
     COPIES,
     dims_arg,
     example_value,
     is_tensor_node,
-    module_attr,
     same_size,
     tensor_op_name,
 )
 from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.scale import Scale, ScaleRead, read_scale
-from compile_pass.graph.spellings import read_loss
+from compile_pass.graph.stages import reached
 from compile_pass.graph.tensor_parallel import read_sharded
 
 # Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
@@ -53,7 +53,7 @@ class Step(NamedTuple):
     """One node between projection and loss, and how it treats the logits."""
 
     node: Node
-    # reshape | copy | cast | index | scale | log_softmax | neg (the last two: CrossEntropyCall.passes)
+    # reshape | copy | cast | index | scale | log_softmax | neg (the last two: Call.passes)
     kind: str
 
 
@@ -67,7 +67,7 @@ class Site:
     """
 
     node: Node
-    call: CrossEntropyCall | None
+    call: Call | None
     projection: Projection | None = None
     steps: list[Step] = field(default_factory=list)
     class_dim_moved: Node | None = None  # transpose taking [B, T, V] to [B, V, T] right before the loss
@@ -77,6 +77,12 @@ class Site:
     stop_detail: str | None = None  # what of a scaling the op cannot take (the SCALE_* kinds)
     hidden_plan: list[tuple[str, Any]] = field(default_factory=list)  # ("reshape", shape) | ("replay", node)
     scale: Scale | None = None  # the logits' scaling, also among ``steps`` (kind "scale")
+
+    def erasable(self) -> list[Node]:
+        """The nodes a rewrite of this site erases where nothing else reads them, loss side first."""
+        moved = [self.class_dim_moved] if self.class_dim_moved is not None else []
+        return [*moved, *self.call.inner, *(step.node for step in self.steps[::-1]), self.projection.node,
+                *self.projection.inner[::-1]]
 
 
 def _index_keeps_vocab_dim(index: Any, ndim: int) -> Refusal | None:
@@ -156,7 +162,7 @@ class Stop(NamedTuple):
     detail: str | None = None
 
 
-def match_site(node: Node, call: CrossEntropyCall, in_subgraph: bool = False) -> Site:
+def match_site(node: Node, call: Call, in_subgraph: bool = False) -> Site:
     """Walk back from a cross-entropy call's input to its projection: the site with its
     steps, scaling and plan for the hidden states, or the :class:`Stop` that ended the walk.
 
@@ -215,6 +221,7 @@ def _step(site: Site, node: Any, in_subgraph: bool, log_softmax_ahead: bool) -> 
     """What the walk does at ``node``, which is no projection: passes it, or stops there."""
     if not isinstance(node, Node):
         return None, Stop(None, Refusal.UNREADABLE)
+    reached("walk", node)
     passes = site.call.passes
     read = None if node in passes else read_scale(node)
     if read is not None:
@@ -269,25 +276,3 @@ def _append_reshape(site: Site, logits: torch.Tensor, at: Node) -> Stop | None:
         return Stop(at, Refusal.SYMBOLIC_RESHAPE)
     site.hidden_plan.append(("reshape", tuple(-1 if i in symbolic else size for i, size in enumerate(leading))))
     return None
-
-
-def find_sites(graph: Graph, in_subgraph: bool = False) -> list[Site]:
-    """Every cross-entropy call in ``graph``, in graph order, matched back to its projection.
-
-    ``in_subgraph``: ``graph`` is a higher-order op's body, whose inputs come from the
-    enclosing graph (a loss on such an input is ``subgraph_input``, not a graph break).
-    """
-    sites = []
-    for node in graph.nodes:
-        if node.op == "call_module":
-            if isinstance(module_attr(graph, node.target), torch.nn.CrossEntropyLoss):
-                sites.append(Site(node, None, stop=node, stop_kind=Refusal.CALL_MODULE))
-            continue
-        try:
-            call = read_loss(node)  # F.cross_entropy, or an older spelling (spellings.py)
-            if call is None:
-                continue
-            sites.append(match_site(node, call, in_subgraph))
-        except Exception as exc:  # noqa: BLE001 - a graph we cannot read never fails the compile
-            sites.append(Site(node, None, stop=node, stop_kind=Refusal.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}"))
-    return sites

@@ -1,27 +1,7 @@
-"""Tensor-parallel heads: an lm_head sharded over the vocabulary (a ``DTensor`` weight) read
-as one projection, for the vocabulary-parallel op.
-
-What Dynamo (torch 2.13) captures for ``parallelize_module(model, mesh, {"lm_head": plan})``:
-
-    h_d = DTensor.from_local(h, mesh, (Replicate(),), run_check=False)   # the plan's input hook
-    logits_d = linear(h_d, W_d, b_d)                  # W_d: Shard(0) on a 1-D mesh; logits_d Shard(-1)
-    ColwiseParallel(output_layouts=Replicate()):      # Hugging Face's "colwise_rep"
-        logits = logits_d.redistribute(placements=(Replicate(),), async_op=True).to_local()  # [..., V]
-    ColwiseParallel(output_layouts=Shard(-1), use_local_output=False), the loss under loss_parallel():
-        logits = logits_d.redistribute(placements=(Shard(-1),), async_op=True)  # DTensor; the loss a DTensor
-    sequence-parallel hidden states (input_layouts=Shard(1)):
-        h_d = DTensor.from_local(h, mesh, (Shard(1),)).redistribute(placements=(Replicate(),))  # gathered
-
-:func:`read_sharded` takes the gathered logits (``to_local`` / ``full_tensor``) or the
-``Shard(-1)`` ones as the projection's output (:class:`compile_pass.graph.forms.Projection`
-with a :class:`VocabShard`); the rewrite (:func:`local_operands`, :func:`loss_function`)
-runs :func:`compile_pass.op.vocab_parallel.vocab_parallel_cross_entropy` on the local
-tensors (``h_d.to_local()``, ``W_d.to_local()``: the hidden states gathered as the layout
-says), with this rank's vocabulary offset and the group read from the fake ``DTensor``'s
-mesh when the graph is compiled (constants of each rank's graph). A head sharded any other
-way is refused as ``tensor_parallel``, with what was found. Returned gathered logits are lazy
-(:mod:`compile_pass.graph.returned_logits`): their recipe makes the hidden states' local tensor a
-replicated DTensor again (:func:`recipe_hidden_states`, :func:`replicated_in`).
+"""Tensor-parallel heads: an lm_head sharded over the vocabulary (a ``DTensor`` weight,
+``Shard(0)`` on a 1-D mesh) read as one projection, for the vocabulary-parallel op. Gathered
+(colwise_rep) or ``Shard(-1)`` logits under ``loss_parallel()`` are taken; a head sharded any
+other way is refused as ``tensor_parallel``. What Dynamo captures: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -49,18 +29,9 @@ def is_dtensor(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's part of a vocabulary-sharded head, read from its fake ``DTensor`` weight.
-
-    Attributes:
-        group_name: the tensor-parallel process group (the mesh's only dim).
-        vocab_start: the first vocabulary row of this rank's shard (uneven shards: DTensor's own offsets).
-        vocab_size: the global vocabulary ``V``.
-        local_size: this rank's rows ``V_local``.
-        mesh: the graph node giving the device mesh (a placeholder), to make a ``DTensor`` loss.
-        loss_parallel: the logits stay a ``Shard(-1)`` DTensor and the loss is a replicated
-            ``DTensor`` (``loss_parallel()``); False: the loss reads the gathered local logits.
-        from_local: the graph's ``DTensor.from_local`` function (the target Dynamo emitted).
-    """
+    """This rank's part of a vocabulary-sharded head, read from its fake ``DTensor`` weight:
+    the group, this shard's ``vocab_start`` and ``local_size`` rows of ``vocab_size``, the mesh
+    node, whether the loss is a ``loss_parallel()`` DTensor, and the graph's ``from_local``."""
 
     group_name: str
     vocab_start: int
@@ -197,16 +168,16 @@ def local_operands(projection: Projection, graph: Graph, meta: dict, *, hidden: 
 def loss_function(shard: VocabShard) -> Any:
     """The function whose traced nodes compute the loss (``chunked_cross_entropy``'s signature),
     for this rank's shard."""
-    from compile_pass.op.vocab_parallel import vocab_parallel_cross_entropy
-
-    return partial(_vocab_parallel_loss, vocab_parallel_cross_entropy, vocab_start=shard.vocab_start,
-                   vocab_size=shard.vocab_size, group_name=shard.group_name)
+    return partial(_vocab_parallel_loss, vocab_start=shard.vocab_start, vocab_size=shard.vocab_size,
+                   group_name=shard.group_name)
 
 
-def _vocab_parallel_loss(op: Any, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+def _vocab_parallel_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                          class_weight: Tensor | None, *, grads_in_forward: Any = None, **options: Any) -> Tensor:
     """The op's call; ``grads_in_forward`` is not an option of the sharded op (the pass passes None)."""
-    return op(hidden_states, weight, target, bias, class_weight, **options)
+    from compile_pass.op.function import chunked_cross_entropy
+
+    return chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, **options)
 
 
 def as_dtensor_loss(shard: VocabShard, loss: Node, graph: Graph, meta: dict) -> Node:
@@ -228,10 +199,8 @@ def loss_parallel_problem(loss: Node, projection: Projection) -> str | None:
 
 
 def recipe_hidden_states(projection: Projection, graph: Graph) -> Node:
-    """For the lazy logits of a gathered (colwise_rep) head: ``h_d.to_local()``, the replicated
-    hidden states' local tensor ``[..., H]``, inserted after ``h_d``. The recipe takes it (a plain
-    tensor the step returns: a DTensor output that nothing backpropagates into fails AOTAutograd's
-    tangent check) and makes it ``h_d`` again (:func:`replicated_in`)."""
+    """``h_d.to_local()`` ``[..., H]`` inserted after ``h_d``, for the lazy logits of a gathered
+    head (a DTensor output would fail AOTAutograd's tangent check); :func:`replicated_in` undoes it."""
     with graph.inserting_after(projection.hidden):
         return create_node(graph, "call_method", "to_local", (projection.hidden,),
                            meta={"example_value": local_value(example_value(projection.hidden))})
