@@ -69,7 +69,7 @@ def values(t):
     """What a read of ``t`` gives, as a plain tensor (a meta tensor: its metadata)."""
     if t.device.type == "meta":
         return (t.shape, t.stride(), t.dtype, t.sum().device.type)
-    return t.detach().mul(1)  # an op that reads: a plain tensor, the same bits
+    return t.detach().add(0)  # an op that reads: a plain tensor (`* 1` would be a lazy temperature)
 
 
 def assert_same(got, expected):
@@ -241,8 +241,11 @@ def test_a_loss_of_a_copy_backpropagates_into_the_hidden_states_and_head_as_stoc
         assert made.requires_grad
         (loss + z_loss(made)).backward()
         grads[kind] = {"h": h.grad, **{name: p.grad.clone() for name, p in model.named_parameters()}}
+    # a cast to bf16 rounds the logits' gradient to bf16; the z-loss of it is a fused read (the op's
+    # softmax, not stock's): equal up to one bf16 rounding of some of its elements
+    tolerance = {"rtol": 2 ** -7, "atol": 1e-4} if make == "bfloat16" else {}
     for name, expected in grads["stock"].items():
-        torch.testing.assert_close(grads["lazy"][name], expected, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(grads["lazy"][name], expected, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("where", ["view", "base_after_a_copy"])
@@ -269,7 +272,7 @@ def test_in_place_writes_under_autograd_get_stocks_gradients(steps32, where):
 
 def test_in_place_shape_changes_are_refused_rather_than_wrong(steps):
     """``unsqueeze_`` / ``t_`` / ``resize_`` change a tensor's metadata in place; a LazyLogits' views
-    read their values through it, so it refuses them (it used to keep its old shape and answer
+    read their values through it, so it refuses them (else it would keep its old shape and answer
     with values of the new one). ``detach_`` changes nothing but autograd's view of it."""
     _, _, _, logits = step(steps, "lazy")
     for name, op in {"unsqueeze_": lambda x: x.unsqueeze_(0), "t_": lambda x: x[0].t_(),
@@ -283,7 +286,7 @@ def test_in_place_shape_changes_are_refused_rather_than_wrong(steps):
     torch.testing.assert_close(got, values(expected), rtol=0, atol=0)
 
 
-# --- found by a new user (issue 23's fresh-eyes run) -------------------------------------------------
+# --- a new user's first reads -------------------------------------------------------------------------
 
 
 def test_a_computed_copy_keeps_neither_its_source_values_nor_its_inputs(steps32):
@@ -305,7 +308,8 @@ def test_a_computed_copy_keeps_neither_its_source_values_nor_its_inputs(steps32)
             _, expected = model(h, labels)
             assert type(logits) is LazyLogits
             last = logits[:, -1].clone()  # a lazy copy of a view
-            assert torch.equal(logits.argmax(-1), expected.argmax(-1))  # computes and keeps the source
+            # a read that computes and keeps the source (argmax would be fused: no values, the copy stays lazy)
+            torch.testing.assert_close(logits.sum(-1), expected.sum(-1))
             kept.append((last, expected[:, -1].clone()))
             sources.append(weakref.ref(logits))
             del logits, h

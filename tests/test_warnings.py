@@ -1,14 +1,15 @@
-"""Nobody loses the win without being told (issue 18, part 3).
+"""Nobody loses the win without being told.
 
 Compiled with ``backend="chunkce"`` (or Inductor with ``ChunkcePreGradPass``), a refused
 site is logged at WARNING once per process for each (source line, reason key), with its
-reason and its fix; a soft-capped head says it is refused by design; a training graph
-that projects to a vocabulary but has no cross-entropy site (the loss computed outside
-the compiled region, or spelled in a way the pass does not read) is logged once at
-WARNING with the fix (``compile_pass.graph.no_site``). A rewritten site, an eval graph
+reason and its fix; a soft-capped head says it is refused by design. A graph that returns
+its logits and has no cross-entropy site (a forward without labels) returns them lazy by
+default, and a loss computed outside reads them fused; with ``returned_logits="keep"``, or
+logits a loss the pass does not read consumes in the graph, it is logged once at WARNING
+with the fix (``compile_pass.graph.no_site``). A rewritten site, an eval graph
 (no grad) and ``compile_pass.explain`` log no warning. A repeat is logged at DEBUG.
 
-Only where a rewrite would have saved memory (issue 23, part 5): a refused site of a few
+Only where a rewrite would have saved memory: a refused site of a few
 classes (a classifier's score layer, ``no_site.is_vocabulary`` false) is logged at INFO and
 stays in the report; the refused sites above are a vocabulary's (``WIDE``).
 """
@@ -33,12 +34,13 @@ pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
 WIDE = 2 * no_site.VOCAB_MIN  # a vocabulary the no-site rule calls one; conftest's V (23) is below it
 OPTIONS = {"inner_backend": "aot_eager"}
+KEEP = {**OPTIONS, "returned_logits": "keep"}  # returned logits computed in the step, as stock's
 
 
 @pytest.fixture(autouse=True)
-def logs(caplog, monkeypatch):
+def logs(caplog):
     """Every ``compile_pass`` record from DEBUG up, in a process that has warned of nothing yet."""
-    monkeypatch.setattr(publish, "_warned", set())
+    publish.forget_warnings()
     caplog.set_level(logging.DEBUG, logger="compile_pass")
     return caplog
 
@@ -138,8 +140,26 @@ def loss_outside(compiled, length):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels(2, length, vocab=logits.shape[-1]).reshape(-1))
 
 
-def test_a_training_graph_with_logits_but_no_loss_warns_once(logs):
-    compiled = torch.compile(ReturnsLogits(), backend="chunkce", options=OPTIONS, dynamic=False)
+def test_returned_logits_of_a_graph_without_a_loss_are_lazy_and_the_loss_outside_is_fused(logs):
+    """The default: a forward without labels returns lazy logits; the loss outside reads them fused
+    (equal to eager's, every gradient too), and nothing warns."""
+    model = ReturnsLogits()
+    eager = ReturnsLogits()
+    compiled = torch.compile(model, backend="chunkce", options=OPTIONS, dynamic=False)
+    logits = compiled(hidden(2, 4, H))
+    assert isinstance(logits, compile_pass.LazyLogits) and not logits.is_computed
+    loss = loss_outside(compiled, 4)
+    expected = loss_outside(eager, 4)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, eager.lm_head.weight.grad)
+    assert warnings_of(logs) == [] and counters["chunkce"]["unmatched_projections"] == 0
+    assert counters["chunkce"]["logits_lazy"] == 1 and counters["chunkce"]["sites_found"] == 0
+
+
+def test_a_training_graph_with_logits_kept_and_no_loss_warns_once(logs):
+    compiled = torch.compile(ReturnsLogits(), backend="chunkce", options=KEEP, dynamic=False)
     for length in (3, 4, 3):
         loss_outside(compiled, length).backward()
     assert counters["chunkce"]["unmatched_projections"] == 2 and counters["chunkce"]["sites_found"] == 0
@@ -170,13 +190,33 @@ def test_a_loss_the_pass_does_not_read_warns(logs):
     assert "(the logits are normalised by `logsumexp`)" in message
 
 
+def test_a_graph_break_between_head_and_loss_is_fused_by_the_lazy_logits(logs):
+    """The default: the head's graph returns lazy logits and the loss after the break reads them
+    fused (equal to eager's); nothing is lost, nothing warns."""
+    def broken(m, h, y):
+        logits = m.lm_head(h)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(logits.reshape(-1, WIDE), y.reshape(-1))
+
+    model, eager = Head(broken, vocab=WIDE), Head(broken, vocab=WIDE)
+    eager.load_state_dict(model.state_dict())
+    h, y = hidden(), labels(vocab=WIDE)
+    loss = torch.compile(model, backend="chunkce", options=OPTIONS)(h, y)
+    expected = eager(h, y)
+    torch.testing.assert_close(loss, expected)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, eager.lm_head.weight.grad)
+    assert warnings_of(logs) == [] and counters["chunkce"]["logits_lazy"] == 1
+
+
 def test_a_graph_break_between_head_and_loss_warns_for_both_graphs(logs):
     def broken(m, h, y):
         logits = m.lm_head(h)
         torch._dynamo.graph_break()
         return F.cross_entropy(logits.reshape(-1, WIDE), y.reshape(-1))
 
-    compiled = torch.compile(Head(broken, vocab=WIDE), backend="chunkce", options=OPTIONS)
+    compiled = torch.compile(Head(broken, vocab=WIDE), backend="chunkce", options=KEEP)
     compiled(hidden(), labels(vocab=WIDE)).backward()
     head, loss = warnings_of(logs)
     assert "projects to a vocabulary of 2048" in head and "(graph_break)" in head
@@ -244,7 +284,9 @@ def test_no_warning_without_a_lost_win(case, logs):
 def test_explain_reports_every_site_and_logs_no_warning(logs):
     refused = compile_pass.explain(Head(clamped), hidden(), labels())
     assert [r.reason_key for r in refused.records] == ["op_clamp"] and refused.records[0].fix in str(refused)
-    unmatched = compile_pass.explain(ReturnsLogits(), hidden())
+    lazy = compile_pass.explain(ReturnsLogits(), hidden())
+    assert [r.vocab for r in lazy.returned] == [WIDE] and lazy.unmatched == [] and "lazy logits:" in str(lazy)
+    unmatched = compile_pass.explain(ReturnsLogits(), hidden(), options=KEEP)
     assert [u.vocab for u in unmatched.unmatched] == [WIDE]
     assert "no cross-entropy site:" in str(unmatched) and report.NO_SITE_FIX in str(unmatched)
     assert warnings_of(logs) == []

@@ -9,28 +9,25 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
+from compile_pass.lazy_logits.head import Head
+
 KEEP_OPTION = "options={'returned_logits': 'keep'}"
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one returned logits value is made, as the graph made it.
-
-    Attributes:
-        module: the graph's nodes from the projection to the returned value, copied
-            (their inputs are its placeholders, in ``roles``' order).
-        roles: what each input is: ``"hidden states"``, ``"lm_head weight"``,
-            ``"lm_head bias"``, or ``"scale"`` (any other tensor the nodes read).
-        scalars: which inputs the graph gave as a Python number (a symbolic float or
-            int): they reach the recipe as a 0-d CPU tensor and are read with ``.item()``.
-        autocast_dtype: the projection's dtype when it ran under autocast (its output
-            dtype differs from its inputs'); the recipe runs under the same autocast.
+    """How one returned logits value is made, as the graph made it: ``module`` (the graph's
+    nodes from the projection, inputs in ``roles``' order: ``"hidden states"``, ``"lm_head
+    weight"``, ``"lm_head bias"``, ``"scale"``), ``scalars`` (inputs given as Python numbers,
+    passed as 0-d CPU tensors), ``autocast_dtype`` (run under autocast to it) and ``head``
+    (for fused reads; None: every read computes the values).
     """
 
     module: GraphModule
     roles: tuple[str, ...]
     scalars: tuple[bool, ...]
     autocast_dtype: torch.dtype | None
+    head: Head | None = None
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0)

@@ -1,14 +1,7 @@
-"""What a lazy logits value is computed from, and whether that changed since the step.
-
-When the step returns, the version counter and the storage (address, size) of every tensor
-the recipe reads are recorded, and for an FSDP2 unsharded head parameter also its sharded
-parameter's version (FSDP2 all-gathers into the unsharded one without bumping its version).
-:meth:`Inputs.check` compares them (host metadata only, no device sync) and raises
-:class:`StaleLogitsError` if any changed: ``optimizer.step()``, ``zero_()``,
-``load_state_dict()``, FSDP2's resharding. Fused optimizers (``AdamW(fused=True)``) change
-parameters without bumping their version counters: a global optimizer step pre-hook, registered
-at the first lazy logits (not at import), marks the inputs stale instead, after computing the
-lazy copies that must hold the values from before the step (:meth:`Inputs.flush`).
+"""What a lazy logits value is computed from, and whether that changed since the step: the
+version counter and storage of every tensor the recipe reads (and an FSDP2 unsharded head's
+sharded parameter), compared on host metadata only; any optimizer step of one marks it stale
+(fused optimizers bump no versions). Raises :class:`StaleLogitsError`; docs/models.md.
 """
 
 from __future__ import annotations
@@ -72,11 +65,8 @@ class Inputs:
         self.pending.append(weakref.ref(copy))
 
     def flush(self, everything: bool = False) -> None:
-        """Compute and keep the pending copies whose source's values are kept now (they can
-        change from here on), or every pending copy (``everything``: before an optimizer
-        step changes these inputs). In creation order, so a copy of a copy sees its source
-        kept. A copy that cannot be computed any more (stale) stays pending and raises on
-        read, as its source does."""
+        """Compute and keep the pending copies whose source's values are kept now, or all of them
+        (``everything``: before an optimizer step), in creation order; a stale one stays pending."""
         if self.flushing:
             return
         self.flushing, still = True, []
@@ -85,7 +75,7 @@ class Inputs:
                 copy = ref()
                 if copy is None or copy._value is not None:
                     continue
-                if everything or copy._copy_of[0]._root()._value is not None:
+                if everything or copy._sources_kept():
                     try:
                         copy.compute()
                         continue
@@ -124,9 +114,7 @@ def _watch_optimizer_steps(source: Inputs) -> None:
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _LIVE:
         return
-    # what it may update: torch's optimizers skip a parameter without a gradient, so a frozen head
-    # (requires_grad False) left in the optimizer is not stepped; one that requires grad counts even
-    # before its gradient is seen here (FSDP2's sharded parameters), which can only over-report
+    # a frozen head (requires_grad False) is never stepped; one that requires grad counts (may over-report)
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]
                if p.requires_grad or p.grad is not None}
     for source in list(_LIVE):
@@ -140,10 +128,8 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
 
 
 def _version_of(tensor: torch.Tensor) -> Any:
-    """``tensor``'s version counter; None for an inference tensor (made under
-    ``torch.inference_mode()``), which has none: only its storage is checked, and outside
-    inference mode torch refuses in-place changes of it anyway. A ``DTensor`` (a tensor-parallel
-    head's weight): its own counter and its local shard's."""
+    """``tensor``'s version counter (a DTensor's and its local shard's); None for an inference
+    tensor, which has none."""
     if tensor.is_inference():
         return None
     local = _local_shard(tensor)
@@ -170,12 +156,8 @@ def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def _fsdp_sharded_parameter(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The FSDP2 sharded parameter behind ``tensor`` if it is an FSDP2 unsharded parameter.
-
-    FSDP2 all-gathers into the unsharded parameter under
-    ``torch.autograd._unsafe_preserve_version_counter``, so an optimizer step shows only
-    in the sharded parameter's version. Looked up each time (no weak reference is kept
-    to the parameter: ``torch.utils.swap_tensors`` refuses tensors that have one)."""
+    """The FSDP2 sharded parameter behind ``tensor`` if it is an FSDP2 unsharded parameter (whose
+    version an all-gather preserves); looked up each time, never weakly referenced."""
     if not isinstance(tensor, torch.nn.Parameter):
         return None
     try:

@@ -1,0 +1,110 @@
+"""One forward pass serves many reads: the row statistics of a :class:`compile_pass.lazy_logits.keys.Key`,
+computed once per head row and kept.
+
+The first read of a key computes every statistic (``lse``, ``entropy``, ``max``, ``argmax``) for the
+rows of its extent (the head rows it was made on, :attr:`Key.extent`, not only the rows read) in one
+op call, and keeps them, differentiably: later reads of those rows (a loop over rows, 128-row chunks)
+index the kept vectors, so autograd sums their gradients into that call's one backward. Gathered
+values for new indices on kept rows are one op call without a walk over the vocabulary
+(``row_statistics=False``). Statistics computed without grad serve reads without grad only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from compile_pass.lazy_logits.keys import Key
+
+
+class Statistics(NamedTuple):
+    """Per read row: ``lse``, ``entropy``, ``max``, ``argmax`` ``[n]``; ``selected`` ``[n, K]`` or None."""
+
+    lse: Tensor
+    entropy: Tensor
+    max: Tensor
+    argmax: Tensor
+    selected: Tensor | None
+
+
+class _Kept:
+    """Statistics kept for some head rows (one part per op call), with or without grad."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.position = torch.full((num_rows,), -1, dtype=torch.int64)  # head row -> place in the parts
+        self.parts: list[tuple[Tensor, ...]] = []
+        self._joined: tuple[Tensor, ...] | None = None
+
+    def covers(self, head_rows: Tensor) -> bool:
+        return bool((self.position[head_rows] >= 0).all())
+
+    def add(self, head_rows: Tensor, part: tuple[Tensor, ...]) -> None:
+        start = sum(p[0].numel() for p in self.parts)
+        self.position[head_rows] = torch.arange(start, start + head_rows.numel())
+        self.parts.append(part)
+        self._joined = None
+
+    def take(self, head_rows: Tensor) -> tuple[Tensor, ...]:
+        if self._joined is None:
+            self._joined = self.parts[0] if len(self.parts) == 1 else tuple(torch.cat(t) for t in zip(*self.parts))
+        where = self.position[head_rows].to(self._joined[0].device)
+        return tuple(t.index_select(0, where) for t in self._joined)
+
+
+class RowCache:
+    """The statistics of one key computed so far (``key.cache``)."""
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.num_rows = key.num_rows
+        self.kept = {True: _Kept(self.num_rows), False: _Kept(self.num_rows)}  # by grad
+
+    def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> Statistics:
+        """The statistics of head rows ``head_rows`` (``[n]`` CPU int64, in read order, all in the
+        key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``."""
+        kept = self.kept[True] if grad or self.kept[True].covers(head_rows) else self.kept[False]
+        selected = None
+        if not kept.covers(head_rows):
+            self.key.widen(head_rows)
+            extent = self.key.extent
+            missing = extent[kept.position[extent] < 0]
+            gather_now = indices is not None and torch.unique(head_rows).numel() == head_rows.numel()
+            where = None
+            if gather_now:  # the read's indices ride along; other rows gather column 0
+                place = torch.full((self.num_rows,), -1, dtype=torch.int64)
+                place[missing] = torch.arange(missing.numel())
+                where = place[head_rows]
+                gather_now = bool((where >= 0).all())
+            full = None
+            if gather_now:
+                full = indices.new_zeros((missing.numel(), indices.shape[-1]))
+                full[where.to(indices.device)] = indices
+            stats = self._call(missing, full, grad, row_statistics=True)
+            kept.add(missing, (stats.lse, stats.entropy, stats.max, stats.argmax))
+            if gather_now:
+                selected = stats.selected.index_select(0, where.to(stats.selected.device))
+        lse, entropy, maximum, argmax = kept.take(head_rows)
+        if not grad:
+            lse, entropy, maximum = lse.detach(), entropy.detach(), maximum.detach()
+        if indices is not None and selected is None:
+            selected = self._call(head_rows, indices, grad, row_statistics=False).selected
+        return Statistics(lse, entropy, maximum, argmax, selected)
+
+    def _call(self, head_rows: Tensor, indices: Tensor | None, grad: bool, row_statistics: bool) -> Statistics:
+        key, tensors = self.key, self.key.source.tensors
+        key.source.check("read")
+        device = tensors[key.head.hidden].device
+        every = head_rows.numel() == self.num_rows and torch.equal(head_rows, torch.arange(self.num_rows))
+        rows = None if every else head_rows.to(device)
+        with torch.set_grad_enabled(grad):
+            stats = key.head.statistics(tensors, rows, indices, row_statistics=row_statistics,
+                                        **key.op_arguments(head_rows, device))
+        return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.selected)
+
+
+def cache_of(key: Key) -> RowCache:
+    if key.cache is None:
+        key.cache = RowCache(key)
+    return key.cache
