@@ -2,13 +2,15 @@
 
     python -m benchmarks.sweep_models                      # every architecture; print the table
     python -m benchmarks.sweep_models --only llama gpt2    # re-run a few, merged into the saved results
+    python -m benchmarks.sweep_models --family seq2seq masked_lm   # other registries (tiny_families.FAMILIES)
     python -m benchmarks.sweep_models --inductor-subset    # also Inductor vs Inductor on a few
     python -m benchmarks.sweep_models --write              # and rewrite the section of docs/models.md
     python -m benchmarks.sweep_models --only llama --rows out.json   # run, save nothing: the rows to a file
 
-Each architecture of the installed transformers' causal-LM registry is built tiny
-(``benchmarks.tiny_models``) and one training step,
-``model(input_ids=..., labels=...).loss.backward()``, is run three ways from the same
+Each architecture of the installed transformers' causal-LM registry (or, with ``--family``,
+of its seq2seq, masked-LM, image-text-to-text or speech-seq2seq registry) is built tiny
+(``benchmarks.tiny_families``) and one training step,
+``model(**batch).loss.backward()``, is run three ways from the same
 weights: eagerly (must work, or the architecture is ``not_built``), compiled by stock
 ``aot_eager``, and compiled by ``backend="chunkce"`` with ``aot_eager`` inside
 (``returned_logits="drop"``, so a rewritten graph holds no ``[N, V]`` node at all); one
@@ -21,7 +23,8 @@ that hangs or dies makes that architecture's row an ``error`` (stock's fault if 
 in stock's stage) and the rest of its batch goes on in a new one.
 ``CHUNKCE_EAGER_KERNELS=1`` for the aot_eager runs (the op's per-chunk math runs
 eagerly: compiling it would dominate). Results are kept in
-``benchmarks/results/sweep_models.json``; ``--only`` re-runs some and merges them in.
+``benchmarks/results/sweep_models.json`` (``benchmarks.sweep_table``, which renders the
+sections); ``--only`` re-runs some and merges them in.
 ``--write`` checks the section it renders (its totals against its rows) before it
 writes it, and the exit status is 1 for a bug row (``differs``, an error only
 chunkce hits) or, with ``--write``, for an architecture not run yet.
@@ -32,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -41,14 +43,22 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import isolate
-from benchmarks.sweep_step import OUTCOMES, run_architecture
-from benchmarks.tables import markdown
-from benchmarks.tiny_models import BATCH, SEQ, VOCAB_SIZE, causal_lm_architectures
+from benchmarks.sweep_step import run_architecture
+from benchmarks.sweep_table import (
+    PENDING,
+    RESULTS,
+    ROOT,
+    _what,
+    check_section,
+    load_results,
+    render,
+    rows_of,
+    with_pending,
+    write_section,
+)
+from benchmarks.tiny_families import FAMILIES, architectures
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "sweep_models.json"
 DOC = ROOT / "docs" / "models.md"
-BEGIN, END = "<!-- sweep_models: begin -->", "<!-- sweep_models: end -->"
 
 TIMEOUT_S = 180
 PER_PROCESS = 8  # architectures one fresh process runs (one import of transformers for them)
@@ -57,7 +67,7 @@ INDUCTOR_SUBSET = ("llama", "gpt2", "qwen2_moe", "gemma2", "cohere")
 # ---- processes ------------------------------------------------------------------------------------
 
 
-def _child(model_types: list[str], inner: str, out: isolate.Reporter) -> None:
+def _child(family: str, model_types: list[str], inner: str, out: isolate.Reporter) -> None:
     """In a fresh process: each architecture's stages announced, its row reported."""
     import warnings
 
@@ -67,20 +77,20 @@ def _child(model_types: list[str], inner: str, out: isolate.Reporter) -> None:
     import compile_pass  # noqa: F401
 
     for model_type in model_types:
-        print(f"==== {model_type} ({inner})", flush=True)
-        row = run_architecture(model_type, inner,
+        print(f"==== {family} {model_type} ({inner})", flush=True)
+        row = run_architecture(model_type, inner, family=family,
                                progress=lambda stage: out.stage({"model_type": model_type, "stage": stage}))
         out.record(row)
 
 
 def run_all(model_types: list[str], inner: str, workers: int, timeout_s: float, log_path: str,
-            echo=print, on_row=lambda row: None) -> dict[str, dict[str, Any]]:
-    """Every model type through :func:`~benchmarks.sweep_step.run_architecture`, in fresh
+            echo=print, on_row=lambda row: None, family: str = "causal_lm") -> dict[str, dict[str, Any]]:
+    """Every model type of ``family`` through :func:`~benchmarks.sweep_step.run_architecture`, in fresh
     processes of up to :data:`PER_PROCESS` architectures, ``workers`` at once. A process that
     dies, or spends over ``timeout_s`` in one stage of an architecture, makes that row an
     ``error`` (stock's fault if it was in stock's stage); its batch goes on in a new process."""
     queue, rows, lock = list(model_types), {}, threading.Lock()
-    registry = causal_lm_architectures()
+    registry = architectures(family)
     env = {"CHUNKCE_EAGER_KERNELS": "1"} if inner == "aot_eager" else {}
 
     def keep(row: dict[str, Any]) -> None:
@@ -97,7 +107,7 @@ def run_all(model_types: list[str], inner: str, workers: int, timeout_s: float, 
             def stage(value: dict[str, str]) -> None:
                 started.setdefault(value["model_type"], time.perf_counter())
 
-            child = isolate.run(["-m", "benchmarks.sweep_models", "--child", inner, *batch], env=env,
+            child = isolate.run(["-m", "benchmarks.sweep_models", "--child", inner, family, *batch], env=env,
                                 stage_timeout=timeout_s, log=log_path, on_record=keep, on_stage=stage)
             done = {row["model_type"] for row in child.records}
             batch = [m for m in batch if m not in done]
@@ -108,6 +118,7 @@ def run_all(model_types: list[str], inner: str, workers: int, timeout_s: float, 
             why = (f"timed out: over {timeout_s:.0f} s in stage '{where['stage']}'" if child.returncode is None
                    else f"worker died (exit code {child.returncode}) in stage '{where['stage']}'")
             keep({"model_type": failed, "inner": inner, "outcome": "error", "model_class": registry[failed],
+                  **({} if family == "causal_lm" else {"family": family}),
                   "detail": why, "stock_fails": where["stage"].startswith("stock"),
                   "seconds": round(time.perf_counter() - started.get(failed, time.perf_counter()), 1)})
             batch.remove(failed)
@@ -126,144 +137,92 @@ def run_all(model_types: list[str], inner: str, workers: int, timeout_s: float, 
     return rows
 
 
-# ---- results and the table ------------------------------------------------------------------------
+def _sweep(args: argparse.Namespace, results: dict[str, Any], family: str, log_path: str) -> None:
+    """Run ``family``'s model types (``--only``'s of them, or the rest of an interrupted run)
+    into ``results``, each finished row also appended to the family's ``.partial.jsonl``."""
+    registry, rows_before = architectures(family), rows_of(results, family)
+    partial = _partial(family)
+    if not args.skip_aot_eager:
+        model_types = [m for m in args.only if m in registry] if args.only else list(registry)
+        started = time.perf_counter()
+        done_before = {}
+        if args.resume and partial.exists():  # rows an interrupted run finished
+            done_before = {row["model_type"]: row for row in map(json.loads, partial.read_text().splitlines())}
+            started -= sum(row["seconds"] for row in done_before.values()) / args.workers
+            model_types = [m for m in model_types if m not in done_before]
+        else:
+            partial.write_text("")
+
+        def keep(row: dict[str, Any]) -> None:  # a crash of this process loses nothing finished
+            with partial.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+        rows = run_all(model_types, "aot_eager", args.workers, args.timeout, log_path, on_row=keep, family=family)
+        rows_before.update({**done_before, **rows})
+        if family == "causal_lm":
+            results["meta"]["workers"] = args.workers
+        else:
+            results["meta"].setdefault("family_workers", {})[family] = args.workers
+        if not args.only:
+            wall = round(time.perf_counter() - started, 1)
+            if family == "causal_lm":
+                results["meta"]["wall_s"] = wall
+            else:
+                results["meta"].setdefault("family_wall_s", {})[family] = wall
+    if args.inductor_subset and family == "causal_lm":
+        subset = [m for m in (args.only or INDUCTOR_SUBSET)]
+        results["inductor"].update(run_all(subset, "inductor", args.workers, args.timeout * 2, log_path))
+    kept = {k: v for k, v in sorted(rows_before.items()) if k in registry}
+    rows_before.clear()
+    rows_before.update(kept)
 
 
-def load_results(path: Path = RESULTS) -> dict[str, Any]:
-    """The saved results: ``{"meta": {...}, "aot_eager": {model_type: row}, "inductor": {...}}``."""
-    if path.exists():
-        return json.loads(path.read_text())
-    return {"meta": {}, "aot_eager": {}, "inductor": {}}
+def _partial(family: str) -> Path:
+    """Where a run of ``family`` appends each finished row."""
+    return RESULTS.with_suffix(".partial.jsonl" if family == "causal_lm" else f".{family}.partial.jsonl")
 
 
-def _what(row: dict[str, Any]) -> str:
-    """The row's explanation column: why, where, how much."""
-    outcome = row["outcome"]
-    if outcome == "rewritten":
-        logits = {"dropped": "logits dropped", "kept": "logits KEPT (computed although returned_logits='drop')"}
-        notes = [f"max abs diff {row['max_abs_diff']:.1e}", logits.get(row.get("logits"), "logits ?")]
-        if row.get("note"):
-            notes.append(row["note"])
-        if row.get("other_logits_nodes"):
-            notes.append(f"other [N, V] nodes left: {len(row['other_logits_nodes'])}")
-        if row.get("sites", 1) > 1:
-            notes.append(f"{row['sites']} sites")
-        if row.get("graph_breaks"):
-            notes.append(f"{len(row['graph_breaks'])} graph break(s) elsewhere")
-        return "; ".join(notes)
-    if outcome in ("refused", "graph_break"):
-        text = row.get("reason", "")
-        if row.get("rewritten_sites"):
-            text += f" ({row['rewritten_sites']} other site(s) rewritten)"
-        if outcome == "graph_break" and row.get("graph_breaks"):
-            text += f"; Dynamo: {row['graph_breaks'][0]}"
-        return text
-    if outcome == "error":
-        return ("stock compile fails too: " if row.get("stock_fails") else "ONLY CHUNKCE FAILS: ") + row["detail"]
-    return row.get("detail", "")
+def _merged(results: dict[str, Any], family: str) -> dict[str, Any]:
+    """The saved results as they are now, with ``family``'s rows and meta from ``results``: a sweep
+    of another family running at the same time keeps what it saved."""
+    saved = load_results()
+    if family == "causal_lm":
+        saved["aot_eager"], saved["inductor"] = results["aot_eager"], results["inductor"]
+        saved["meta"].update({k: v for k, v in results["meta"].items() if not k.startswith("family_")})
+    else:
+        saved["families"][family] = rows_of(results, family)
+        for key in ("family_versions", "family_workers", "family_wall_s"):
+            if family in results["meta"].get(key, {}):
+                saved["meta"].setdefault(key, {})[family] = results["meta"][key][family]
+    return saved
 
 
-PENDING = "pending"  # in the registry, not in the results yet (an interrupted sweep: --resume)
-
-
-def with_pending(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``rows`` plus a ``pending`` row for every registered architecture that has none."""
-    pending = {model_type: {"model_type": model_type, "model_class": model_class, "outcome": PENDING,
-                            "detail": "not run yet: python -m benchmarks.sweep_models --resume"}
-               for model_type, model_class in causal_lm_architectures().items() if model_type not in rows}
-    return {**rows, **pending}
-
-
-def totals(rows: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """Count of rows per outcome, and per refusal key (``refused:<key>``)."""
-    counts: dict[str, int] = {outcome: 0 for outcome in (*OUTCOMES, PENDING)}
-    for row in rows.values():
-        counts[row["outcome"]] += 1
-        if row["outcome"] == "refused":
-            counts[f"refused:{row['reason_key']}"] = counts.get(f"refused:{row['reason_key']}", 0) + 1
-    return counts
-
-
-def totals_line(rows: dict[str, dict[str, Any]]) -> str:
-    counts = totals(rows)
-    built = len(rows) - counts["not_built"] - counts[PENDING]
-    keys = ", ".join(f"`{k.split(':', 1)[1]}` {n}" for k, n in sorted(counts.items()) if k.startswith("refused:"))
-    errors = [r for r in rows.values() if r["outcome"] == "error"]
-    stock = sum(bool(r.get("stock_fails")) for r in errors)
-    return (f"**Totals**: {len(rows)} architectures, {built} built; rewritten {counts['rewritten']}, "
-            f"differs {counts['differs']}, refused {counts['refused']} ({keys or 'none'}), "
-            f"graph break {counts['graph_break']}, no site {counts['no_site']}, error {counts['error']} "
-            f"(stock compile fails too: {stock}, only chunkce: {len(errors) - stock}), "
-            f"not built {counts['not_built']}" + (f", PENDING {counts[PENDING]} (not run yet)." if counts[PENDING]
-                                                 else "."))
-
-
-def _table(rows: dict[str, dict[str, Any]]) -> list[str]:
-    body = [[model_type, f"`{row['model_class']}`", row["outcome"],
-             f"`{row['reason_key']}`" if row.get("reason_key") else "-", _what(row)]
-            for model_type, row in sorted(rows.items())]
-    return markdown(["model type", "class", "outcome", "reason key", "what"], body, width=160).splitlines()
-
-
-def _minutes(seconds: float | None) -> str:
-    return f"{seconds / 60:.0f} min" if seconds else "not measured"
-
-
-def render(results: dict[str, Any]) -> str:
-    """The generated part of docs/models.md, from the saved results alone (no model is run)."""
-    meta, rows = results["meta"], with_pending(results["aot_eager"])
-    lines = [
-        BEGIN,
-        f"Generated by `python -m benchmarks.sweep_models --write` (torch {meta.get('torch')}, transformers "
-        f"{meta.get('transformers')}; {meta.get('cpus')} CPU cores, {meta.get('workers')} worker(s); full sweep "
-        f"wall time {_minutes(meta.get('wall_s'))}). Tiny configs: hidden 64, 4 heads of 16 / 2 kv heads, "
-        f"1 layer (one per layer kind of hybrids), vocab {VOCAB_SIZE}, MoE 4 experts top 2, fp32, batch "
-        f"{BATCH} x {SEQ} tokens; chunkce with `aot_eager` inside and `returned_logits=\"drop\"` vs stock "
-        f"`aot_eager`, `CHUNKCE_EAGER_KERNELS=1`.",
-        "",
-        totals_line(rows),
-        "",
-        *_table(rows),
-        "",
-    ]
-    inductor = results.get("inductor") or {}
-    if inductor:
-        lines += ["Inductor inside chunkce vs stock Inductor (`--inductor-subset`, the op's kernels compiled):", "",
-                  *_table(inductor), ""]
-    lines.append(END)
-    return "\n".join(lines)
-
-
-TOTALS = re.compile(r"(rewritten|differs|refused|graph break|no site|error|not built) (\d+)")
-ROW = re.compile(r"^\| (\S+) \| `(\w+)` \| (\w+) \| `?([\w,-]*)`? \| (.*) \|$", flags=re.MULTILINE)
-
-
-def check_section(text: str) -> list[str]:
-    """What is wrong with a rendered section: its totals line against its own first table
-    (outcomes, built, pending, refusal keys). ``--write`` refuses to write a section with any."""
-    table = text.split("Inductor inside chunkce", 1)[0]
-    rows = {t: (outcome, "" if key in ("", "-") else key) for t, _, outcome, key, _ in ROW.findall(table)}
-    (line,) = [line for line in text.splitlines() if line.startswith("**Totals**")] or [""]
-    count = {o: sum(outcome == o for outcome, _ in rows.values()) for o in OUTCOMES}
-    pending = sum(outcome == PENDING for outcome, _ in rows.values())
-    keys: dict[str, int] = {}
-    for outcome, key in rows.values():
-        if outcome == "refused":
-            keys[key] = keys.get(key, 0) + 1
-    problems = []
-    if {k.replace(" ", "_"): int(v) for k, v in TOTALS.findall(line)} != count:
-        problems.append(f"totals {line!r} disagree with the rows' outcomes {count}")
-    if f"{len(rows)} architectures, {len(rows) - count['not_built'] - pending} built" not in line:
-        problems.append(f"totals {line!r}: not {len(rows)} architectures")
-    if (f"PENDING {pending}" in line) != bool(pending):
-        problems.append(f"totals {line!r}: {pending} pending rows")
-    if {k: int(n) for k, n in re.findall(r"`([\w,-]+)` (\d+)", line)} != keys:
-        problems.append(f"totals {line!r} disagree with the refusal keys {keys}")
-    return problems
+def _report(results: dict[str, Any], family: str, write: bool) -> bool:
+    """Print or write ``family``'s section; False when it is inconsistent, has a bug row, or
+    (``write``) a model type not run yet."""
+    text = render(results, family)
+    problems = check_section(text)
+    if write and not problems:
+        write_section(DOC, text, family)
+    elif not write:
+        print(text)
+    for problem in problems:
+        print(f"NOT WRITTEN: the rendered section ({family}) is inconsistent: {problem}", file=sys.stderr)
+    rows = rows_of(results, family)
+    bad = [r for r in rows.values() if r["outcome"] == "differs" or (r["outcome"] == "error" and not r.get("stock_fails"))]
+    for row in bad:
+        print(f"BUG {family} {row['model_type']}: {row['outcome']}: {_what(row)}", file=sys.stderr)
+    pending = [t for t, r in with_pending(rows, family).items() if r["outcome"] == PENDING]
+    if write and pending:
+        print(f"INCOMPLETE: {len(pending)} {family} architecture(s) not run yet (--resume --write): {pending[:8]}",
+              file=sys.stderr)
+    return not (bad or problems or (write and pending))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", nargs="+", choices=list(FAMILIES), default=["causal_lm"],
+                        help="the registries to sweep (default: causal_lm)")
     parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="re-run these; merge into the results")
     parser.add_argument("--inductor-subset", action="store_true",
                         help=f"also Inductor vs Inductor on {', '.join(INDUCTOR_SUBSET)} (or on --only's)")
@@ -279,34 +238,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", metavar="PATH", default=None,
                         help="with --only: run those (aot_eager) and write their rows to PATH as JSON; "
                              "the saved results and the docs are left as they are")
-    parser.add_argument("--child", nargs="+", metavar=("INNER", "MODEL_TYPE"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", metavar=("INNER", "FAMILY"), help=argparse.SUPPRESS)
     isolate.add_result_argument(parser)
     args = parser.parse_args(argv)
     if args.child:
-        _child(args.child[1:], args.child[0], isolate.Reporter(args.result_json))
+        _child(args.child[1], args.child[2:], args.child[0], isolate.Reporter(args.result_json))
         return 0
 
     import torch
     import transformers
 
-    registry = causal_lm_architectures()
-    unknown = sorted(set(args.only or ()) - set(registry))
+    registered = set().union(*(architectures(family) for family in args.family))
+    unknown = sorted(set(args.only or ()) - registered)
     if unknown:
-        parser.error(f"not causal-LM model types of transformers {transformers.__version__}: {unknown}")
+        parser.error(f"not model types of {args.family} in transformers {transformers.__version__}: {unknown}")
     if args.rows:
-        if not args.only:
-            parser.error("--rows needs --only")
+        if not args.only or len(args.family) != 1:
+            parser.error("--rows needs --only and one --family")
         log_path = f"{args.rows}.log"
         Path(log_path).write_text("")
-        rows = run_all(args.only, "aot_eager", args.workers, args.timeout, log_path)
+        rows = run_all(args.only, "aot_eager", args.workers, args.timeout, log_path, family=args.family[0])
         Path(args.rows).write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n")
         print(f"wrote {len(rows)} rows to {args.rows} (worker output: {log_path})")
         return 0
     results = load_results()
-    partial = RESULTS.with_suffix(".partial.jsonl")
-    if args.collect and partial.exists():
-        rows = map(json.loads, partial.read_text().splitlines())
-        results["aot_eager"].update({row["model_type"]: row for row in rows})
+    if args.collect:
+        for family in args.family:
+            if _partial(family).exists():
+                rows = map(json.loads, _partial(family).read_text().splitlines())
+                rows_of(results, family).update({row["model_type"]: row for row in rows})
         RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     elif not args.render:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -314,55 +274,17 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             Path(log_path).write_text("")
         print(f"worker output: {log_path}")
-        if not args.skip_aot_eager:
-            model_types = args.only or list(registry)
-            started = time.perf_counter()
-            done_before = {}
-            if args.resume and partial.exists():  # rows an interrupted run finished
-                done_before = {row["model_type"]: row for row in map(json.loads, partial.read_text().splitlines())}
-                started -= sum(row["seconds"] for row in done_before.values()) / args.workers
-                model_types = [m for m in model_types if m not in done_before]
+        for family in args.family:
+            _sweep(args, results, family, log_path)
+            versions = dict(torch=torch.__version__, transformers=transformers.__version__, cpus=os.cpu_count())
+            if family == "causal_lm":
+                results["meta"].update(versions)
             else:
-                partial.write_text("")
-
-            def keep(row: dict[str, Any]) -> None:  # a crash of this process loses nothing finished
-                with partial.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-
-            rows = run_all(model_types, "aot_eager", args.workers, args.timeout, log_path, on_row=keep)
-            results["aot_eager"].update({**done_before, **rows})
-            results["meta"]["workers"] = args.workers
-            if not args.only:
-                results["meta"]["wall_s"] = round(time.perf_counter() - started, 1)
-        if args.inductor_subset:
-            subset = [m for m in (args.only or INDUCTOR_SUBSET)]
-            results["inductor"].update(run_all(subset, "inductor", args.workers, args.timeout * 2, log_path))
-        results["aot_eager"] = {k: v for k, v in sorted(results["aot_eager"].items()) if k in registry}
-        results["meta"].update(torch=torch.__version__, transformers=transformers.__version__,
-                               cpus=os.cpu_count())
-        RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    text = render(results)
-    problems = check_section(text)
-    if args.write and not problems:
-        doc = DOC.read_text()
-        if BEGIN in doc:
-            start, end = doc.index(BEGIN), doc.index(END) + len(END)
-            DOC.write_text(doc[:start] + text + doc[end:])
-        else:
-            DOC.write_text(doc.rstrip("\n") + "\n\n## Every causal LM in transformers\n\n" + text + "\n")
-    elif not args.write:
-        print(text)
-    for problem in problems:
-        print(f"NOT WRITTEN: the rendered section is inconsistent: {problem}", file=sys.stderr)
-    bad = [r for r in results["aot_eager"].values() if r["outcome"] == "differs"
-           or (r["outcome"] == "error" and not r.get("stock_fails"))]
-    for row in bad:
-        print(f"BUG {row['model_type']}: {row['outcome']}: {_what(row)}", file=sys.stderr)
-    pending = [t for t, r in with_pending(results["aot_eager"]).items() if r["outcome"] == PENDING]
-    if args.write and pending:
-        print(f"INCOMPLETE: {len(pending)} architecture(s) not run yet (--resume --write): {pending[:8]}",
-              file=sys.stderr)
-    return 1 if bad or problems or (args.write and pending) else 0
+                results["meta"].setdefault("family_versions", {})[family] = versions
+            results = _merged(results, family)
+            RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    ok = [_report(results, family, args.write) for family in args.family]
+    return 0 if all(ok) else 1
 
 
 if __name__ == "__main__":

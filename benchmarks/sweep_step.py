@@ -2,12 +2,13 @@
 ``inner`` and under ``backend="chunkce"`` (``inner`` inside), and the outcome.
 
     row = run_architecture("llama")    # {"outcome": "rewritten", "max_abs_diff": ..., ...}
+    row = run_architecture("bart", family="seq2seq")    # BartForConditionalGeneration
 
 One outcome per architecture (:data:`OUTCOMES`); "rewritten" means the op's node is
 in the graph the inner backend was given (:class:`GraphRecorder`), no ``[N, V]``
 node is (``returned_logits="drop"``), and the loss and every parameter gradient equal
 stock's (``torch.testing.assert_close``, fp32). Never raises for a model's failure:
-that is the row. The models and batches come from ``benchmarks.tiny_models``.
+that is the row. The models and batches come from ``benchmarks.tiny_families``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.tiny_models import BATCH, SEQ, VOCAB_SIZE, batch_for, build_model, causal_lm_architectures
+from benchmarks.tiny_families import architectures, batch_for, build
+from benchmarks.tiny_models import BATCH, SEQ, VOCAB_SIZE
 
 OUTCOMES = ("rewritten", "differs", "refused", "graph_break", "no_site", "error", "not_built")
 
@@ -48,16 +50,21 @@ def _exception(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}".rstrip(": ")
 
 
+def _largest(difference) -> float:
+    """The largest element of ``difference`` (0.0 for an empty one: a parameter of no elements)."""
+    return difference.abs().max().item() if difference.numel() else 0.0
+
+
 def _max_abs_diff(got: Step, expected: Step) -> float:
-    diffs = [(got.loss - expected.loss).abs().max().item()]
-    diffs += [(got.grads[n] - expected.grads[n]).abs().max().item() for n in expected.grads if n in got.grads]
+    diffs = [_largest(got.loss - expected.loss)]
+    diffs += [_largest(got.grads[n] - expected.grads[n]) for n in expected.grads if n in got.grads]
     return max(diffs)
 
 
 def _fp64_error(step: Step, truth: Step) -> float:
     """Max abs difference of the loss and every gradient from the float64 run's."""
-    errors = [(step.loss.double() - truth.loss).abs().item()]
-    errors += [(step.grads[n].double() - truth.grads[n]).abs().max().item() for n in truth.grads if n in step.grads]
+    errors = [_largest(step.loss.double() - truth.loss)]
+    errors += [_largest(step.grads[n].double() - truth.grads[n]) for n in truth.grads if n in step.grads]
     return max(errors)
 
 
@@ -151,17 +158,21 @@ class GraphRecorder:
         return numel >= BATCH * (SEQ - 1) * self.vocab  # the logits or their shifted part
 
 
-def run_architecture(model_type: str, inner: str = "aot_eager", progress=lambda stage: None) -> dict[str, Any]:
-    """One training step of ``model_type``'s tiny model: eager, stock ``inner`` and chunkce
-    (``inner`` inside); returns the result row (``outcome`` one of :data:`OUTCOMES`, with the
-    fields that explain it). Never raises for a model's failure: that is the row."""
+def run_architecture(model_type: str, inner: str = "aot_eager", progress=lambda stage: None,
+                     family: str = "causal_lm") -> dict[str, Any]:
+    """One training step of the tiny model of ``model_type``'s class in ``family``
+    (``benchmarks.tiny_families.FAMILIES``): eager, stock ``inner`` and chunkce (``inner``
+    inside); returns the result row (``outcome`` one of :data:`OUTCOMES`, with the fields
+    that explain it). Never raises for a model's failure: that is the row."""
     import torch
     import transformers
     from torch._dynamo.utils import counters
 
     started = time.perf_counter()
-    model_class = causal_lm_architectures()[model_type]
+    model_class = architectures(family)[model_type]
     row: dict[str, Any] = {"model_type": model_type, "model_class": model_class, "inner": inner}
+    if family != "causal_lm":
+        row["family"] = family
 
     def done(outcome: str, **fields: Any) -> dict[str, Any]:
         row.update(outcome=outcome, seconds=round(time.perf_counter() - started, 1), **fields)
@@ -171,13 +182,16 @@ def run_architecture(model_type: str, inner: str = "aot_eager", progress=lambda 
     counters.clear()
     progress("build")
     try:
-        model = build_model(model_type)
+        model = build(family, model_type)
     except Exception as error:  # noqa: BLE001 - the row says why
         return done("not_built", detail=f"build: {_exception(error)}")
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None and hasattr(head, "weight") else VOCAB_SIZE
     row["parameters"] = sum(p.numel() for p in model.parameters())
-    batch = batch_for(model_type, model, min(vocab, VOCAB_SIZE))
+    try:
+        batch = batch_for(family, model_type, model, min(vocab, VOCAB_SIZE))
+    except Exception as error:  # noqa: BLE001
+        return done("not_built", detail=f"batch: {_exception(error)}")
     stock_model, chunkce_model = copy.deepcopy(model), copy.deepcopy(model)
     progress("eager step")
     try:
@@ -222,7 +236,7 @@ def run_architecture(model_type: str, inner: str = "aot_eager", progress=lambda 
                                       f"disagree with counters {stats}")
     if mismatch:  # summation order inside the op can be amplified by the model: measure against float64
         progress("float64 eager step")
-        truth = train_step(build_model(model_type).double(),
+        truth = train_step(build(family, model_type).double(),
                            {k: v.double() if v.is_floating_point() else v for k, v in batch.items()})
         chunkce_error, stock_error64 = _fp64_error(got, truth), _fp64_error(stock, truth)
         row.update(fp64_error={"chunkce": chunkce_error, "stock": stock_error64})
@@ -242,6 +256,9 @@ def run_architecture(model_type: str, inner: str = "aot_eager", progress=lambda 
                     rewritten_sites=len(rewritten))
     if not records:
         calls = sorted(set(recorder.loss_calls))
+        if not calls and not stock_recorder.loss_calls:  # e.g. Dynamo fell back to eager for the loss's frame
+            return done("no_site", detail="no compiled graph computes the loss (stock's neither): Dynamo ran the "
+                                          "frame that computes it eagerly")
         return done("no_site", detail=f"loss-like calls in the graph: {', '.join(calls) or 'none'}")
     if recorder.op_nodes != len(rewritten):
         return done("differs", detail=f"{recorder.op_nodes} op node(s) in the graph for {len(rewritten)} "

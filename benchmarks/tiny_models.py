@@ -109,26 +109,28 @@ def _per_layer_lists(defaults: dict[str, Any]) -> tuple[str | None, list[str]]:
     return count_key, [k for k, v in defaults.items() if isinstance(v, list) and len(v) == n and n > 1]
 
 
-def tiny_overrides(config) -> dict[str, Any]:
+def tiny_overrides(config, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
     """The constructor arguments that make ``config``'s class tiny (only the changed fields,
-    so the class derives the rest), recursively for its sub-configs (as dicts)."""
+    so the class derives the rest), recursively for its sub-configs (as dicts); ``sizes``
+    (default :data:`SIZES`): the generic fields."""
     import transformers
 
+    sizes = SIZES if sizes is None else sizes
     defaults = config.to_dict()
-    kwargs: dict[str, Any] = {k: v for k, v in SIZES.items() if k in defaults}
+    kwargs: dict[str, Any] = {k: v for k, v in sizes.items() if k in defaults}
     if "num_key_value_heads" in kwargs and defaults["num_key_value_heads"] == defaults.get("num_attention_heads"):
-        kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]  # multi-head stays multi-head
+        kwargs["num_key_value_heads"] = sizes["num_attention_heads"]  # multi-head stays multi-head
     if "qk_rope_head_dim" in defaults and defaults.get("head_dim") == defaults["qk_rope_head_dim"]:
-        kwargs["head_dim"] = SIZES["qk_rope_head_dim"]  # latent attention: head_dim is the rope part
+        kwargs["head_dim"] = sizes["qk_rope_head_dim"]  # latent attention: head_dim is the rope part
     for key, value in defaults.items():
         if isinstance(value, float) and NO_NOISE.search(key):
             kwargs[key] = 0.0
     count_key, lists = _per_layer_lists(defaults)
     if lists:  # one layer of each kind (the first of each distinct combination), in order
-        kinds = list(zip(*(defaults[k] for k in lists)))
+        kinds = [tuple(map(repr, kind)) for kind in zip(*(defaults[k] for k in lists))]  # lists of lists too
         keep = [kinds.index(kind) for kind in dict.fromkeys(kinds)][:MAX_LAYERS]
         kwargs[count_key] = len(keep)
-        kwargs.update({k: [SIZES[k] if k in SIZES else defaults[k][i] for i in keep] for k in lists})
+        kwargs.update({k: [sizes[k] if k in sizes else defaults[k][i] for i in keep] for k in lists})
     free = iter(range(VOCAB_SIZE - 1, 0, -1))  # special ids past the vocabulary: the top ids
     for key, value in defaults.items():
         if TOKEN_ID.search(key):
@@ -138,8 +140,8 @@ def tiny_overrides(config) -> dict[str, Any]:
                 kwargs[key] = [next(free) if isinstance(v, int) and v >= VOCAB_SIZE else v for v in value]
     for name, sub in vars(config).items():
         if isinstance(sub, transformers.PreTrainedConfig):
-            kwargs[name] = {"model_type": sub.model_type, **tiny_overrides(sub)} if sub.model_type else \
-                tiny_overrides(sub)
+            kwargs[name] = {"model_type": sub.model_type, **tiny_overrides(sub, sizes)} if sub.model_type else \
+                tiny_overrides(sub, sizes)
     return kwargs
 
 
@@ -151,9 +153,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def tiny_config(model_type: str, fields: dict[str, Any] | None = None):
-    """The tiny config of ``model_type``: its config class with :func:`tiny_overrides`,
-    :data:`OVERRIDES` and then ``fields`` (e.g. ``{"logit_scale": 0.25}``). Raises
+def tiny_config(model_type: str, fields: dict[str, Any] | None = None, sizes: dict[str, Any] | None = None):
+    """The tiny config of ``model_type``: its config class with :func:`tiny_overrides` (of
+    ``sizes``), :data:`OVERRIDES` and then ``fields`` (e.g. ``{"logit_scale": 0.25}``). Raises
     whatever the config class raises for them."""
     from transformers import CONFIG_MAPPING
 
@@ -163,7 +165,7 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None):
         defaults = config_class()
     except Exception:  # noqa: BLE001 - a class whose defaults do not validate: with the overrides
         defaults = config_class(**extra)
-    kwargs = _merge(tiny_overrides(defaults), extra)
+    kwargs = _merge(tiny_overrides(defaults, sizes), extra)
     return config_class(**kwargs)
 
 
@@ -171,17 +173,19 @@ def tiny_config(model_type: str, fields: dict[str, Any] | None = None):
 PREPARE = {"xmod": lambda model: model.set_default_language("en_XX")}
 
 
-def build_model(model_type: str, fields: dict[str, Any] | None = None):
+def build_model(model_type: str, fields: dict[str, Any] | None = None, model_class: str | None = None,
+                sizes: dict[str, Any] | None = None):
     """The tiny model of ``model_type`` in training mode (seed 0, the class's own init),
-    ``fields`` set on its config (:func:`tiny_config`).
+    ``fields`` set on its config (:func:`tiny_config`); its class from the causal-LM registry,
+    or the transformers class named ``model_class``.
 
     Where the registry's class takes one part of a composite config (``Emu3ForCausalLM``
     takes an ``Emu3TextConfig``), it gets that part. Raises whatever the class raises."""
     import torch
     import transformers
 
-    model_class = getattr(transformers, causal_lm_architectures()[model_type])
-    config = tiny_config(model_type, fields)
+    model_class = getattr(transformers, model_class or causal_lm_architectures()[model_type])
+    config = tiny_config(model_type, fields, sizes)
     wanted = getattr(model_class, "config_class", None)
     if wanted is not None and not isinstance(config, wanted):
         config = next((sub for sub in vars(config).values() if isinstance(sub, wanted)), config)

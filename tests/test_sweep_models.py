@@ -1,10 +1,11 @@
-"""The sweep's table in docs/models.md (``python -m benchmarks.sweep_models --write``) against
-the installed transformers and against live runs.
+"""The sweep's tables in docs/models.md (``python -m benchmarks.sweep_models [--family F] --write``)
+against the installed transformers and against live runs.
 
-Fast: when the installed transformers is the version the table was generated with,
-the table lists exactly its causal-LM model types, with their classes; with another
-version (pyproject admits a range), the architectures run live here are still
-registered, with the table's classes. Slow: a representative subset runs live, one
+When the installed transformers is the version a table was generated with, the table
+lists exactly its registry's model types (causal LM, seq2seq, masked LM, image-text-to-text,
+speech seq2seq), with their classes, and none differs; with another version (pyproject
+admits a range), the architectures run live here are still registered, with the table's
+classes. A representative subset of each family runs live, one
 training step each (chunkce with aot_eager inside vs stock aot_eager, proven on the
 graph), through the benchmark's own command (``--only ... --rows PATH``: run as a
 program, not imported, and nothing it has saved is changed), and each must be no
@@ -26,25 +27,47 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "models.md"
-BEGIN, END = "<!-- sweep_models: begin -->", "<!-- sweep_models: end -->"
 OUTCOMES = ("rewritten", "differs", "refused", "graph_break", "no_site", "error", "not_built")
 ROW = re.compile(r"^\| (\S+) \| `(\w+)` \| (\w+) \| `?([\w,-]*)`? \| (.*) \|$", flags=re.MULTILINE)
+# family -> the transformers registry its section lists (benchmarks.tiny_families.FAMILIES)
+REGISTRIES = {
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "image_text": "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "speech": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+}
 
-# Plain heads (Llama; GPT-2's tied head and one-shot logging), a soft cap (Gemma 2), scaled
-# logits (Cohere, Granite), a mixture of experts (Qwen2-MoE), another head layout (OPT's
-# project_out before a tied head), a decoder of an encoder-decoder family (BART).
-LIVE = ("llama", "gpt2", "gemma2", "cohere", "granite", "qwen2_moe", "opt", "bart")
+# Causal: plain heads (Llama; GPT-2's tied head and one-shot logging), a soft cap (Gemma 2),
+# scaled logits (Cohere, Granite), a mixture of experts (Qwen2-MoE), another head layout (OPT's
+# project_out before a tied head), a decoder of an encoder-decoder family (BART). The other
+# families: BART's and Marian's final_logits_bias, T5, masked LMs' transform before the decoder,
+# LLaVA's and Qwen2-VL's image tokens, Whisper's audio features.
+LIVE = {
+    "causal_lm": ("llama", "gpt2", "gemma2", "cohere", "granite", "qwen2_moe", "opt", "bart"),
+    "seq2seq": ("bart", "marian", "t5"),
+    "masked_lm": ("bert", "roberta"),
+    "image_text": ("llava", "qwen2_vl"),
+    "speech": ("whisper",),
+}
+CASES = [(family, model_type) for family, types in LIVE.items() for model_type in types]
 
 
-def committed_section() -> str:
-    doc = DOC.read_text()
-    assert BEGIN in doc and END in doc, "docs/models.md lacks the sweep's markers"
-    return doc[doc.index(BEGIN): doc.index(END) + len(END)]
+def markers(family: str) -> tuple[str, str]:
+    if family == "causal_lm":
+        return "<!-- sweep_models: begin -->", "<!-- sweep_models: end -->"
+    return f"<!-- sweep_models {family}: begin -->", f"<!-- sweep_models {family}: end -->"
 
 
-def committed_rows() -> dict[str, dict[str, str]]:
-    """The first table of the section (the aot_eager sweep): model type -> its cells."""
-    section = committed_section().split("Inductor inside chunkce", 1)[0]
+def committed_section(family: str = "causal_lm") -> str:
+    doc, (begin, end) = DOC.read_text(), markers(family)
+    assert begin in doc and end in doc, f"docs/models.md lacks the sweep's {family} markers"
+    return doc[doc.index(begin): doc.index(end) + len(end)]
+
+
+def committed_rows(family: str = "causal_lm") -> dict[str, dict[str, str]]:
+    """The first table of the family's section: model type -> its cells."""
+    section = committed_section(family).split("Inductor inside chunkce", 1)[0]
     rows = {}
     for model_type, model_class, outcome, key, what in ROW.findall(section):
         assert model_type not in rows, f"{model_type} listed twice"
@@ -53,44 +76,51 @@ def committed_rows() -> dict[str, dict[str, str]]:
     return rows
 
 
-def installed_registry() -> tuple[str, dict[str, str]]:
+def installed_registry(family: str = "causal_lm") -> tuple[str, dict[str, str]]:
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto import modeling_auto
 
-    return transformers.__version__, dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return transformers.__version__, dict(getattr(modeling_auto, REGISTRIES[family]))
 
 
 @pytest.mark.slow
-def test_table_agrees_with_the_installed_causal_lm_registry():
-    rows = committed_rows()
+@pytest.mark.parametrize("family", list(REGISTRIES))
+def test_table_agrees_with_the_installed_registry(family):
+    rows = committed_rows(family)
     assert all(r["outcome"] in (*OUTCOMES, "pending") for r in rows.values()), rows
-    (built_with,) = re.findall(r"transformers ([\w.+-]+);", committed_section())
-    version, registry = installed_registry()
+    assert not [t for t, r in rows.items() if r["outcome"] == "differs"], "a rewrite unequal to stock"
+    (built_with,) = re.findall(r"transformers ([\w.+-]+);", committed_section(family))
+    version, registry = installed_registry(family)
     if version == built_with:  # the same registry: the table is all of it, nothing else
         assert sorted(rows) == sorted(registry), sorted(set(rows) ^ set(registry))
         assert {t: r["model_class"] for t, r in rows.items()} == registry
     # Any version: what runs live below is registered, with the class the table names.
-    assert {t: registry.get(t) for t in LIVE} == {t: rows[t]["model_class"] for t in LIVE}, (version, built_with)
+    live = LIVE[family]
+    assert {t: registry.get(t) for t in live} == {t: rows[t]["model_class"] for t in live}, (version, built_with)
 
 
 @pytest.fixture(scope="module")
-def live_rows(tmp_path_factory) -> dict[str, dict]:
-    """The benchmark's rows for :data:`LIVE`, run now (one fresh worker process, the sweep's own)."""
-    out = tmp_path_factory.mktemp("sweep") / "rows.json"
+def live_rows(tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """The benchmark's rows for :data:`LIVE`, run now (a fresh worker process a family, the sweep's own)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.sweep_models", "--only", *LIVE, "--rows", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(out.read_text())
+    rows = {}
+    for family, model_types in LIVE.items():
+        out = tmp_path_factory.mktemp("sweep") / f"{family}.json"
+        done = subprocess.run([sys.executable, "-m", "benchmarks.sweep_models", "--family", family,
+                               "--only", *model_types, "--rows", str(out)],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        rows[family] = json.loads(out.read_text())
+    return rows
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", LIVE)
-def test_live_outcome_equals_the_committed_row(model_type, live_rows):
-    row = live_rows[model_type]  # every one ran: a missing row fails here
+@pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f}-{t}" for f, t in CASES])
+def test_live_outcome_equals_the_committed_row(family, model_type, live_rows):
+    row = live_rows[family][model_type]  # every one ran: a missing row fails here
     assert row["outcome"] != "differs", row  # a rewrite unequal to stock, or not proven on the graph
     assert row["outcome"] != "error" or row.get("stock_fails"), row  # an error only chunkce hits
-    expected = committed_rows()[model_type]
+    expected = committed_rows(family)[model_type]
     assert (row["outcome"], row.get("reason_key") or "") == (expected["outcome"], expected["reason_key"]), row
     if row["outcome"] == "rewritten":  # proven on the graph and against stock inside run_architecture
         assert row["max_abs_diff"] < 1e-4 and row["sites"] >= 1, row
