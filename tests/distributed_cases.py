@@ -303,7 +303,7 @@ def case_ddp_llama(rank: int) -> dict[str, Any]:
     expected = reference(input_ids=ref_input_ids, labels=ref_labels)  # HF's mean over valid tokens
     expected.loss.backward()
     rows = slice(rank * BATCH, (rank + 1) * BATCH)  # this rank's batch in the global one
-    logits = outputs.logits.detach() * 1.0  # an op that reads values: computed now, after backward
+    logits = outputs.logits.detach() + 0.0  # an op that reads values (`* 1.0` is a lazy temperature): now
     return {"pairs": {"loss": (distributed_loss(loss), expected.loss.detach()),
                       "logits": (logits, expected.logits[rows].detach())}
             | grad_pairs(model, reference, rank),
@@ -413,7 +413,7 @@ def case_fsdp_root_lazy_logits(rank: int) -> dict[str, Any]:
     def read(logits: torch.Tensor) -> torch.Tensor | str:
         """The values (an op that reads them), or the text of the StaleLogitsError raised."""
         try:
-            return logits.detach() * 1.0
+            return logits.detach() + 0.0  # (`* 1.0` would be a lazy temperature)
         except StaleLogitsError as exc:
             return str(exc)
 

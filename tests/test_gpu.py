@@ -1,5 +1,5 @@
 """On CUDA: the op at realistic shapes against torch's unfused ops, its measured memory,
-the backend on a tiny Llama against stock Inductor, and release_cache.
+the backend on a tiny Llama against stock Inductor, and CHUNKCE_RELEASE_CACHE.
 
 Reference for numerics: fp64 F.linear + F.cross_entropy on the same (rounded) inputs.
 The op's error must be no worse than the unfused path's in the same dtype.
@@ -127,7 +127,8 @@ def test_release_cache_calls_empty_cache(monkeypatch):
     hidden, weight, target = make_inputs(512, 256, 32000, torch.bfloat16)
     linear_cross_entropy(hidden, weight, target, chunk_size=128).backward()
     assert calls == []
-    linear_cross_entropy(hidden, weight, target, chunk_size=128, release_cache=True).backward()
+    monkeypatch.setenv("CHUNKCE_RELEASE_CACHE", "1")
+    linear_cross_entropy(hidden, weight, target, chunk_size=128).backward()
     assert len(calls) == 2  # after forward and after backward
 
 

@@ -2,17 +2,22 @@
 
     compile_pass/op/      the op (public function, custom ops, loops, gradient products, kernels,
                           kernel runner, chunking, settings)
-    compile_pass/graph/   the pass (nodes, forms, spellings, sites, dtype chains, scale, refusals, guard,
-                          diagnostics, rewrite, driver, returned_logits, report, publish)
-    compile_pass/lazy_logits/  returned logits at run time (recipe, staleness, tensor, wrap)
+    compile_pass/graph/   the pass: find (spellings, sites, forms, ...) -> plan (guard, logits fate) ->
+                          apply (rewrite, returned_logits), then the report (pipeline.py runs them)
+    compile_pass/lazy_logits/  returned logits at run time (recipe, staleness, tensor, wrap); may import the op
     compile_pass/*.py     the entry points (backend, pre_grad, explain) and what they share
 
 Read from the source (every ``import`` statement, at any depth), so a lazy import
-inside a function counts too. Every module is small enough to read at once (at most
-300 lines), and each module of ``graph/`` and ``lazy_logits/`` is listed in its ``__init__.py``.
+inside a function counts too, and no module imports itself back through others. Every module is small enough to read at once (at most
+300 lines); docs/design.md's module map lists them (``tests/test_docs_names.py``).
+
+And the prose: docstring and comment lines of ``compile_pass/`` at most 0.35x its code lines,
+README.md at most 7000 characters with "Use" before any test mechanics, and no issue number
+or history narration in the project's code, tests, docs, benchmarks or examples.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "compile_pass"
 # What each sub-package may import of the project (besides itself).
 ALLOWED = {
     "op": (),
-    "lazy_logits": (),
+    "lazy_logits": ("compile_pass.op",),  # fused reads evaluate through the op
     "graph": ("compile_pass.op", "compile_pass.lazy_logits", "compile_pass.options"),
 }
 
@@ -60,6 +65,51 @@ def test_every_module_is_in_a_layer():
         "op", "graph", "lazy_logits"}
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of it that it names in an import statement
+    (``from package import name``: the submodule ``name`` when there is one, else the package)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module in modules:
+                imported.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                                for a in node.names)
+        graph[name] = imported - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (``[a, b, ..., a]``), or None."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = "open"
+        path.append(name)
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                return path[path.index(other):] + [other]
+            if other not in state and (found := visit(other)):
+                return found
+        state[name] = "done"
+        path.pop()
+        return None
+
+    return next((found for name in sorted(graph) if name not in state and (found := visit(name))), None)
+
+
+def test_no_import_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]  # the check itself
+    assert _cycle(_import_graph()) is None
+
+
 MAX_LINES = 300
 
 
@@ -67,13 +117,6 @@ def test_no_module_is_over_300_lines():
     long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}, f"modules over {MAX_LINES} lines (split where one holds two things): {long}"
-
-
-@pytest.mark.parametrize("package", ["graph", "lazy_logits"])
-def test_the_package_lists_its_modules(package):
-    listed = (PACKAGE / package / "__init__.py").read_text()
-    modules = {path.name for path in (PACKAGE / package).glob("*.py")} - {"__init__.py"}
-    assert {name for name in modules if f"    {name} " not in listed} == set()
 
 
 @pytest.mark.parametrize("package", ["op", "graph", "lazy_logits"])
@@ -99,3 +142,63 @@ def test_the_public_names_of_returned_logits_and_reports_are_exported():
                         "StaleLogitsError": StaleLogitsError, "UnmatchedRecord": UnmatchedRecord}.items():
         assert name in compile_pass.__all__ and getattr(compile_pass, name) is value, name
     assert issubclass(DroppedLogits, LazyLogits) and issubclass(StaleLogitsError, RuntimeError)
+
+
+ROOT = PACKAGE.parent
+PROSE_RATIO = 0.35  # docstring and comment lines at most this share of code lines in compile_pass/
+README_CHARS = 7000
+ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+NARRATION = re.compile(r"\bwe used to\b|\bthe old default\b|\bthe issue's\b|\bbefore [\w`.()]+ landed\b", re.IGNORECASE)
+SCANNED = ("compile_pass", "tests", "docs", "benchmarks", "examples")
+
+
+def _prose_and_code(path: Path) -> tuple[int, int]:
+    """Lines of a module: prose (inside a module / class / function docstring, or starting with
+    ``#``) and code (any other non-blank line)."""
+    text = path.read_text()
+    docstring_lines = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
+                docstring_lines.update(range(first.lineno, first.end_lineno + 1))
+    prose = code = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped and (number in docstring_lines or stripped.startswith("#")):
+            prose += 1
+        elif stripped:
+            code += 1
+    return prose, code
+
+
+def test_docstrings_and_comments_are_at_most_035_of_the_code():
+    counts = {path: _prose_and_code(path) for path in PACKAGE.rglob("*.py")}
+    prose, code = (sum(column) for column in zip(*counts.values()))
+    worst = sorted(counts, key=lambda p: counts[p][1] * PROSE_RATIO - counts[p][0])[:5]
+    assert prose <= PROSE_RATIO * code, (
+        f"compile_pass/ has {prose} prose lines for {code} code lines ({prose / code:.3f} > {PROSE_RATIO}); "
+        f"state the contract, move rationale to docs/; most over: "
+        f"{[(str(p.relative_to(ROOT)), *counts[p]) for p in worst]}")
+
+
+def test_readme_is_short_and_starts_with_use():
+    text = (ROOT / "README.md").read_text()
+    assert len(text) <= README_CHARS, f"README.md is {len(text)} characters (at most {README_CHARS})"
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # the set-up commands may run pytest
+    use = re.search(r"^## Use\b", prose, re.MULTILINE)
+    assert use, "README.md has no '## Use' heading"
+    mechanics = re.search(r"pytest|\btiers?\b", prose, re.IGNORECASE)
+    assert mechanics is None or mechanics.start() > use.start(), (
+        f"README.md mentions {mechanics.group()!r} before 'Use': test mechanics go to tests/README.md")
+
+
+def test_no_issue_numbers_or_history_narration():
+    files = [ROOT / "README.md", *(path for folder in SCANNED for path in (ROOT / folder).rglob("*")
+                                   if path.is_file() and "__pycache__" not in path.parts
+                                   and path.suffix in (".py", ".md", ".txt", ".csv", ".json", ".sh"))]
+    found = [f"{path.relative_to(ROOT)}:{number}: {match.group()}"
+             for path in files for number, line in enumerate(path.read_text().splitlines(), 1)
+             for match in (*ISSUE_NUMBER.finditer(line), *NARRATION.finditer(line))]
+    assert found == [], "say what the code does, not its history: " + "; ".join(found)

@@ -136,7 +136,10 @@ def run_trainer(model, train, evaluation, tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", disable_tqdm=True,
                              save_strategy="no", per_device_train_batch_size=MICRO_BATCH,
                              per_device_eval_batch_size=4, gradient_accumulation_steps=ACCUMULATION,
-                             max_steps=STEPS, learning_rate=1e-3, logging_steps=1, seed=0)
+                             max_steps=STEPS, logging_steps=1, seed=0,
+                             # SGD at lr 1: a parameter's difference is its gradients' (AdamW divides each by its
+                             # own magnitude, so summation-order noise of a near-zero gradient would move it by ~lr)
+                             optim="sgd", learning_rate=1.0, lr_scheduler_type="constant")
     trainer = RecordingTrainer(model=model, args=args, train_dataset=train, compute_metrics=accuracy)
     trainer.micro_batches, trainer.evaluation_logits_types = [], set()
     trainer.train()
