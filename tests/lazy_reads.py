@@ -65,12 +65,12 @@ def stock_logits(side: Leaves) -> torch.Tensor:
 
 
 class Calls:
-    """Counts the op's calls (``row_statistics`` True: walks over the vocabulary; False: gathers
-    only), the backward of each (``backwards``; of the walks alone: ``walk_backwards``), and the
+    """Counts the op's calls (``row_statistics`` True: walks over the vocabulary, of them
+    ``maximum_walks`` with ``maximum_only``; False: gathers only), the backward of each (``backwards``; of the walks alone: ``walk_backwards``), and the
     recipe's runs (the fallback)."""
 
     def __init__(self) -> None:
-        self.walks = self.gathers = self.backwards = self.walk_backwards = self.recipes = 0
+        self.walks = self.maximum_walks = self.gathers = self.backwards = self.walk_backwards = self.recipes = 0
 
 
 class _CountBackward(torch.autograd.Function):
@@ -93,10 +93,11 @@ def counting():
     calls = Calls()
     op, run = head_module.linear_statistics, Recipe.__call__
 
-    def counted(*args, row_statistics=True, **kwargs):
-        stats = op(*args, row_statistics=row_statistics, **kwargs)
+    def counted(*args, row_statistics=True, maximum_only=False, **kwargs):
+        stats = op(*args, row_statistics=row_statistics, maximum_only=maximum_only, **kwargs)
         if row_statistics:
             calls.walks += 1
+            calls.maximum_walks += maximum_only
         else:
             calls.gathers += 1
         fields = [f for f in stats if f is not None and f.is_floating_point()]

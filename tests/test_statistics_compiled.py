@@ -29,7 +29,7 @@ def _op_inputs(case: int):
         HeadTransform(scale=0.5) if case == 2 else HeadTransform(),
         logits_dtype=torch.float32, statistics_dtype=torch.float32, chunk_size=[4, None, 2, 3][case],
         chunk_bytes=[4 * 8 * 4, None, 2 * 16 * 4, None][case], temperature_value=0.8 if case == 0 else None,
-        temperature_multiplies=case == 3, row_statistics=case != 3 or indices is None)
+        temperature_multiplies=case == 3, row_statistics=case != 3 or indices is None, maximum_only=case == 1)
     return (hidden, weight, bias, indices, temperature, scale_tensor), arguments
 
 

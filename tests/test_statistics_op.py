@@ -186,6 +186,35 @@ def test_selected_only_takes_no_walk(kernel_calls):
     assert empty.selected is None and empty.lse.shape == (0,) and empty.argmax.dtype == torch.int64
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_maximum_only_walks_without_the_sums(kernel_calls, monkeypatch, eager):
+    """``maximum_only=True``: ``max``, ``argmax``, ``selected`` and their gradients as torch's (ties,
+    ``-inf`` columns, a transform and a per-row temperature), ``lse`` and ``entropy`` empty; every
+    tile runs the maximum kernel, none the one that sums exponentials."""
+    if eager:
+        monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", "1")
+    hidden, weight, bias, indices = problem()
+    weight = weight.detach().clone()
+    weight[300] = weight[141] = hidden[0].detach() * 50  # row 0: a tie across blocks, the first wins
+    bias = bias.detach().masked_fill(torch.arange(509) % 7 == 0, float("-inf"))
+    bias[300] = bias[141] = 0.0
+    bias.requires_grad_()
+    weight.requires_grad_()
+    options = {"temperature": TEMPERATURES["rows"]["temperature"], "transform": HeadTransform(scale=0.4), **TILES}
+    ours = linear_statistics(hidden, weight, bias, indices, maximum_only=True, **options)
+    expected = unfused(hidden, weight, bias, indices, **{k: v for k, v in options.items() if k not in TILES})
+    assert ours.argmax[0] == 141 and torch.equal(ours.argmax, expected.argmax)
+    torch.testing.assert_close(ours.max, expected.max)
+    torch.testing.assert_close(ours.selected, expected.selected)
+    assert ours.lse.shape == ours.entropy.shape == (0,)
+    grads = upstream(ours, ("selected", "max"))
+    for got, want in zip(gradients(ours, [hidden, weight, bias], grads),
+                         gradients(expected, [hidden, weight, bias], grads)):
+        torch.testing.assert_close(got, want)
+    forward = [name for name, _ in kernel_calls if name.endswith("forward")]
+    assert forward and set(forward) == {"maximum_forward"}, forward
+
+
 def test_returns_row_statistics_in_the_accumulate_dtype():
     hidden, weight, bias, indices = problem(5, 4, 11)
     with torch.no_grad():
@@ -344,7 +373,7 @@ def test_index_outside_the_vocabulary_raises():
 
 _OPTIONS = ("ScalarType logits_dtype, ScalarType statistics_dtype, float? logit_scale=None, bool scale_divides=False, "
             "ScalarType? scale_dtype=None, float? temperature_value=None, bool temperature_multiplies=False, "
-            "bool row_statistics=True, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
+            "bool row_statistics=True, bool maximum_only=False, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
             "SymInt vocab_start=0, SymInt? vocab_size=None")
 _TENSORS = ("Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices, Tensor? temperature, "
             "Tensor? logit_scale_tensor")

@@ -49,7 +49,7 @@ def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Option
         fate, droppable = (group.fate, group.droppable) if len(done) == len(group.sites) else (KEPT, False)
         saved = None
         if fate in (LAZY, DROPPED) and take_out:
-            saved = attempt(options.strict, partial(_take_out, group, fate), lambda exc: None,
+            saved = attempt(options.strict, partial(_take_out, group, fate, options), lambda exc: None,
                             "taking the returned logits of %s out of the graph failed; the step computes them",
                             group.projection.node.format_node())
         if fate in (LAZY, DROPPED) and saved is None:
@@ -66,7 +66,7 @@ def take_out_returned(logits: list[LogitsPlan], options: Options) -> list[Return
         node = group.projection.node
         source, module = source_of(node), module_of(node)
         vocab = size_hint(example_value(node).shape[-1])
-        saved = attempt(options.strict, partial(_take_out, group, LAZY), lambda exc: None,
+        saved = attempt(options.strict, partial(_take_out, group, LAZY, options), lambda exc: None,
                         "taking the returned logits of %s out of the graph failed; the step computes them",
                         node.format_node())
         if saved is not None:
@@ -89,11 +89,12 @@ def _failed(plan: SitePlan, exc: Exception) -> SiteRecord:
                                fix=reason.fix, tiles=None)
 
 
-def _take_out(group: LogitsPlan, fate: str) -> int:
+def _take_out(group: LogitsPlan, fate: str, options: Options) -> int:
     graph = group.projection.node.graph
     with Edit(graph) as edit:
         reached("take_out", group.projection)
-        saved = take_out_logits(group.projection, edit, "drop" if fate == DROPPED else "lazy")
+        saved = take_out_logits(group.projection, edit, "drop" if fate == DROPPED else "lazy",
+                                tiles=(options.chunk_size, options.chunk_bytes))
         reached("taken_out", group.projection)
         graph.lint()
     return saved

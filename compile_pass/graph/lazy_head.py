@@ -22,9 +22,10 @@ from compile_pass.lazy_logits.keys import holds
 
 
 def head_of(projection: Projection, chain: list[Node], inputs: list[Node], hidden: Node,
-            autocast_dtype: torch.dtype | None) -> Head | None:
+            autocast_dtype: torch.dtype | None, tiles: tuple[int | None, int | None] = (None, None)) -> Head | None:
     """The head of a recipe over ``inputs`` running ``chain`` (``[projection, step, ...,
-    returned]``), whose hidden states are the input ``hidden``; None when the op cannot take it."""
+    returned]``), whose hidden states are the input ``hidden``, read in ``tiles`` (``(chunk_size,
+    chunk_bytes)``, None: the op's rule); None when the op cannot take it."""
     position = {node: i for i, node in enumerate(inputs)}
     operands = (hidden, projection.weight, projection.bias)
     if any(node is not None and node not in position for node in operands):
@@ -45,7 +46,8 @@ def head_of(projection: Projection, chain: list[Node], inputs: list[Node], hidde
     bias = None if projection.bias is None else position[projection.bias]
     common = dict(hidden=position[hidden], weight=position[projection.weight], bias=bias,
                   logits_dtype=segments[-1][-1], weight_is_hv=projection.weight_is_hv,
-                  projection_dtype=autocast_dtype, sharded=projection.sharded is not None)
+                  projection_dtype=autocast_dtype, sharded=projection.sharded is not None,
+                  chunk_size=tiles[0], chunk_bytes=tiles[1])
     if scale is None:
         return Head(computed_dtype=segments[0][0], **common)
     value = scale.item if scale.item is not None else scale.value

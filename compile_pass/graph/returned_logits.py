@@ -33,12 +33,14 @@ class TakenOut:
     inputs: tuple[Node, ...]  # the recipe's inputs, nodes of the graph
 
 
-def take_out(projection: Projection, edit: Edit, how: str) -> int:
+def take_out(projection: Projection, edit: Edit, how: str,
+             tiles: tuple[int | None, int | None] = (None, None)) -> int:
     """Replace the :func:`returned_chain` of ``projection`` by a stand-in carrying a
     :class:`TakenOut` (``how``: ``"lazy"`` or ``"drop"``), as part of ``edit``; returns the bytes
-    of the values no longer computed."""
+    of the values no longer computed. ``tiles``: the options' ``(chunk_size, chunk_bytes)``, which
+    the lazy logits' fused reads take."""
     chain = returned_chain(projection.node)
-    taken = TakenOut(DROPPED, ()) if how == "drop" else _recipe(projection, chain)
+    taken = TakenOut(DROPPED, ()) if how == "drop" else _recipe(projection, chain, tiles)
     stand_in = _stand_in_for(projection, example_value(chain[-1]))
     stand_in.meta[STAND_IN] = taken
     edit.replace_all_uses_with(chain[-1], stand_in)
@@ -49,7 +51,7 @@ def take_out(projection: Projection, edit: Edit, how: str) -> int:
     return sum(size_hint(v.numel()) * v.element_size() for v in values)
 
 
-def _recipe(projection: Projection, chain: list[Node]) -> TakenOut:
+def _recipe(projection: Projection, chain: list[Node], tiles: tuple[int | None, int | None]) -> TakenOut:
     made, inputs = recipe_nodes(projection, chain)
     rebuilt = None  # a tensor-parallel head's: the hidden states' local tensor, made a DTensor again in the recipe
     if projection.sharded is not None:
@@ -62,7 +64,7 @@ def _recipe(projection: Projection, chain: list[Node]) -> TakenOut:
     autocast_dtype = projected.dtype if any(v.dtype != projected.dtype for v in operands) else None
     roles = tuple("hidden states" if node is rebuilt else _role(node, projection) for node in inputs)
     module = _copy_nodes(projection.node.graph, made, inputs, scalars, chain[-1], projection, rebuilt)
-    head = head_of(projection, chain, inputs, rebuilt or projection.hidden, autocast_dtype)
+    head = head_of(projection, chain, inputs, rebuilt or projection.hidden, autocast_dtype, tiles)
     return TakenOut(Recipe(module, roles, scalars, autocast_dtype, head), tuple(inputs))
 
 

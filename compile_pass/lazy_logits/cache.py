@@ -6,7 +6,9 @@ rows of its extent (the head rows it was made on, :attr:`Key.extent`, not only t
 op call, and keeps them, differentiably: later reads of those rows (a loop over rows, 128-row chunks)
 index the kept vectors, so autograd sums their gradients into that call's one backward. Gathered
 values for new indices on kept rows are one op call without a walk over the vocabulary
-(``row_statistics=False``). Statistics computed without grad serve reads without grad only.
+(``row_statistics=False``). Statistics computed without grad serve reads without grad only. A read
+of the argmax alone on rows with nothing kept walks for the maximum only (no exponential) and keeps
+nothing.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class RowCache:
     def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> Statistics:
         """The statistics of head rows ``head_rows`` (``[n]`` CPU int64, in read order, all in the
         key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``."""
-        kept = self.kept[True] if grad or self.kept[True].covers(head_rows) else self.kept[False]
+        kept = self._kept_for(head_rows, grad)
         selected = None
         if not kept.covers(head_rows):
             self.key.widen(head_rows)
@@ -92,7 +94,19 @@ class RowCache:
             selected = self._call(head_rows, indices, grad, row_statistics=False).selected
         return Statistics(lse, entropy, maximum, argmax, selected)
 
-    def _call(self, head_rows: Tensor, indices: Tensor | None, grad: bool, row_statistics: bool) -> Statistics:
+    def argmax(self, head_rows: Tensor) -> Tensor:
+        """The argmax ``[n]`` of head rows ``head_rows`` (as :meth:`read` takes them): kept, or a
+        walk of those rows for the maximum only."""
+        kept = self._kept_for(head_rows, grad=False)
+        if kept.covers(head_rows):
+            return kept.take(head_rows)[3]
+        return self._call(head_rows, None, False, row_statistics=True, maximum_only=True).argmax
+
+    def _kept_for(self, head_rows: Tensor, grad: bool) -> _Kept:
+        return self.kept[True] if grad or self.kept[True].covers(head_rows) else self.kept[False]
+
+    def _call(self, head_rows: Tensor, indices: Tensor | None, grad: bool, row_statistics: bool,
+              maximum_only: bool = False) -> Statistics:
         key, tensors = self.key, self.key.source.tensors
         key.source.check("read")
         device = tensors[key.head.hidden].device
@@ -100,6 +114,7 @@ class RowCache:
         rows = None if every else head_rows.to(device)
         with torch.set_grad_enabled(grad):
             stats = key.head.statistics(tensors, rows, indices, row_statistics=row_statistics,
+                                        maximum_only=maximum_only,
                                         **key.op_arguments(head_rows, device))
         return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.selected)
 

@@ -39,6 +39,8 @@ class Head:
     scale_dtype: torch.dtype | None = None
     projection_dtype: torch.dtype | None = None
     sharded: bool = False
+    chunk_size: int | None = None  # the tiles of its reads (the backend's options); None: the op's rule
+    chunk_bytes: int | None = None
 
     @property
     def fused(self) -> bool:
@@ -58,7 +60,8 @@ class Head:
 
     def statistics(self, tensors: Sequence[Tensor], rows: Tensor | None, indices: Tensor | None, *,
                    logits_dtype: torch.dtype, statistics_dtype: torch.dtype,
-                   temperature: float | Tensor | None, multiplies: bool, row_statistics: bool) -> RowStatistics:
+                   temperature: float | Tensor | None, multiplies: bool, row_statistics: bool,
+                   maximum_only: bool = False) -> RowStatistics:
         """The op on head rows ``rows`` (``[n]`` int64 on the device; None: every row, in order)."""
         hidden = tensors[self.hidden]
         hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
@@ -70,4 +73,5 @@ class Head:
                 hidden, weight.t() if self.weight_is_hv else weight, None if self.bias is None else tensors[self.bias],
                 indices, logits_dtype=logits_dtype, projection_dtype=self.projection_dtype,
                 transform=self.transform(tensors), temperature=temperature, temperature_multiplies=multiplies,
-                statistics_dtype=statistics_dtype, row_statistics=row_statistics)
+                statistics_dtype=statistics_dtype, row_statistics=row_statistics,
+                maximum_only=maximum_only, chunk_size=self.chunk_size, chunk_bytes=self.chunk_bytes)

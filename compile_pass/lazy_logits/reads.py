@@ -160,7 +160,14 @@ def _argmax(input: Tensor, dim: int | None = None, keepdim: bool = False, *, out
     form = form_of(input)
     if form is None or form.kind != "z" or out is not None or not _last(input, dim):
         return NotImplemented
-    return _rows_out(_statistics(form, grad=False).argmax, input, keepdim)
+    groups = form.groups()  # the argmax alone: kept, or a walk for the maximum only (no exponential)
+    if len(groups) == 1:
+        argmax = cache_of(groups[0][0]).argmax(form.head_rows)
+    else:
+        parts = [cache_of(key).argmax(form.head_rows[where]) for key, where in groups]
+        inverse = torch.argsort(torch.cat([where for _, where in groups]))
+        argmax = torch.cat(parts).index_select(0, inverse.to(parts[0].device))
+    return _rows_out(argmax, input, keepdim)
 
 
 def _max(input: Tensor, dim: object = None, keepdim: bool = False, *, out: object = None) -> object:

@@ -48,6 +48,7 @@ def linear_statistics(
     temperature_multiplies: bool = False,
     statistics_dtype: torch.dtype | None = None,
     row_statistics: bool = True,
+    maximum_only: bool = False,
     chunk_size: int | None = None,
     chunk_bytes: int | None = None,
 ) -> RowStatistics:
@@ -86,6 +87,9 @@ def linear_statistics(
         row_statistics: False: only ``selected`` is wanted (``lse``, ``entropy``, ``max``,
             ``argmax`` come back empty ``[0]``), computed from the gathered weight rows
             (``O(N K H)``) without a walk over the vocabulary.
+        maximum_only: True: the walk computes ``max`` and ``argmax`` (and ``selected``) with no
+            exponential; ``lse`` and ``entropy`` come back empty ``[0]`` (a vocabulary-sharded head
+            computes them all).
         chunk_size, chunk_bytes: the tiles, as :func:`compile_pass.op.function.linear_cross_entropy`.
 
     Returns:
@@ -99,7 +103,8 @@ def linear_statistics(
     """
     _check_arguments(hidden_states, weight, bias, indices, temperature, projection_dtype, transform,
                      logits_dtype=logits_dtype, statistics_dtype=statistics_dtype)
-    for name, flag in (("temperature_multiplies", temperature_multiplies), ("row_statistics", row_statistics)):
+    for name, flag in (("temperature_multiplies", temperature_multiplies), ("row_statistics", row_statistics),
+                       ("maximum_only", maximum_only)):
         check_bool(name, flag, NAME)
     for name, size in (("chunk_size", chunk_size), ("chunk_bytes", chunk_bytes)):
         check_positive_int(name, size, NAME)
@@ -117,7 +122,7 @@ def linear_statistics(
         hidden_states, weight, bias, indices, temperature, projection_dtype=projection_dtype,
         vocab_parallel=vocab_parallel, logits_dtype=logits_dtype, statistics_dtype=statistics_dtype or logits_dtype,
         transform=transform, temperature_multiplies=temperature_multiplies, row_statistics=row_statistics,
-        chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+        maximum_only=maximum_only, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
 
 
 def chunked_statistics(
@@ -132,6 +137,7 @@ def chunked_statistics(
     transform: HeadTransform | None = None,
     temperature_multiplies: bool = False,
     row_statistics: bool = True,
+    maximum_only: bool = False,
     chunk_size: int | None = None,
     chunk_bytes: int | None = None,
     projection_dtype: torch.dtype | None = None,
@@ -155,8 +161,8 @@ def chunked_statistics(
     scale_tensor, arguments = op_arguments(
         HeadTransform() if transform is None else transform,  # made here: Dynamo cannot wrap a default's instance
         logits_dtype=logits_dtype, statistics_dtype=statistics_dtype, temperature_value=temperature if number else None,
-        temperature_multiplies=temperature_multiplies, row_statistics=row_statistics, chunk_size=chunk_size,
-        chunk_bytes=chunk_bytes)
+        temperature_multiplies=temperature_multiplies, row_statistics=row_statistics,
+        maximum_only=maximum_only and vocab_parallel is None, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
     if projection_dtype is not None:
         hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
         bias = None if bias is None else bias.to(projection_dtype)

@@ -99,8 +99,7 @@ def statistics_forward(
     sum_shifted, argmax, selected)``. A new maximum must be strictly larger (or the first nan)
     to move ``argmax``, so ties keep the first column."""
     z = values(logits, temperature_rows, args)  # [n, Vb], fused, never stored
-    block_max, block_arg = torch.amax(z, dim=-1), torch.argmax(z, dim=-1)  # [n]
-    new_max = torch.maximum(row_max, block_max)
+    new_max, argmax = _maximum(z, row_max, argmax, args.vocab_start)
     old_shift, shift = row_shift(row_max), row_shift(new_max)
     rescale = torch.where(row_max == float("-inf"), 0.0, torch.exp(old_shift - shift))  # [n]
     shifted = z - shift.unsqueeze(1)  # [n, Vb]
@@ -108,14 +107,41 @@ def statistics_forward(
     terms = torch.where(exp == 0.0, 0.0, exp * shifted)  # 0 log 0 = 0 for a -inf logit
     sum_shifted = rescale * (sum_shifted + (old_shift - shift) * sum_exp) + terms.sum(dim=-1)
     sum_exp = sum_exp * rescale + exp.sum(dim=-1)
+    return new_max, sum_exp, sum_shifted, argmax, _selected(z, indices, selected, args.vocab_start)
+
+
+def maximum_forward(
+    logits: Tensor,  # [n, Vb], as statistics_forward takes it
+    indices: Tensor | None,
+    temperature_rows: Tensor | None,
+    row_max: Tensor,  # [n]
+    argmax: Tensor,  # [n] int64
+    selected: Tensor | None,  # [n, K]
+    args: StatisticsArgs,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`statistics_forward` without the sums (no exponential): the new ``(row_max, argmax,
+    selected)``."""
+    z = values(logits, temperature_rows, args)  # [n, Vb]
+    new_max, argmax = _maximum(z, row_max, argmax, args.vocab_start)
+    return new_max, argmax, _selected(z, indices, selected, args.vocab_start)
+
+
+def _maximum(z: Tensor, row_max: Tensor, argmax: Tensor, vocab_start: int) -> tuple[Tensor, Tensor]:
+    """The row's maximum and its first column after the block ``z [n, Vb]``: a new maximum must be
+    strictly larger (or the first nan) to move ``argmax``."""
+    block_max, block_arg = torch.amax(z, dim=-1), torch.argmax(z, dim=-1)  # [n]
     larger = (block_max > row_max) | (torch.isnan(block_max) & ~torch.isnan(row_max))
-    argmax = torch.where(larger, block_arg + args.vocab_start, argmax)
-    if selected is not None:
-        block = z.shape[-1]
-        local = indices - args.vocab_start  # [n, K]: the columns in this block
-        picked = z.gather(1, local.clamp(0, block - 1))
-        selected = torch.where((local >= 0) & (local < block), picked, selected)
-    return new_max, sum_exp, sum_shifted, argmax, selected
+    return torch.maximum(row_max, block_max), torch.where(larger, block_arg + vocab_start, argmax)
+
+
+def _selected(z: Tensor, indices: Tensor | None, selected: Tensor | None, vocab_start: int) -> Tensor | None:
+    """``selected [n, K]`` with the block's values at the indices it holds."""
+    if selected is None:
+        return None
+    block = z.shape[-1]
+    local = indices - vocab_start  # [n, K]: the columns in this block
+    picked = z.gather(1, local.clamp(0, block - 1))
+    return torch.where((local >= 0) & (local < block), picked, selected)
 
 
 def finish(row_max: Tensor, sum_exp: Tensor, sum_shifted: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

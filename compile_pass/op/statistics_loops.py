@@ -38,7 +38,10 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
                     indices: Tensor | None, temperature: Tensor | None, vocab_start: int) -> tuple[Tensor, ...]:
     """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (``[N]`` each,
     ``argmax`` int64 in whole-vocabulary columns, the rest in the statistics' accumulate dtype;
-    ``selected [N, 0]`` without indices) of the columns ``weight [V_local, H]`` holds."""
+    ``selected [N, 0]`` without indices) of the columns ``weight [V_local, H]`` holds. With the
+    option ``maximum_only`` the tiles take no exponential: ``lse``, ``entropy``, ``row_log_sum``
+    and ``row_mean`` are empty ``[0]``."""
+    maximum_only = plan.options["maximum_only"]
     num_tokens = hidden_states.shape[0]
     accumulate = accumulate_dtype(plan.options["statistics_dtype"])
     indices, temperature = _dense(indices), _dense(temperature)
@@ -46,7 +49,7 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
     selected = hidden_states.new_zeros(num_tokens, num_indices or 0, dtype=accumulate)
     argmax = hidden_states.new_zeros(num_tokens, dtype=torch.int64)
     lse, entropy, row_max, row_log_sum, row_mean = (
-        hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(5))
+        hidden_states.new_empty(0 if maximum_only and k != 2 else num_tokens, dtype=accumulate) for k in range(5))
     vocab_blocks, token_chunks = spans(weight.shape[0], plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
     for start, end in token_chunks:
@@ -54,16 +57,22 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
         index_rows = None if indices is None else indices[rows]
         temperature_rows = None if temperature is None else temperature[rows]
         state = statistics_kernels.initial_state(end - start, num_indices, selected)
+        if maximum_only:
+            state = (state[0], state[3], state[4])  # row_max, argmax, selected
         for block_start, block_end in vocab_blocks:
             bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
             logits = buffer.project(hidden_states[rows], weight[block_start:block_end], bias_block)  # [n, Vb]
             state = kernel_runner.run(
-                "statistics_forward", variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
+                "maximum_forward" if maximum_only else "statistics_forward",
+                variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
                 logits, index_rows, temperature_rows, *state, kernel_args(plan, vocab_start + block_start))
-        row_max[rows], _, _, argmax[rows], picked = state
+        if maximum_only:
+            row_max[rows], argmax[rows], picked = state
+        else:
+            row_max[rows], _, _, argmax[rows], picked = state
+            lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = statistics_kernels.finish(*state[:3])
         if picked is not None:
             selected[rows] = picked
-        lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = statistics_kernels.finish(*state[:3])
     return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean
 
 

@@ -5,7 +5,8 @@
 gathers the selected logits only (:func:`~compile_pass.op.statistics_loops.selected_forward`).
 Its outputs: ``selected [N, K]``, ``lse``, ``entropy``, ``max``, ``argmax`` and the two ``[N]``
 parts backward takes, ``row_log_sum = log s`` and ``row_mean = t / s``
-(:mod:`compile_pass.op.statistics_kernels`). Autograd saves its tensor inputs and the ``[N]``
+(:mod:`compile_pass.op.statistics_kernels`); with ``maximum_only=True`` the walk computes ``max``
+and ``argmax`` (and ``selected``) only, no exponential, and the other four are empty ``[0]``. Autograd saves its tensor inputs and the ``[N]``
 statistics; ``chunkce::linear_statistics_backward`` recomputes (its own autograd refuses double
 backward). A gradient not given (None: ``ctx.set_materialize_grads(False)``) costs no term.
 
@@ -34,7 +35,7 @@ TENSORS = "Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices, T
 STATISTICS = "Tensor row_max, Tensor row_log_sum, Tensor row_mean, Tensor argmax"
 OPTIONS = ("ScalarType logits_dtype, ScalarType statistics_dtype, float? logit_scale=None, bool scale_divides=False, "
            "ScalarType? scale_dtype=None, float? temperature_value=None, bool temperature_multiplies=False, "
-           "bool row_statistics=True, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
+           "bool row_statistics=True, bool maximum_only=False, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
            "SymInt vocab_start=0, SymInt? vocab_size=None")
 GRADS = "Tensor? grad_selected, Tensor? grad_lse, Tensor? grad_entropy, Tensor? grad_max"
 FORWARD_SCHEMA = f"({TENSORS}, *, {OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
@@ -83,7 +84,8 @@ def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **a
     if not arguments["row_statistics"]:
         return (selected, *_empty_statistics(selected))
     lse, entropy, row_max, row_log_sum, row_mean = (
-        hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(5))
+        hidden_states.new_empty(0 if arguments["maximum_only"] and k != 2 else num_tokens, dtype=accumulate)
+        for k in range(5))
     return selected, lse, entropy, row_max, hidden_states.new_empty(num_tokens, dtype=torch.int64), row_log_sum, row_mean
 
 
@@ -118,6 +120,8 @@ def backward(grads: tuple, saved: tuple[Tensor, ...], arguments: dict[str, Any],
     want = list(needs_input_grad[:3])
     if not arguments.get("row_statistics", True):  # lse, entropy, max, argmax are empty
         grads = (grads[0], None, None, None)
+    elif arguments.get("maximum_only", False):  # lse and entropy were not computed (empty): no term
+        grads = (grads[0], None, None, grads[3])
     if all(grad is None for grad in grads) or not any(want):
         return None, None, None
     gradients = torch.ops.chunkce.linear_statistics_backward(*grads, *saved, output_mask=want, **arguments)
