@@ -70,20 +70,19 @@ def metrics_of(prediction):
     return {**token_accuracy(prediction), "mean_predicted_id": float(prediction.predictions.mean())}
 
 
-def test_trainer_evaluate_with_argmax_metrics_gets_stocks_metrics_at_a_fraction_of_its_peak(tmp_path, monkeypatch):
+def test_trainer_evaluate_with_argmax_metrics_gets_stocks_metrics_at_a_fraction_of_its_peak(tmp_path):
     """The Trainer route (``model.compile(backend="chunkce")`` before ``Trainer``); stock the same model
     compiled with aot_eager. A warm ``evaluate()``: 4 x 32 tokens a batch, vocabulary 32768, so stock's
     ``[128, V]`` fp32 logits are 16 MiB a batch (and its loss's log-softmax as much); chunkce's loss (in
     the graph) and argmax (of the lazy logits) read the head through the ops: at most 0.35x stock's peak.
 
-    The tile is ``CHUNKCE_CHUNK_BYTES`` (1 MiB): the compile option ``chunk_bytes`` sizes the rewritten
-    sites' tiles only, and a read of lazy logits takes the op's default (7 MiB on CPU), whose eager
-    kernels' temporaries (a few tiles) would outweigh stock's 16 MiB logits at this size."""
-    monkeypatch.setenv("CHUNKCE_CHUNK_BYTES", str(1 << 20))
+    The tile is the compile option ``chunk_bytes`` (1 MiB), which sizes the rewritten sites' tiles and
+    the lazy logits' reads: at the default (7 MiB on CPU) the eager kernels' temporaries (a few tiles)
+    would outweigh stock's 16 MiB logits at this size."""
     evaluation = padded_rows(torch.randint(0, 32768, (4096,), generator=torch.Generator().manual_seed(2)), 8, seed=3)
     model = trainer_llama(32768)
     reference = copy.deepcopy(model)
-    model.compile(backend="chunkce", options={"inner_backend": "aot_eager"})
+    model.compile(backend="chunkce", options={"inner_backend": "aot_eager", "chunk_bytes": 1 << 20})
     reference.compile(backend="aot_eager")
     peaks, metrics = {}, {}
     for name, module in (("chunkce", model), ("stock", reference)):
