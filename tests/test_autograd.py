@@ -781,7 +781,7 @@ def test_llama_gradient_checkpointing_under_save_on_cpu():
     loss.backward()
     stats = counters["chunkce"]  # rewritten in every graph; outputs.logits kept
     assert stats["sites_rewritten"] >= 1 and stats["sites_refused"] == 0, dict(stats)
-    assert graphs.op_count() == len(graphs.graphs) >= 1
+    assert graphs.op_count() == 1 <= len(graphs.graphs)  # the loss's graph (checkpointed layers may break apart)
     assert graphs.logits_like(2 * 24, 500) != [] and stats["logits_kept"] == stats["sites_rewritten"]
     vocab_params = [p for p in model.parameters() if 500 in p.shape]
     # V = 500 here, not the toy V: check by hand.

@@ -57,7 +57,7 @@ def run_pass(graph: Graph, options: Options | None = None, *, subgraphs: bool = 
     records += _run_graph(graph, options, in_subgraph, take_out)
     result = PassResult(PassReport(records))
     if not records and not is_subgraph(graph):  # no site: a forward without labels, or the win lost
-        if take_out and not in_subgraph:
+        if take_out and not in_subgraph and not _ddp_partition(graph):
             returned = attempt(options.strict, partial(plan_returned, graph, options), lambda exc: [],
                                "could not tell whether the graph's returned logits can be lazy; they are computed")
             result.report.returned = take_out_returned(returned, options)
@@ -67,6 +67,14 @@ def run_pass(graph: Graph, options: Options | None = None, *, subgraphs: bool = 
     if publish:
         publish_report(result.report, options.strict)
     return result
+
+
+def _ddp_partition(graph: Graph) -> bool:
+    """Whether ``graph`` is a partition of a graph DDPOptimizer split at its gradient buckets: its
+    outputs feed the next partition (and its compile runs it on fake tensors), so none is taken
+    for the user's returned logits."""
+    reason = getattr(graph.owning_module, "compile_subgraph_reason", None)
+    return "DDPOptimizer" in str(getattr(reason, "reason", ""))
 
 
 def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *, subgraphs: bool = True,
