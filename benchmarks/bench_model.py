@@ -423,9 +423,7 @@ def report_cap(results: list[dict], args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
+    p = harness.argument_parser(__doc__)
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
                    help="default: gpu-1b on an accelerator, cpu-small on cpu")
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=["eager", "inductor", "chunkce"])

@@ -252,9 +252,7 @@ COLUMNS = ("run", "metric", "unit", "impl", "mode", "shape", "tokens", "hidden",
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
+    p = harness.argument_parser(__doc__)
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=None,
                    help="default: llama3-8b on an accelerator, cpu-tiny on cpu")
     p.add_argument("--tokens", nargs="+", type=int, default=None,

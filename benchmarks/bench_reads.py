@@ -153,9 +153,7 @@ def table(results: list[dict]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
+    p = harness.argument_parser(__doc__)
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
                    help="default: gpu-1b on an accelerator, cpu-reads on cpu")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))

@@ -15,6 +15,7 @@ allocate outside torch.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import ctypes
 import gc
@@ -37,6 +38,14 @@ MiB = 2**20
 # Kineto (under the CPU memory measurement) prints two lines per profiler start/stop;
 # read when the profiler first starts, so setting it at import is early enough.
 os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: the first paragraph of ``doc`` as its description, and ``--device``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
+    return parser
 
 
 def default_device() -> torch.device:
