@@ -16,6 +16,8 @@ The steps are the user code of ``tests/rl_steps.py`` (TRL's ``selective_log_soft
     eval-argmax   no_grad: the forward, ``out.logits.argmax(-1)``
     dpo           a reference forward under no_grad, the policy's (chosen then rejected halves), TRL's
                   sigmoid loss, its metrics (``argmax(-1) == labels``, ``logits[mask].mean()``), backward
+    generate      ``model.compile(backend=...)``, then greedy ``generate()`` of 32 tokens from 64-token
+                  prompts (tokens: the prompts'; the loss column compares the generated ids)
 
 Peak: measured (``compile_pass.memory.PeakMemory``) around one whole step after the warm-up,
 gradients freed before it, above the parameters; time: the median of ``--repeats`` steps.
@@ -39,8 +41,9 @@ CONFIGS = {
     **{name: MODEL_CONFIGS[name] for name in ("cpu-micro", "cpu-small", "gpu-1b")},
     "cpu-reads": ModelConfig(32000, 128, 344, 1, 4, 4, batch=4, seq_len=256, dtype="fp32"),
 }
-STEPS = ("grpo", "grpo-bf16", "eval-argmax", "dpo")
-WITH_LABELS = {"grpo": False, "grpo-bf16": False, "eval-argmax": True, "dpo": False}  # the default per step
+STEPS = ("grpo", "grpo-bf16", "eval-argmax", "dpo", "generate")
+WITH_LABELS = {"grpo": False, "grpo-bf16": False, "eval-argmax": True, "dpo": False, "generate": False}
+GENERATED = 32  # new tokens of a generate step (greedy, from the first 64 tokens of each row)
 BACKENDS = ("inductor", "chunkce")
 
 
@@ -66,6 +69,12 @@ def make_step(kind: str, compiled, ids: torch.Tensor, labels: bool):
             loss = grpo_loss(forward().logits, ids, old_logps, advantages, mask, temperature)
             loss.backward()
             return float(loss.detach())
+    elif kind == "generate":
+        def step():  # the "loss" is the sum of the generated ids: equal when the tokens are
+            with torch.no_grad():
+                out = compiled.generate(ids, max_new_tokens=GENERATED, min_new_tokens=GENERATED, do_sample=False,
+                                        pad_token_id=0, use_cache=True)
+            return float(out[:, ids.shape[1]:].sum())
     elif kind == "eval-argmax":
         def step():
             with torch.no_grad():
@@ -93,7 +102,13 @@ def run_one(config_name: str, kind: str, backend: str, args: argparse.Namespace)
         ids = torch.cat([ids, ids.flip(1)])  # chosen, rejected
     if backend == "chunkce":
         import compile_pass  # noqa: F401 - registers the backend
-    compiled = torch.compile(model, backend=backend)
+    if kind == "generate":  # compiled in place: generate() calls the module itself
+        ids = ids[:, :64]
+        model.eval()
+        model.compile(backend=backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
     labels = WITH_LABELS[kind] if args.labels is None else args.labels
     step = make_step(kind, compiled, ids, labels)
     losses = []
