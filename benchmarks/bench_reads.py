@@ -7,7 +7,7 @@
 The whole model is compiled (``torch.compile(model, backend=...)``), a fresh process per (config,
 step, backend) (``benchmarks.isolate``). The RL and DPO forwards are called without labels, as TRL
 calls them, the evaluation forward with labels (``--labels`` / ``--no-labels``: every forward).
-The steps are the user code of ``tests/rl_steps.py`` (TRL's ``selective_log_softmax`` and
+The steps are the user code of ``benchmarks/rl_steps.py`` (TRL's ``selective_log_softmax`` and
 ``entropy_from_logits``):
 
     grpo          fp32: an old-policy forward under no_grad, then the policy's: ``logits[:, :-1]``,
@@ -49,7 +49,7 @@ BACKENDS = ("inductor", "chunkce")
 
 def make_step(kind: str, compiled, ids: torch.Tensor, labels: bool):
     """One ``kind`` step of ``compiled`` on ``ids`` ``[B, T]``: returns its loss (a float)."""
-    from tests.rl_steps import dpo_loss, eval_argmax, grpo_loss, token_log_probs
+    from benchmarks.rl_steps import dpo_loss, eval_argmax, grpo_loss, token_log_probs
 
     def forward():
         return compiled(input_ids=ids, labels=ids) if labels else compiled(input_ids=ids)

@@ -10,7 +10,7 @@ e.g. Cohere's ``logit_scale``). The script runs :func:`compile_pass.explain` on 
 (Dynamo capture only, no training, ~1 s a model on CPU), checks the outcome it
 observes against the expected one (exit status 1 on a mismatch, and ``--write``
 writes nothing then), and prints the table with ``explain``'s own tables for a tiny
-Llama and a tiny Gemma 2. ``tests/test_models.py`` trains its own tiny builds of the
+Llama and a tiny Gemma 2. ``tests/integration/test_models.py`` trains its own tiny builds of the
 same models against stock compile and checks this table's rows against its registry.
 """
 

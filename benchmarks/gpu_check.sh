@@ -83,8 +83,8 @@ else
     SCALING_ARGS=(--shape cpu-tiny --tokens 512 1024 --impls unfused-compiled chunkce floor-recompute)
 fi
 
-section "tests: tests/test_gpu.py tests/test_op.py"
-capped 150 "$PY" -m pytest tests/test_gpu.py tests/test_op.py -q -x -rs -p no:cacheprovider \
+section "tests: tests/integration/test_gpu.py tests/op/test_op.py"
+capped 150 "$PY" -m pytest tests/integration/test_gpu.py tests/op/test_op.py -q -x -rs -p no:cacheprovider \
     --durations=12 --junitxml="$OUT/junit.xml"
 
 section "op benchmark: every provider (benchmarks/impls.py), full mode, HF-style fp32 logits, speed + memory + error"

@@ -6,8 +6,8 @@
     python -m benchmarks.precision_sweep --many-blocks     # V 151936 in 8-token chunks
 
 Run from the repository root. The cases and the errors are the tests' precision oracle
-(``tests/precision_oracle.py``: fp32 torch and fp32 chunkce, each against the same
-computation in fp64 on the same inputs); ``tests/test_op_precision.py`` asserts the ratio
+(``benchmarks/precision_oracle.py``: fp32 torch and fp32 chunkce, each against the same
+computation in fp64 on the same inputs); ``tests/op/test_op_precision.py`` asserts the ratio
 on them. Each cell is a relative error ``||x - ref|| / ||ref||``; the last column gives
 chunkce's error over torch's (1.0: as accurate as torch).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from tests.precision_oracle import (
+from benchmarks.precision_oracle import (
     BLOCK,
     CASES,
     CHUNK,

@@ -13,7 +13,7 @@ warm run, and the ratio of chunkce's warm / cold to Inductor's (1.0 = chunkce
 gains from the caches exactly what stock Inductor gains).
 
 The rewritten graph holds only ``torch.ops.chunkce.*`` and torch ops, so
-AOTAutograd's cache accepts it (``tests/test_compile_cache.py`` asserts the hits
+AOTAutograd's cache accepts it (``tests/integration/test_compile_cache.py`` asserts the hits
 with its own fresh processes). Every process here comes from ``benchmarks.isolate``.
 """
 

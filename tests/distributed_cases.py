@@ -1,4 +1,4 @@
-"""Per-rank cases for ``tests/test_distributed.py``: chunkce under DDP and FSDP2 (tensor parallelism:
+"""Per-rank cases for ``tests/integration/test_distributed.py``: chunkce under DDP and FSDP2 (tensor parallelism:
 ``tests/tp_cases.py``, run by :func:`run_rank` too).
 
 Run by :func:`run_rank` in each of ``WORLD_SIZE`` spawned processes (gloo, CPU).

@@ -4,7 +4,7 @@ code run on it and on stock logits, every read and gradient compared, and proof 
     lazy, stock = Head(...).pair()           # a LazyLogits and stock's F.linear logits, same leaves
     got = compare(read, head)                # read(logits) on both; values and every gradient equal
 
-Not a test module: a helper of tests/test_fused_reads.py and tests/test_fused_steps.py.
+Not a test module: a helper of tests/lazy_logits/test_fused_reads.py and tests/lazy_logits/test_fused_steps.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from conftest import OP, train_step
+from builders import OP, train_step
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code

@@ -1,4 +1,4 @@
-"""Per-rank cases for ``tests/test_statistics_parallel.py``: the row-statistics op on a vocabulary-sharded
+"""Per-rank cases for ``tests/op/test_statistics_parallel.py``: the row-statistics op on a vocabulary-sharded
 head, on gloo ranks (spawned by ``test_distributed.spawn_ranks``, run by ``vocab_parallel_cases.run_cases``).
 
 Each rank builds the whole head from one seed and holds its ``Shard(0)`` rows as a DTensor on a 1-D
@@ -99,7 +99,7 @@ def case_empty_shard(shard: Shard) -> dict[str, Any]:
 def case_extremes(shard: Shard) -> dict[str, Any]:
     """``-inf`` columns (all of rank 0's on 4 ranks), the maximum tied across shards (the first column
     wins), logits about 1e3: as the single-device op on the whole head (whose ``0 log 0 = 0`` entropy
-    ``tests/test_statistics_op.py`` checks; torch's spelling is nan there)."""
+    ``tests/op/test_statistics_op.py`` checks; torch's spelling is nan there)."""
     from compile_pass import linear_statistics
 
     hidden, weight, bias, indices = _problem(bias=True)

@@ -1,5 +1,5 @@
 """The unfused torch computation :func:`compile_pass.linear_statistics` is exactly, and the inputs
-its tests share (a helper of ``tests/test_statistics_*.py`` and the rank cases; not a test module).
+its tests share (a helper of ``tests/op/test_statistics_*.py`` and the rank cases; not a test module).
 
 :func:`unfused` is the docstring's code (``F.linear``, the transform, the casts, the temperature,
 ``gather`` / ``logsumexp`` / ``softmax * log_softmax`` / ``max``); :func:`check` runs both on the

@@ -80,7 +80,7 @@ def test_paths_and_tests_exist():
 
 
 def test_named_tests_exist():
-    defined = {m for p in (ROOT / "tests").glob("*.py") for m in re.findall(r"^\s*def (test_\w+)\(", p.read_text(), re.M)}
+    defined = {m for p in (ROOT / "tests").rglob("*.py") for m in re.findall(r"^\s*def (test_\w+)\(", p.read_text(), re.M)}
     named = [(where, text) for where, text in _backticked() if re.fullmatch(r"test_\w+", text)]
     assert named  # the reader still finds them
     assert [f"{where}: {text}" for where, text in named if text not in defined] == []

@@ -202,3 +202,17 @@ def test_no_issue_numbers_or_history_narration():
              for path in files for number, line in enumerate(path.read_text().splitlines(), 1)
              for match in (*ISSUE_NUMBER.finditer(line), *NARRATION.finditer(line))]
     assert found == [], "say what the code does, not its history: " + "; ".join(found)
+
+
+TESTS = PACKAGE.parent / "tests"
+TEST_LAYERS = ("op", "graph", "lazy_logits", "integration")  # the package's layers, then the whole
+TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py"}  # the project's shape and its docs
+
+
+def test_tests_live_in_their_layer_and_benchmarks_import_no_test():
+    stray = sorted(p.relative_to(TESTS).as_posix() for p in TESTS.rglob("test_*.py")
+                   if p.parent.name not in TEST_LAYERS and not (p.parent == TESTS and p.name in TOP_LEVEL_TESTS))
+    assert stray == [], f"test modules outside tests/{{{','.join(TEST_LAYERS)}}}/: {stray}"
+    importing = sorted(p.name for p in (PACKAGE.parent / "benchmarks").glob("*.py")
+                       if re.search(r"^\s*(from tests\b|import tests\b)", p.read_text(), re.M))
+    assert importing == [], f"benchmarks import tests/: {importing} (shared code lives in benchmarks/)"

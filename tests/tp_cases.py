@@ -1,4 +1,4 @@
-"""Per-rank cases for ``tests/test_tensor_parallel.py``: a vocabulary-sharded (tensor-parallel) lm_head.
+"""Per-rank cases for ``tests/integration/test_tensor_parallel.py``: a vocabulary-sharded (tensor-parallel) lm_head.
 
 Run by :func:`distributed_cases.run_rank` in each spawned process (gloo, CPU), on 2 or 4 ranks.
 Every rank of a tensor-parallel group sees the same batch (the global one of

@@ -1,4 +1,4 @@
-"""Per-rank cases for ``tests/test_vocab_parallel_op.py``: the vocabulary-parallel loss on gloo ranks.
+"""Per-rank cases for ``tests/op/test_vocab_parallel_op.py``: the vocabulary-parallel loss on gloo ranks.
 
 :func:`run_rank` runs in each spawned process: it joins a gloo group, makes a one-dimensional
 CPU ``DeviceMesh`` (the tensor-parallel group) and runs every case in turn. Each rank builds the

@@ -8,7 +8,7 @@ head's transform is one :class:`~compile_pass.op.transform.HeadTransform` in Pyt
 schema arguments (``logit_scale`` or the positional ``logit_scale_tensor``, ``scale_divides``,
 ``scale_dtype``): :func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. The
 schema strings are what torch registers, stores in graphs and hashes into cache keys
-(``tests/test_op.py`` pins them).
+(``tests/op/test_op.py`` pins them).
 
 Adding an option: its keyword (with a default) in :data:`OPTIONS`, its use in the loops or
 kernels, and its argument in the public function (and in the rewrite, if the pass sets it).

@@ -34,14 +34,14 @@ import compile_pass
 from compile_pass import DroppedLogits, LazyLogits
 from compile_pass.graph.report import LOGITS_DROPPED
 from compile_pass.graph.returned_logits import STAND_IN
-from conftest import OP, op_node, reduction_of
+from builders import OP, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
 V = 257  # odd vocabulary
 B, T = 2, 8
 OP_NAME = "chunkce.linear_cross_entropy"
-DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 # hidden 32, 1 layer, 4 heads / 2 kv heads; dropout off so both compiles see the same numbers
 TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

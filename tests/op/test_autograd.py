@@ -675,7 +675,7 @@ def cache_spy(monkeypatch):
 
 def test_release_cache_is_resolved_per_call(cache_spy, monkeypatch):
     """The allocator policy is the environment's, read by each op call (no argument, no schema
-    argument carries it: ``release_cache=`` is an unknown keyword, ``tests/test_op.py``)."""
+    argument carries it: ``release_cache=`` is an unknown keyword, ``tests/op/test_op.py``)."""
     decisions, emptied = cache_spy
     inputs = make_inputs()
     fused(**inputs).backward()

@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OP
+from builders import OP
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 

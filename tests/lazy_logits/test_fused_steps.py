@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from lazy_reads import counting, leaves, make_lazy
-from rl_steps import dpo_loss, eval_argmax, grpo_loss, token_log_probs
+from benchmarks.rl_steps import dpo_loss, eval_argmax, grpo_loss, token_log_probs
 from test_lazy_logits import LM, B, T, assert_same_grads, batch, compiled_pair
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 

@@ -3,7 +3,7 @@
 The op must be no less accurate than torch's fp32 ``F.linear`` + ``F.cross_entropy``
 at any logit magnitude: per-token losses and ``d hidden``, ``d weight``, ``d bias`` of
 the ``mean``, each as a relative error against the same computation in fp64 on the same
-fp32 inputs (the oracle: ``tests/precision_oracle.py``; ``benchmarks/precision_sweep.py``
+fp32 inputs (the oracle: ``benchmarks/precision_oracle.py``; ``benchmarks/precision_sweep.py``
 prints the table). Probabilities computed as ``exp(z - lse)`` with ``lse`` rounded to fp32
 at the logits' magnitude would have 2x torch's gradient error at a spread of 30, 5-6x at 300,
 140-400x at 3000, 2.5-3x with ``logit_divisor=1e-3``.
@@ -16,7 +16,7 @@ target's term (``addmm_`` onto the running sum, or one long product of 8 rows) g
 from __future__ import annotations
 
 import pytest
-from precision_oracle import CASES, MANY_BLOCKS, QUANTITIES, case_errors, many_blocks_errors
+from benchmarks.precision_oracle import CASES, MANY_BLOCKS, QUANTITIES, case_errors, many_blocks_errors
 
 FACTOR = 1.5  # chunkce's error at most this times torch's ...
 FLOOR = 3e-8  # ... plus a quarter of an fp32 ulp, relative (torch's error can be ~0 by luck)

@@ -23,7 +23,7 @@ import copy
 import pytest
 import torch
 import transformers
-from conftest import z_loss
+from builders import z_loss
 from rewrite_proof import GraphCopies, assert_logits_lazy
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters

@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # One process's first training step under backend="chunkce" (Inductor inside), then what
 # the caches did, as one JSON line. argv: model ("toy" or "llama"), the backend's options.

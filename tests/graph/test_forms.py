@@ -1,4 +1,4 @@
-"""Hand-written forms tests/test_pass.py does not cover: packed batches ([1, T, H] and
+"""Hand-written forms tests/graph/test_pass.py does not cover: packed batches ([1, T, H] and
 [T, H] hidden states, documents separated by -100 labels), the head under
 ``torch.autocast`` (bf16), and logits computed in bf16 then cast to fp32 through
 Inductor.
@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import RoundTo, op_arguments, op_node
+from builders import RoundTo, op_arguments, op_node
 from rewrite_proof import Recorder, compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters

@@ -4,7 +4,7 @@ DTensor needs a process group; on one rank every layout of ``tests/tp_cases.py``
 same graph as on several (``from_local`` / ``redistribute`` / ``to_local`` around a linear on a
 ``Shard(0)`` weight), so the recognition, the rewrite into the vocabulary-parallel op (its
 collectives on a group of one) and the refusals are checked here, against the same model run
-eagerly. Several ranks, uneven shards, stock TP and the memory: ``tests/test_tensor_parallel.py``.
+eagerly. Several ranks, uneven shards, stock TP and the memory: ``tests/integration/test_tensor_parallel.py``.
 """
 
 from __future__ import annotations

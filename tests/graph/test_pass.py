@@ -12,7 +12,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OP, op_arguments, op_node, reduction_of
+from builders import OP, op_arguments, op_node, reduction_of
 from rewrite_proof import Recorder, compare_with_stock
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # runs the example in a fresh process
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_compiled.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_compiled.py"
 TINY = ["--steps", "4", "--warmup", "1", "--batch-size", "2", "--seq-len", "32", "--vocab-size", "600",
         "--hidden-size", "32", "--intermediate-size", "64", "--layers", "1", "--heads", "2"]
 

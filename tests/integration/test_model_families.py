@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from conftest import OP
+from builders import OP
 from rewrite_proof import Recorder
 from torch._dynamo.utils import counters
 

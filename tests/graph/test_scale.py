@@ -18,7 +18,7 @@ import pytest
 import rewrite_proof
 import torch
 import torch.nn.functional as F
-from conftest import OP, op_arguments, train_step
+from builders import OP, op_arguments, train_step
 from rewrite_proof import Recorder, compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters

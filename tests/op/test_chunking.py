@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Head
+from builders import Head
 
 from compile_pass import Options, last_report, linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
@@ -245,7 +245,7 @@ def test_grads_in_forward_working_set_is_one_whole_row_chunk():
 def test_documented_tuning_is_the_rule_s():
     """docs/op.md's "Tiles" floors and budget are the constants the rule uses, and the
     accelerator floor is the fastest chunk of the measurements it quotes."""
-    doc = " ".join((Path(__file__).parents[1] / "docs" / "op.md").read_text().split())
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "op.md").read_text().split())
     tiles = doc[doc.index("## Tiles"):]
     assert int(re.search(r"(\d+) tokens on CPU", tiles)[1]) == min_full_speed_tokens("cpu")
     assert int(re.search(r"(\d+) on accelerators", tiles)[1]) == min_full_speed_tokens("cuda")

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OP
+from builders import OP
 from rewrite_proof import compare_with_stock
 from torch.testing import assert_close
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import OP
+from builders import OP
 from datasets import Dataset
 from rewrite_proof import assert_logits_lazy
 from torch._dynamo.utils import counters
@@ -42,7 +42,7 @@ import compile_pass
 from compile_pass.memory import PeakMemory
 from compile_pass import DroppedLogits, LazyLogits
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from corpus import EOS, encode, load_docs, load_tokenizer  # examples/corpus.py
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile", "eager_kernels")]
@@ -167,7 +167,7 @@ def test_trainer_with_no_options_matches_inductor_never_computes_training_logits
     reference = copy.deepcopy(model)
     graphs = []
     # no chunkce option but the inner backend: aot_eager, recorded (the Inductor inner backend on Llama:
-    # tests/test_models.py); the reference is the stock Inductor compile
+    # tests/integration/test_models.py); the reference is the stock Inductor compile
     model.compile(backend="chunkce", options={"inner_backend": recording(graphs, "aot_eager")})
     reference.compile(backend="inductor")
 
@@ -441,7 +441,7 @@ def test_example_runs_offline_and_its_runs_agree(tmp_path):
     """examples/train_hf_trainer.py with tiny flags: both chunkce runs (the Inductor one is the
     first test's reference), losses within --tol (exit 0), the no-options (lazy logits) run's peak
     the lower."""
-    example = Path(__file__).resolve().parents[1] / "examples" / "train_hf_trainer.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "train_hf_trainer.py"
     tiny = ["--runs", "chunkce", "chunkce-keep-logits", "--steps", "2", "--accumulation", "2",
             "--batch-size", "2", "--seq-len", "32", "--eval-rows", "4", "--max-bytes", "200000",
             "--vocab-size", "600", "--hidden-size", "32", "--chunk-size", "16", "--output-dir", str(tmp_path)]

@@ -21,9 +21,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import H, V, Head
-from conftest import hidden_states as hidden
-from conftest import labels_of as labels
+from builders import H, V, Head
+from builders import hidden_states as hidden
+from builders import labels_of as labels
 from torch import nn
 from torch._dynamo.utils import counters
 

@@ -21,7 +21,7 @@ import peft  # in the test extra: pip install -e ".[test]"
 import pytest
 import torch
 import transformers
-from conftest import train_step, z_loss
+from builders import train_step, z_loss
 from rewrite_proof import GraphCopies, Recorder, assert_logits_lazy, compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters

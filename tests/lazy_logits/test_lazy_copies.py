@@ -20,7 +20,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import z_loss
+from builders import z_loss
 from test_lazy_logits import LM, B, T, V, batch
 
 from compile_pass import LazyLogits

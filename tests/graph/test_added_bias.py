@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OP
+from builders import OP
 from rewrite_proof import GraphCopies, compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
-from conftest import OP
+from builders import OP
 from rewrite_proof import compare_with_stock
 from compile_pass import ChunkcePreGradPass, Options, cache_key, chunkce_backend
 
@@ -43,7 +43,7 @@ class Toy(nn.Module):
 
 def test_backend_is_registered_by_entry_point_and_on_import():
     """The installed entry point, and the same one ``import compile_pass`` adds for a source
-    checkout (both resolved in fresh processes by tests/test_entry_points.py)."""
+    checkout (both resolved in fresh processes by tests/integration/test_entry_points.py)."""
     (entry,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "chunkce"]
     assert entry.value == "compile_pass.backend:chunkce_backend"
     assert compile_pass.BACKEND_ENTRY_POINT == entry

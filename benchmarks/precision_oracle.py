@@ -12,9 +12,8 @@ otherwise), and of ``d hidden``, ``d weight`` and ``d bias`` of the ``mean``
 
 The cases: ``CASES``, a sweep of logit magnitudes (:func:`case_errors`), and
 ``MANY_BLOCKS``, Qwen's vocabulary in 8-token chunks over many vocabulary blocks
-(:func:`many_blocks_errors`). ``tests/test_op_precision.py`` asserts chunkce's errors
+(:func:`many_blocks_errors`). ``tests/op/test_op_precision.py`` asserts chunkce's errors
 against torch's on them; ``python -m benchmarks.precision_sweep`` prints them as a table.
-Not a test module: a helper of the tests, which the benchmark imports.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import B, H, T, V, Head, flat_loss
-from conftest import hidden_states as hidden
-from conftest import labels_of as labels
+from builders import B, H, T, V, Head, flat_loss
+from builders import hidden_states as hidden
+from builders import labels_of as labels
 from rewrite_proof import compare_with_stock
 from torch import nn
 from torch._dynamo.utils import counters
@@ -45,7 +45,7 @@ from compile_pass.graph.refusals import OPAQUE_NAMED, STOPS, Refusal
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 class RefusedHead(Head):
@@ -188,7 +188,7 @@ CASES = {
 }
 # Kinds no Dynamo graph has (shown on other FX graphs below) or that only a bug produces.
 NOT_FROM_DYNAMO = (Refusal.CALL_MODULE, Refusal.TARGET, Refusal.UNREADABLE, Refusal.INTERNAL_ERROR)
-# Kinds whose graphs need a process group (DTensor): produced on spawned ranks, tests/test_tensor_parallel.py.
+# Kinds whose graphs need a process group (DTensor): produced on spawned ranks, tests/integration/test_tensor_parallel.py.
 NEEDS_PROCESS_GROUP = (Refusal.TENSOR_PARALLEL,)
 # The counter keys users count (docs/api.md, docs/design.md): a change here is a change of the docs.
 USER_KEYS = {
@@ -214,7 +214,7 @@ def key_pattern(kind: Refusal) -> str:
 
 def test_every_refusal_kind_has_a_case():
     covered = {case_kind(name) for name in CASES} | set(NOT_FROM_DYNAMO) | set(NEEDS_PROCESS_GROUP)
-    assert set(Refusal) - covered == set(), "refusal kinds without a case in tests/test_refusals.py"
+    assert set(Refusal) - covered == set(), "refusal kinds without a case in tests/graph/test_refusals.py"
     for name in CASES:  # each case's key is its kind's (the table's mapping, spelled out in the cases)
         assert fnmatch.fnmatch(case_key(name), key_pattern(case_kind(name))), (name, case_kind(name).key)
 

@@ -3,7 +3,7 @@ of its docstring (``statistics_reference.unfused``): every output and the gradie
 over several tiles and token chunks (N 37 in chunks of 8, V 509 in 128-column blocks: four, the
 last ragged). Most cases run the per-tile math eagerly (``eager_kernels``); those named compiled
 run the kernels Inductor compiles. The slow checks (opcheck, gradcheck, Dynamo, Inductor):
-``tests/test_statistics_compiled.py``; tensor parallelism: ``tests/test_statistics_parallel.py``.
+``tests/op/test_statistics_compiled.py``; tensor parallelism: ``tests/op/test_statistics_parallel.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     loss, metrics = dpo_loss(logits, reference_logits, ids, mask)                  # DPO (TRL's sigmoid loss)
     predicted = eval_argmax(logits)                                                # eval metric
 
-Not a test module: shared by tests/test_fused_steps.py and benchmarks/bench_reads.py.
+Not a test module: shared by tests/lazy_logits/test_fused_steps.py and benchmarks/bench_reads.py.
 """
 
 from __future__ import annotations

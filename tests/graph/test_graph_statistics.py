@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import OP, train_step
+from builders import OP, train_step
 from rewrite_proof import Recorder
 from torch import nn
 from torch._dynamo.utils import counters
