@@ -42,8 +42,8 @@ class Toy(nn.Module):
 
 
 def test_backend_is_registered_by_entry_point_and_on_import():
-    """The installed entry point, and the same one ``import compile_pass`` adds for a source
-    checkout (both resolved in fresh processes by tests/test_entry_points.py)."""
+    """The installed entry point, which ``import compile_pass`` leaves to Dynamo (a source
+    checkout's stand-in is resolved in a fresh process by tests/test_entry_points.py)."""
     (entry,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "chunkce"]
     assert entry.value == "compile_pass.backend:chunkce_backend"
     assert compile_pass.BACKEND_ENTRY_POINT == entry
