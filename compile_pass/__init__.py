@@ -3,13 +3,14 @@
     loss = compile_pass.linear_cross_entropy(hidden_states, weight, target)  # the op, eager
     model = torch.compile(model, backend="chunkce")                           # the pass, compiled
 
-Importing the package changes no torch setting; it registers the backend's entry point
-without importing the backend.
+Importing the package changes no torch setting and does not import the backend.
 """
 import importlib
+import importlib.metadata
 from importlib.metadata import EntryPoint
 from typing import Any
 
+from compile_pass import dynamo_scope
 from compile_pass.op import RowStatistics, linear_cross_entropy, linear_statistics
 from compile_pass.explain import explain  # imported, not lazy: the submodule of that name would shadow it
 from compile_pass.graph import fuse_linear_cross_entropy
@@ -53,13 +54,19 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-def _register_backend() -> None:
-    """Add the ``chunkce`` entry point for a source checkout (Dynamo reads installed metadata
-    only), unless Dynamo already has one or the backend."""
-    from torch._dynamo.backends import registry
+def _load_and_compile(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+    """Dynamo's ``chunkce`` in a source checkout: imports the backend at its first compile and
+    calls it with torch.compile's arguments."""
+    return BACKEND_ENTRY_POINT.load()(gm, example_inputs, **kwargs)
 
-    if BACKEND_NAME not in registry._BACKENDS and BACKEND_NAME not in registry._COMPILER_FNS:
-        registry._BACKENDS[BACKEND_NAME] = BACKEND_ENTRY_POINT
+
+def _register_backend() -> None:
+    """Register :func:`_load_and_compile` as ``chunkce`` unless an installed distribution declares
+    the entry point: Dynamo loads that one itself and registers the name then."""
+    if not importlib.metadata.entry_points(group=BACKEND_ENTRY_POINT.group, name=BACKEND_NAME):
+        from torch._dynamo.backends.registry import register_backend
+
+        register_backend(dynamo_scope.mark(_load_and_compile), name=BACKEND_NAME)
 
 
 _register_backend()

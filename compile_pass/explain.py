@@ -71,8 +71,8 @@ def explain(model: Callable[..., Any], *args: Any, options: Mapping[str, Any] | 
 def _forget(backend: Callable[..., Any]) -> None:
     """Drop Dynamo's caches of every code object holding an entry compiled for ``backend``,
     and Dynamo's reference to ``backend`` (only ``torch._dynamo.reset()`` clears it)."""
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
-    from torch._dynamo import convert_frame, eval_frame
+    from torch._dynamo import convert_frame, eval_frame, reset_code
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # no public listing of a code's entries
 
     def compiled_for(entry_backend: Any) -> bool:
         return any(b is backend for b in dynamo_scope.unwrapped(entry_backend))

@@ -1,4 +1,4 @@
-"""Options of the chunkce pass and backend, as one small frozen dataclass.
+"""Options of the chunkce pass and backend, one frozen dataclass.
 
     torch.compile(model, backend="chunkce", options={"chunk_size": 1024, "strict": True})
     torch.compile(model, backend="chunkce", options={"chunk_bytes": 8 << 20, "grads_in_forward": True})
@@ -20,51 +20,24 @@ RETURNED_LOGITS = ("lazy", "keep", "drop")
 
 @dataclass(frozen=True)
 class Options:
-    """What the pass and the backend take from the user.
+    """What the pass and the backend take from the user (each option in full: docs/api.md).
 
     Attributes:
-        chunk_size: tokens per tile (the ``n`` of the op's ``[n, Vb]`` tiles) given to
-            every rewritten site; None lets the op choose (``CHUNKCE_CHUNK_SIZE`` or the
-            automatic size, the device's full-speed floor).
-        chunk_bytes: the byte budget of one ``[n, Vb]`` tile of logits at every
-            rewritten site (:func:`compile_pass.op.chunking.resolve_tiles`: it sets the
-            tile's vocabulary width ``Vb``); None = the op's default
-            (``CHUNKCE_CHUNK_BYTES``, else ``DEFAULT_CHUNK_BYTES`` on CPU,
-            ``DEFAULT_CHUNK_BYTES_ACCELERATOR`` elsewhere).
-        grads_in_forward: opt-in. Rewritten sites with a ``"mean"`` or ``"sum"``
-            reduction compute their gradients during forward
-            (:mod:`compile_pass.op.grads_in_forward`: three matmuls a chunk instead of
-            four) and hold ``[N, H] + [V, H]`` gradients from forward to backward;
-            ``"none"`` keeps the recompute op. Not with activation offloading or
-            pipeline parallelism (``docs/op.md``).
-        strict: raise ``NotImplementedError`` with the guard's reason when a
-            cross-entropy site cannot be rewritten, instead of leaving it unfused.
-        inner_backend: what compiles the rewritten graph: ``"inductor"`` (default),
-            ``"aot_eager"`` or ``"eager"`` for debugging, any other name
-            registered with Dynamo, or a backend callable.
-        inductor_config: Inductor config patches, forwarded to ``compile_fx`` as
-            ``config_patches`` when the inner backend is Inductor.
-        returned_logits: backend only: what a step does with logits that fed a
-            rewritten loss and that nothing in the graph reads but its output (HF's
-            ``outputs.logits``, also through dtype casts, copies and an absorbed scale that
-            only the output reads, as accelerate's mixed-precision ``.float()``):
+        chunk_size: tokens a tile (``n`` of the op's ``[n, Vb]`` tiles) at every rewritten site;
+            chunk_bytes: a tile's byte budget (sets ``Vb``). None: the op's
+            (:func:`compile_pass.op.chunking.resolve_tiles`).
+        grads_in_forward: ``"mean"`` / ``"sum"`` sites compute their gradients during forward
+            and hold ``[N, H] + [V, H]`` until backward (docs/op.md, "Grads-in-forward mode").
+        strict: raise ``NotImplementedError`` with the reason where a site cannot be rewritten.
+        inner_backend: what compiles the rewritten graph: a Dynamo backend name or callable.
+        inductor_config: Inductor config patches, for the Inductor inner backend.
+        returned_logits: backend only: logits that fed a rewritten loss and that only the graph's
+            output reads are ``"lazy"`` (the default; None means it): a
+            :class:`compile_pass.LazyLogits` that computes them when read; ``"keep"``: computed
+            in the step; ``"drop"``: a :class:`compile_pass.DroppedLogits` (docs/models.md).
 
-            * ``"lazy"`` (the default; None means it, and becomes it): not computed in the
-              step; the step returns a :class:`compile_pass.LazyLogits`, which computes
-              them exactly (with autograd) when first read, and raises
-              ``StaleLogitsError`` if the head or the hidden states changed since;
-            * ``"keep"``: computed in the step and returned, as stock compile does (the
-              ``[N, V]`` logits, and their zero gradient in backward);
-            * ``"drop"``: not computed; the step returns a
-              :class:`compile_pass.DroppedLogits`, which raises on any
-              read of values.
-
-            A graph without grad (evaluation) makes such logits lazy under ``"lazy"`` and
-            ``"drop"`` alike (``"drop"`` drops training logits only); a site of such a graph whose
-            logits are still computed (``"keep"``, another reader) is left as stock (the rewrite
-            would only add a projection). ``generate()`` has no loss: real logits. The pre-grad
-            pass cannot wrap the compiled graph: there ``"lazy"`` means ``"keep"``, and
-            ``"drop"`` is refused. See ``docs/models.md``.
+    Raises:
+        ValueError / TypeError: a bad value (the message names the option).
     """
 
     chunk_size: int | None = None
@@ -98,12 +71,8 @@ class Options:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | Options | None) -> Options:
-        """Options from the ``options=`` dict torch.compile passes on.
-
-        Raises:
-            ValueError: a key that is not an option (the message names it), or a bad value.
-            TypeError: a value of the wrong type.
-        """
+        """Options from the ``options=`` dict torch.compile passes on; ValueError names an unknown
+        key, ValueError / TypeError a bad value."""
         if options is None:
             return cls()
         if isinstance(options, cls):
@@ -122,17 +91,13 @@ class Options:
         return hash(self.cache_key())
 
     def cache_key(self) -> str:
-        """A stable text of every option (each field, by name, in the class's order): equal
-        options give equal keys, in any process. A callable inner backend is named by its
-        module and qualified name, an Inductor config by its sorted items."""
+        """A stable text of every option, by name (a callable by its qualified name, a mapping
+        sorted): equal options give equal keys in any process."""
         return ";".join(f"{f.name}={_key_text(getattr(self, f.name))}" for f in fields(self))
 
     def op_options(self) -> dict[str, Any]:
-        """What every rewritten site passes the op from these options: the keywords of
-        :func:`compile_pass.op.function.chunked_cross_entropy` (``chunk_size`` and
-        ``chunk_bytes``, None = automatic, resolved by the op at run time:
-        :func:`compile_pass.op.chunking.resolve_tiles`). The one place the pass turns ``Options`` into the op's options;
-        ``grads_in_forward`` picks the op per site (:func:`compile_pass.graph.rewrite.rewrite_site`)."""
+        """The keywords of :func:`compile_pass.op.function.chunked_cross_entropy` every rewritten
+        site passes from these options (the one conversion)."""
         return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes}
 
 

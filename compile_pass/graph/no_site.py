@@ -1,38 +1,14 @@
-"""A training graph with logits but no cross-entropy site: the win lost without a refusal.
+"""A training graph with logits but no cross-entropy site (the loss computed outside the
+compiled region, or spelled in a way the matcher does not read): the win lost without a
+refusal, found so that the report can say so.
 
-    found = unmatched_projections(graph)   # [] unless the rule below holds
+    found = unmatched_projections(graph)
 
-chunkce saves memory only where it finds the loss. A model compiled on its own, whose
-loss is computed outside the compiled region (``model(input_ids)`` then
-``F.cross_entropy(out.logits, ...)`` in eager code), or a loss spelled in a way the
-matcher does not read (:mod:`compile_pass.graph.sites`), leaves a graph that computes
-the full ``[N, V]`` logits, and in backward their gradient, with no site to rewrite or
-refuse. This module finds such a projection, so that the report can say so
-(:func:`compile_pass.graph.publish.publish` logs it once at WARNING, with the fix).
-
-The rule, read by the driver only on a top-level graph (not a higher-order op's body)
-in which the pass found no cross-entropy site at all (none rewritten, none refused): a
-projection (:func:`compile_pass.graph.forms.as_projection`: a linear / matmul by a
-2-D weight, with or without a bias) is a *projection to the vocabulary* when
-
-1. its output requires grad: a training graph (eval and generation under ``no_grad``,
-   and the forward of an ``autograd.Function``, are never flagged);
-2. its last dim ``V`` is a vocabulary's (:func:`is_vocabulary`: at least :data:`VOCAB_MIN`,
-   wider than its input, ``V > H``), and the widest of every projection's in the graph
-   (an MLP's up projection is narrower than the head beside it; a down projection narrows);
-3. its output, directly or through shape/dtype-only ops (views, reshapes, token
-   slices, transposes that keep the last dim, casts, copies) and scalings by a
-   constant, is returned by the graph (the loss is computed outside it) or normalised
-   over its last dim by ``softmax`` / ``log_softmax`` / ``logsumexp`` (a loss or a
-   distribution the pass does not read).
-
-Not flagged, by that rule: graphs without a wide projection (TRL's fused LM head
-computes per-token log-probabilities inside an ``autograd.Function``: no logits in
-the graph), an MLP whose outputs feed other layers, attention scores (a matmul by a
-4-D key tensor is not a projection), a soft-capped head's logits (``tanh`` on the way: the
-pass refuses those by design anyway). A graph break right after the head leaves a
-graph whose logits are returned: flagged, and the loss's own graph is reported as a
-``graph_break`` refusal beside it (the warning says so).
+A *projection to the vocabulary* (:func:`compile_pass.graph.forms.as_projection`) whose
+output requires grad, whose last dim is a vocabulary's (:func:`is_vocabulary`) and the widest
+of the graph's projections, and whose output, through shape / dtype-only ops and scalings by
+a constant, is returned by the graph or normalised over its last dim (``softmax``,
+``log_softmax``, ``logsumexp``). What is and is not flagged: docs/api.md, ``UnmatchedRecord``.
 """
 
 from __future__ import annotations
@@ -66,24 +42,16 @@ class VocabProjection:
 
 
 def is_vocabulary(vocab: int, hidden: int | None = None) -> bool:
-    """Whether logits ``[..., vocab]`` projected from hidden states ``[..., hidden]`` are a
-    vocabulary's, the only logits whose rewrite saves memory: at least :data:`VOCAB_MIN`
-    classes, and more than ``hidden`` (a classifier's few classes, or a projection that
-    narrows, cost no more than the hidden states). ``hidden`` None (not known): the floor alone.
-
-    The rule of this module's projections to the vocabulary, and of which refused sites
-    warn (:func:`compile_pass.graph.publish.publish`).
-    """
+    """Whether logits ``[..., vocab]`` projected from ``[..., hidden]`` are a vocabulary's (the
+    only logits whose rewrite saves memory): at least :data:`VOCAB_MIN` classes and more than
+    ``hidden`` (None: the floor alone)."""
     return vocab >= VOCAB_MIN and (hidden is None or vocab > hidden)
 
 
 def unmatched_projections(graph: Graph, *, training: bool = True) -> list[VocabProjection]:
-    """Every projection of ``graph`` the module's rule calls a projection to the vocabulary;
-    ``training=False``: without rule 1 (a forward under ``no_grad`` too).
-
-    The caller checks that ``graph`` has no cross-entropy site and is a top-level graph
-    (and catches what this raises: only a warning depends on it, never a rewrite).
-    """
+    """Every projection to the vocabulary of ``graph``; ``training=False`` drops the
+    requires-grad condition. The caller checks that ``graph`` is a top-level graph with no
+    cross-entropy site, and catches what this raises."""
     projections = [p for node in graph.nodes if is_tensor_node(node) and (p := as_projection(node)) is not None]
     inner = {node for p in projections for node in p.inner}  # the matmul under a bias add: one projection
     projections = [p for p in projections if p.node not in inner and example_value(p.node).dim() >= 1]

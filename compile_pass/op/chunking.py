@@ -1,42 +1,8 @@
-"""How the op cuts a call into tiles: ``n`` tokens by ``Vb`` vocabulary columns, one rule
-for forward, backward and the grads-in-forward op.
-
-A tile of logits ``[n, Vb]`` costs ``n * Vb * itemsize`` bytes. Forward walks a token
-chunk's vocabulary blocks with the log-sum-exp online across them
-(:func:`compile_pass.op.kernels.chunk_forward`); backward walks the same tiles with the
-saved row statistics and overwrites each tile's logits with their gradient in place
-(:func:`compile_pass.op.kernels.chunk_backward`). So the op's working set beyond its
-inputs and their gradients is one tile (plus ``[N]`` vectors), whatever ``V`` and ``N``.
-:func:`choose_tiles` is the rule, from two numbers:
-
-* the **smallest chunk at which the matmuls still run at full speed**
-  (:func:`min_full_speed_tokens`) sets ``n``: every per-tile matmul reads a
-  ``[Vb, H]`` block of the weight for ``2 * n`` flops per element, so a small ``n`` is
-  bound by memory bandwidth, not by the arithmetic units;
-* a **byte budget** for one tile (``chunk_bytes``; default :func:`default_chunk_bytes`,
-  or ``CHUNKCE_CHUNK_BYTES``) sets ``Vb = budget / (n * itemsize)``, rounded down to a
-  multiple of :data:`VOCAB_ALIGN` columns. A vocabulary that fits in one tile takes whole
-  rows and more tokens (``n = budget / (V * itemsize)``, never below the floor).
-
-The floors and budgets are measured in ``docs/op.md`` ("Tiles"): CPU 512 tokens and 7 MiB,
-an accelerator 2048 tokens and 64 MiB.
-
-``chunk_size`` (or ``CHUNKCE_CHUNK_SIZE``) overrides ``n``; the budget still sets ``Vb``.
-:func:`resolve_tiles` is the one place the op (and the graph pass's report, which shows
-its tiles for each rewritten site) decides, for each size: the argument, else its
-environment variable, else the default; None is "automatic" all the way there.
-
-The grads-in-forward op computes a row's gradient in the same walk as its log-sum-exp,
-so it needs the whole row's statistics before any gradient: it takes whole rows
-(``whole_rows=True``: ``Vb = V``, ``n`` from the budget, at least the floor when the
-budget is the default), one ``[n, V]`` chunk at a time (its trade: three matmuls where the
-recompute op runs four, for a working set of one whole-row chunk).
-
-Backward with a half-precision weight over several token chunks accumulates the
-weight gradient of a vocabulary block in fp32 (``[Vb, H]``); its blocks are at most
-``V / VOCAB_BLOCKS`` wide, so that accumulator is at most an eighth of ``4 V H`` bytes.
-:func:`plan_backward` says which tiles a backward call walks and which gradient buffers
-sum into.
+"""How the op cuts a call into tiles of ``n`` tokens by ``Vb`` vocabulary columns, one rule
+(:func:`choose_tiles`) for forward, backward and the grads-in-forward op; :func:`resolve_tiles`
+applies the precedence (argument, else ``CHUNKCE_*``, else default); :func:`plan_backward`
+is the backward's walk. The rule, its floors and budgets and their measurements:
+docs/op.md, "Tiles".
 """
 
 from __future__ import annotations
@@ -76,8 +42,7 @@ class Tiles:
 
 
 def min_full_speed_tokens(device_type: str) -> int:
-    """The smallest chunk (tokens) at which the per-tile matmuls run at full speed on a
-    device type (measured: the module docstring)."""
+    """The smallest chunk (tokens) at which the per-tile matmuls run at full speed on a device type."""
     return MIN_FULL_SPEED_TOKENS_CPU if device_type == "cpu" else MIN_FULL_SPEED_TOKENS_ACCELERATOR
 
 
@@ -101,28 +66,18 @@ def choose_tiles(
     whole_rows: bool = False,
     default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> Tiles:
-    """The tile of one call: the rule.
+    """The tile of one call: the rule (docs/op.md, "Tiles").
 
     Args:
-        num_tokens: N, the number of (flattened) tokens.
-        vocab_size: V.
-        logits_itemsize: bytes per element of a tile of logits (the projection's dtype).
-        chunk_bytes: the budget of one tile, in bytes; None = ``default_chunk_bytes``.
-        min_tokens: the smallest chunk at full matmul speed (:func:`min_full_speed_tokens`).
-        chunk_size: tokens a tile, given (``n``); None = the rule's.
-        whole_rows: every tile holds whole rows (``Vb = V``; the grads-in-forward op).
-        default_chunk_bytes: the default budget (:func:`default_chunk_bytes` gives the
-            device's).
+        num_tokens: N; vocab_size: V; logits_itemsize: bytes of a tile's element.
+        chunk_bytes: a tile's budget in bytes; None = ``default_chunk_bytes``.
+        min_tokens: the full-speed floor (:func:`min_full_speed_tokens`).
+        chunk_size: ``n``, given; None = the rule's.
+        whole_rows: ``Vb = V`` (the grads-in-forward op).
 
     Returns:
-        ``Tiles(n, Vb)``. ``n``: ``chunk_size`` if given; else with ``whole_rows``, the
-        budget's rows (at least ``min_tokens`` for the default budget); else
-        ``min_tokens`` (fewer when the budget cannot hold ``min_tokens`` rows of
-        ``VOCAB_ALIGN`` columns), raised to the budget's rows when a row fits in it;
-        rounded down to a multiple of :data:`ALIGN` (at least ``ALIGN``) and capped at N.
-        ``Vb``: V with ``whole_rows`` or when ``n`` rows fit the budget, else the
-        budget's columns at ``n`` tokens rounded down to a multiple of ``VOCAB_ALIGN``
-        (at least :data:`MIN_VOCAB_BLOCK`, at most V).
+        ``Tiles(n, Vb)``: ``n`` a multiple of :data:`ALIGN` unless given, capped at N; ``Vb`` V,
+        or a multiple of :data:`VOCAB_ALIGN` below it (at least :data:`MIN_VOCAB_BLOCK`).
     """
     budget = default_chunk_bytes if chunk_bytes is None else chunk_bytes
     row_bytes = max(vocab_size, 1) * logits_itemsize
@@ -149,32 +104,13 @@ def choose_tiles(
 
 def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
                   device_type: str, *, chunk_bytes: int | None = None, whole_rows: bool = False) -> Tiles:
-    """The tiles the op uses for one call; the graph pass's report shows what it returns
-    for a rewritten site's sizes.
-
-    One precedence for each of the two sizes, independently: the argument, else its
-    environment variable, else the default. Tokens a tile: ``chunk_size``, else
-    ``CHUNKCE_CHUNK_SIZE``, else the rule; the budget: ``chunk_bytes``, else
-    ``CHUNKCE_CHUNK_BYTES``, else the device's default (:func:`default_chunk_bytes`, with
-    the device's full-speed floor): :func:`choose_tiles`.
-
-    Args:
-        chunk_size: tokens a tile, or None for automatic.
-        num_tokens: N, the number of (flattened) tokens.
-        vocab_size: V.
-        itemsize: bytes per element of the logits (the projection runs in the hidden
-            states' dtype).
-        device_type: the device type of the hidden states (``"cpu"``, ``"cuda"``, ...).
-        chunk_bytes: bytes of one tile of logits, or None for automatic.
-        whole_rows: tiles of whole rows (the grads-in-forward op).
-
-    Returns:
-        The :class:`Tiles`.
+    """The tiles the op uses for one call (and the pass's report shows for a site): for each
+    size, the argument, else ``CHUNKCE_CHUNK_SIZE`` / ``CHUNKCE_CHUNK_BYTES``, else the device's
+    default, then :func:`choose_tiles`. ``itemsize``: bytes of a logit; None: automatic.
 
     Raises:
-        ValueError: ``chunk_size`` or ``chunk_bytes`` is below 1 (a direct op call: the
-            public function and ``Options`` check them first), or ``CHUNKCE_CHUNK_SIZE`` or
-            ``CHUNKCE_CHUNK_BYTES`` is read and is not a positive integer.
+        ValueError: ``chunk_size`` or ``chunk_bytes`` below 1, or a ``CHUNKCE_*`` variable that
+            is not a positive integer.
     """
     for name, value in (("chunk_size", chunk_size), ("chunk_bytes", chunk_bytes)):
         if value is not None and value < 1:
@@ -188,12 +124,8 @@ def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, item
 
 
 def spans(total: int, size: int) -> list[Span]:
-    """``[start, end)`` pieces of ``range(total)`` of ``size`` elements each.
-
-    A trailing piece of one element joins the one before it: the per-chunk kernels
-    are compiled with dynamic shapes, and Dynamo specialises a dimension of size 1,
-    so a one-token (or one-class) last piece would compile a second variant.
-    """
+    """``[start, end)`` pieces of ``range(total)`` of ``size`` elements each; a trailing piece of
+    one element joins the one before it (Dynamo would specialise a size-1 dimension: a recompile)."""
     bounds = list(range(0, total, size)) + [total]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]
@@ -202,20 +134,14 @@ def spans(total: int, size: int) -> list[Span]:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    """How one backward call walks its tiles and where each gradient lands.
-
-    The walk is every token chunk within every vocabulary block. A gradient
-    buffer either sums products over the walk (zero-initialised, added into in
-    its own dtype) or is written once per piece by ``out=`` (left uninitialised:
-    no memset of a buffer that is about to be overwritten).
-    """
+    """How one backward call walks its tiles (every token chunk within every vocabulary block)
+    and whether each gradient buffer sums over the walk (zero-initialised) or is written once
+    a piece by ``out=`` (uninitialised)."""
 
     want_hidden: bool  # grad_hidden_states [N, H]
     want_weight: bool  # grad_weight [V, H]
     want_bias: bool  # grad_bias [V]
-    # the forward's tiles: vocabulary blocks of tiles.vocab_block columns (at most
-    # V / VOCAB_BLOCKS for a half-precision weight over several token chunks), token chunks
-    # of tiles.tokens
+    # the forward's tiles (blocks at most V / VOCAB_BLOCKS wide for a half-precision weight)
     vocab_blocks: tuple[Span, ...]
     token_chunks: tuple[Span, ...]
     accumulate_dtype: torch.dtype  # of the weight-gradient accumulator and grad_bias (fp32 for half)
@@ -237,17 +163,8 @@ class BackwardPlan:
 
 def plan_backward(num_tokens: int, vocab_size: int, tiles: Tiles, hidden_dtype: torch.dtype,
                   weight_dtype: torch.dtype, output_mask: list[bool], has_bias: bool) -> BackwardPlan:
-    """The walk of one backward call over the forward's tiles.
-
-    Args:
-        num_tokens: N.
-        vocab_size: V.
-        tiles: the call's tiles (:func:`resolve_tiles`).
-        hidden_dtype: dtype of the hidden states.
-        weight_dtype: dtype of the weight.
-        output_mask: ``[grad_hidden_states, grad_weight, grad_bias]`` wanted.
-        has_bias: the call has a bias (else no bias gradient, whatever the mask says).
-    """
+    """The walk of one backward call over the forward's ``tiles``; ``output_mask``:
+    ``[grad_hidden_states, grad_weight, grad_bias]`` wanted (no bias gradient without a bias)."""
     want_hidden, want_weight, want_bias = output_mask
     accumulate = accumulate_dtype(weight_dtype)
     token_chunks = tuple(spans(num_tokens, tiles.tokens))

@@ -1,28 +1,11 @@
 """The two custom ops behind :func:`compile_pass.linear_cross_entropy`, and their autograd.
 
-Their tensors are positional (``hidden_states, weight, target, bias, class_weight,
-logit_scale_tensor``) and their options keyword-only (:data:`compile_pass.op.schema.OPTIONS`):
-the bodies and fakes take them as keywords, ``setup_context`` keeps them, and the backward op is
-called with them again.
-
-``chunkce::linear_cross_entropy`` walks ``[n, Vb]`` tiles
-(:func:`compile_pass.op.loops.chunked_forward`): project one tile into the call's one
-tile buffer, then the per-tile kernel of :mod:`compile_pass.op.kernels` carries the
-row's fp32 log-sum-exp across its vocabulary blocks and gives the per-token loss. It
-returns ``loss [N]`` and the log-sum-exp in two parts, ``row_max [N]`` and
-``row_log_sum [N]``. Autograd saves only its tensor inputs (the scale's 0-d tensor
-among them) and those two; ``ctx.options`` keeps the keyword options.
-
-``chunkce::linear_cross_entropy_backward`` recomputes each tile's logits and
-applies the analytic gradient (:func:`compile_pass.op.loops.chunked_backward`,
-formulas in :mod:`compile_pass.op.kernels`); being a custom op itself,
-AOTAutograd traces the backward graph with it as one node, and its own autograd
-refuses double backward. No autograd graph is built inside
-either op and ``torch.func`` is not used, so both run under any saved-tensor
-hooks and activation checkpointing. While a ``torch.func`` transform is active
-(never while tracing), the same forward and backward run through two thin
-``autograd.Function`` adapters, which ``torch.func`` accepts (their first argument: the
-options as one dict, since an ``autograd.Function`` under ``torch.func`` takes no keywords).
+``chunkce::linear_cross_entropy`` walks ``[n, Vb]`` tiles (:func:`compile_pass.op.loops.chunked_forward`)
+and returns ``loss [N]``, ``row_max [N]``, ``row_log_sum [N]``; autograd saves its tensor inputs and
+those two. ``chunkce::linear_cross_entropy_backward`` recomputes each tile
+(:func:`compile_pass.op.loops.chunked_backward`) and refuses double backward. Tensors are
+positional, options keyword-only (:data:`compile_pass.op.schema.OPTIONS`). Under a ``torch.func``
+transform both run through ``autograd.Function`` adapters. Structure: docs/op.md.
 """
 
 from __future__ import annotations
@@ -44,15 +27,9 @@ def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
                 class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
                 **options) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]`` (0 where ignored), ``row_max [N]`` and ``row_log_sum [N]`` (the
-    log-sum-exp is their sum, kept in two parts so that backward's probabilities round as
-    torch's log-softmax does, with no row reduction), fp32 (fp64 for fp64 logits).
-
-    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
-    ``class_weight [V]`` or None, the head's 0-d scale tensor or None, then the keyword
-    options (:data:`compile_pass.op.schema.OPTIONS`; at most one of ``logit_scale`` and
-    ``logit_scale_tensor`` is given; the logits are scaled by it before the loss,
-    :class:`compile_pass.op.transform.HeadTransform`).
-    """
+    log-sum-exp in two parts, so that backward rounds as torch's log-softmax does), fp32 (fp64
+    for fp64 logits), from ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
+    ``bias`` / ``class_weight`` ``[V]`` or None, a 0-d scale tensor or None, and the options."""
     with loops.op_body(hidden_states, weight, logit_scale_tensor, options, target) as plan:
         return loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
 
@@ -69,18 +46,10 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
                  bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
                  row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool],
                  **options) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``.
-
-    ``grad_loss [N]`` fp32 (fp64 for fp64), the forward op's tensors, its ``row_max [N]``
-    and ``row_log_sum [N]``, then keyword ``output_mask`` (``[grad_hidden_states,
-    grad_weight, grad_bias]`` wanted) and the forward op's options. A gradient that
-    ``output_mask`` does not ask for comes back as an empty tensor and costs no work.
-    Sums over chunks accumulate in fp32 (fp64 for fp64) and are cast to the parameter's
-    dtype once. It walks the forward's tiles (:func:`compile_pass.op.chunking.plan_backward`):
-    a half-precision weight over several token chunks accumulates one vocabulary block in
-    fp32 (at most ``V / VOCAB_BLOCKS`` wide); with several blocks the hidden-state gradient
-    of a half-precision head sums over them in an fp32 ``[N, H]`` accumulator.
-    """
+    """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``, from
+    ``grad_loss [N]`` (the forward's accumulate dtype), the forward op's tensors and row
+    statistics, ``output_mask`` and its options; a gradient not asked for is empty and costs no
+    work. Walk and accumulators: :func:`compile_pass.op.chunking.plan_backward`."""
     with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
         return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
                                       class_weight, row_max, row_log_sum, output_mask)
@@ -159,15 +128,9 @@ def _options_first(op) -> staticmethod:
 
 
 class FunctorchForward(torch.autograd.Function):
-    """The forward op with the same autograd, in the form ``torch.func`` accepts:
-    ``apply(options, *tensors)``, the keyword options as one dict.
-
-    The autograd that ``register_autograd`` gives a custom op raises under
-    ``torch.func`` transforms (grad, vjp, jacrev); the public function calls the op
-    through this Function only while a transform is active; Dynamo and
-    AOTAutograd still see the custom op itself.
-    ``vmap`` runs the op once per sample, as it does the bare custom op.
-    """
+    """The forward op with the same autograd as ``apply(options, *tensors)``, the form
+    ``torch.func`` accepts (a custom op's ``register_autograd`` raises under its transforms);
+    called only while a transform is active, so Dynamo and AOTAutograd see the custom op."""
 
     generate_vmap_rule = True
     forward = _options_first(_forward_op)

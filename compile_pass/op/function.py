@@ -1,6 +1,5 @@
-"""The chunked linear-cross-entropy op's public function, :func:`linear_cross_entropy`, and
-its traceable body, :func:`chunked_cross_entropy` (flatten, the custom op, the reduction in
-torch ops), which the graph pass traces into a rewritten site. Module map: docs/design.md."""
+"""The op's public function, :func:`linear_cross_entropy`, and its traceable body,
+:func:`chunked_cross_entropy`, which the graph pass traces into a rewritten site."""
 
 from __future__ import annotations
 
@@ -50,82 +49,38 @@ def linear_cross_entropy(
                         reduction=reduction, ignore_index=ignore_index,
                         label_smoothing=label_smoothing)  # "none": shaped like target
 
-    The argument names are those of torch 2.13's
-    ``torch.nn.functional.linear_cross_entropy``. The logits are computed
-    ``chunk_size`` tokens at a time in the projection's dtype, rounded to
-    ``logits_dtype``, and reduced with an fp32 log-sum-exp; backward recomputes
-    each chunk (formulas in :mod:`compile_pass.op.kernels`) and accumulates the
-    weight and bias gradients in fp32.
+    Names as torch 2.13's ``F.linear_cross_entropy``; numerics and argument rules: docs/op.md,
+    "Contract" and "Scaled logits".
 
     Args:
-        input: hidden states ``[N, H]`` or ``[B, T, H]`` (any leading dims), or one
-            token ``[H]`` (unbatched: logits ``[V]``, a 0-d ``target``, as
-            ``F.cross_entropy`` takes them), floating dtype.
-        linear_weight: the lm_head weight ``[V, H]``, same dtype as ``input``; or a DTensor
-            sharded over the vocabulary (``Shard(0)`` on one mesh dimension, ``Replicate()`` on
-            any other: what ``ColwiseParallel`` makes of an ``nn.Linear``; shards may be
-            uneven): then every rank of the mesh calls with the same ``input`` and ``target``
-            (plain, or DTensors replicated everywhere, as ``linear_bias`` is sharded as the
-            weight and ``weight`` replicated), walks its shard only and combines the row
-            statistics over that mesh dimension's group
-            (:func:`compile_pass.op.vocab_parallel.sharded_loss`; no ``[N, V]``
-            or ``[N, V_local]`` tensor on any rank); the loss is a plain tensor, the same on
-            every rank, ``input``'s gradient the full one and the weight's a DTensor of its
-            layout.
-        target: class indices, int64 (or uint8, as ``F.cross_entropy``),
-            ``input.shape[:-1]``, each in ``[0, V)`` or ``ignore_index``; another
-            value raises a ``RuntimeError`` on CPU (``F.cross_entropy`` raises
-            ``IndexError``) and a device-side assert on CUDA, and is not checked on
-            ``meta``.
+        input: hidden states ``[N, H]``, ``[B, T, H]`` or one token ``[H]`` (0-d ``target``), floating.
+        linear_weight: the lm_head weight ``[V, H]``, ``input``'s dtype; or a DTensor sharded over
+            the vocabulary (every rank then passes the same ``input`` and ``target``; the loss is
+            plain and the same on every rank: docs/op.md, "A vocabulary-sharded head").
+        target: class indices, int64 or uint8, ``input.shape[:-1]``, each in ``[0, V)`` or
+            ``ignore_index`` (else ``RuntimeError`` on CPU, a device-side assert on CUDA).
         linear_bias: ``[V]`` or None.
-        weight: class weights ``[V]`` in the logits' dtype (any floating dtype
-            under autocast, which casts them) or None; not differentiated, as in
-            ``F.cross_entropy``.
-        reduction: ``"mean"`` (sum over tokens divided by the number of
-            non-ignored tokens, or by the sum of their class weights; nan when
-            every token is ignored), ``"sum"`` or ``"none"``.
-        ignore_index: target value that contributes neither loss nor gradient.
-        label_smoothing: at most 1, as in ``F.cross_entropy``, which also takes a
-            value <= 0 (or nan) as no smoothing.
-        logits_dtype: dtype the logits are cast to before the loss (e.g.
-            ``torch.float32`` for HF's ``logits.float()``); None = the
-            projection's dtype. Under ``torch.autocast`` the projection runs in
-            the autocast dtype and the loss in fp32, as torch's autocast does.
-        chunk_size: tokens per tile (the ``n`` of the op's ``[n, Vb]`` tiles); None =
-            ``CHUNKCE_CHUNK_SIZE``, else automatic (:func:`compile_pass.op.chunking.resolve_tiles`).
-        logit_scale: multiply the logits by it before the loss (Cohere's
-            ``logit_scale``): a Python number or a real 0-d tensor (on the input's
-            device or the CPU) that does not require grad; None = no scaling. It is
-            applied in ``scale_dtype`` and rounds exactly as ``logits * logit_scale``
-            does there (computed in fp32 for half precision, rounded once); the
-            gradient is scaled the same way, as autograd's ``mul`` backward.
-        logit_divisor: divide the logits by it (Granite's ``logits_scaling``, a
-            sampling temperature); as ``logit_scale`` otherwise. It divides,
-            rounding as ``logits / logit_divisor`` does, not as a multiplication by
-            ``1 / logit_divisor``. At most one of the two.
-        scale_dtype: the dtype the scaling happens in: None = the projection's
-            dtype (``lm_head(h) * s``, as Cohere and Granite do); ``torch.float32``
-            for a scale after ``logits.float()``. A 0-d tensor's own dtype does not
-            change it, as torch's type promotion does not.
-        chunk_bytes: the budget of one tile of logits in bytes: it sets the tile's
-            vocabulary width ``Vb`` (and the automatic ``n`` where whole rows fit);
-            None = ``CHUNKCE_CHUNK_BYTES``, else the device's default
+        weight: class weights ``[V]`` in the logits' dtype, or None; not differentiated.
+        reduction: ``"mean"`` (nan when every token is ignored), ``"sum"`` or ``"none"``.
+        ignore_index, label_smoothing: as ``F.cross_entropy``'s.
+        logits_dtype: the loss's dtype (``torch.float32`` for HF's ``logits.float()``); None = the
+            projection's. Under ``torch.autocast`` the projection runs in the autocast dtype, the loss in fp32.
+        chunk_size: tokens per tile (``n`` of the ``[n, Vb]`` tiles); chunk_bytes: a tile's byte
+            budget (sets ``Vb``). None = ``CHUNKCE_*``, else automatic
             (:func:`compile_pass.op.chunking.resolve_tiles`).
-        grads_in_forward: opt-in: for ``"mean"`` / ``"sum"`` with gradients wanted,
-            compute the gradients during forward (three matmuls a chunk instead of
-            the recompute's four) and hold them, ``[N, H] + [V, H]``, until backward
-            (:mod:`compile_pass.op.grads_in_forward`; not with activation offloading or
-            pipeline parallelism). ``"none"``, or no gradient wanted, runs the recompute op.
+        logit_scale / logit_divisor: multiply / divide the logits by a Python number or a 0-d
+            tensor that does not require grad (at most one); scale_dtype: the dtype the scaling
+            happens in (None = the projection's).
+        grads_in_forward: for ``"mean"`` / ``"sum"``, compute the gradients during forward and
+            hold ``[N, H] + [V, H]`` until backward (docs/op.md, "Grads-in-forward mode").
 
     Returns:
-        The loss: a 0-d tensor, or ``target``-shaped for ``"none"``, in
-        ``logits_dtype``.
+        The loss in ``logits_dtype``: 0-d, or ``target``-shaped for ``"none"``.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type, dtype or shape
-            (the message names it).
-        NotImplementedError: probability (floating) targets; a scale that requires
-            grad; double backward; ``grads_in_forward`` with a sharded weight.
+        TypeError / ValueError: an argument of the wrong type, dtype or shape (the message names it).
+        NotImplementedError: probability (floating) targets; a scale that requires grad; double
+            backward; ``grads_in_forward`` with a sharded weight.
     """
     sharded = vocab_parallel.is_dtensor(linear_weight) or vocab_parallel.is_dtensor(linear_bias)
     if sharded:  # the layout decides: the vocabulary-parallel loss
@@ -181,41 +136,24 @@ def chunked_cross_entropy(
     vocab_size: int | None = None,
     group_name: str | None = None,
 ) -> Tensor:
-    """:func:`linear_cross_entropy` after its checks, with every decision made by the caller.
-
-    The custom op ``chunkce::linear_cross_entropy`` on the flattened tokens, then
-    the reduction in plain torch ops. It reads no tensor's value or metadata, so
-    the graph pass calls it with FX proxies to emit a rewritten site's nodes
-    (:func:`compile_pass.graph.nodes.trace_into`): the graph then holds only
-    registered ops and tensor methods, which the compile caches accept.
+    """:func:`linear_cross_entropy` after its checks, every decision made by the caller: the
+    custom op on the flattened tokens, then the reduction in torch ops. It reads no tensor's
+    value or metadata, so the graph pass traces it with FX proxies into a rewritten site.
 
     Args:
-        hidden_states: ``[..., H]``; weight ``[V, H]``; target ``hidden_states.shape[:-1]``
-            int64; bias, class_weight ``[V]`` or None.
-        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-        ignore_index, label_smoothing: as :func:`linear_cross_entropy`'s.
-        logits_dtype: the dtype the loss is computed in (resolved, not None).
-        chunk_size, chunk_bytes: the tiles; None: ``CHUNKCE_*``, else automatic, resolved
-            by the op at run time (:func:`compile_pass.op.chunking.resolve_tiles`).
-        transform: the head's transform (:class:`compile_pass.op.transform.HeadTransform`,
-            whose scale is a Python number or a 0-d tensor, or the proxy of one); None = none.
-        projection_dtype: cast hidden_states, weight and bias to it first (the
-            autocast dtype); None = no cast.
-        grads_in_forward: None = the recompute op; else which of ``[hidden_states, weight,
-            bias]`` need a gradient (:func:`compile_pass.op.grads_in_forward.grads_wanted`),
-            computed during forward by :mod:`compile_pass.op.grads_in_forward` for
-            ``"mean"`` / ``"sum"`` (``"none"`` keeps the recompute op).
-        vocab_start, vocab_size, group_name: a vocabulary-sharded head's shard (``weight`` and
-            ``bias`` this rank's ``[V_local, H]`` / ``[V_local]`` from global class ``vocab_start``,
-            of ``vocab_size`` in all, over the c10d group ``group_name``):
-            :func:`compile_pass.op.vocab_parallel.sharded_loss`; ``group_name`` None: the whole head.
+        hidden_states ``[..., H]``, weight ``[V, H]``, target ``hidden_states.shape[:-1]`` int64,
+        bias / class_weight ``[V]`` or None; the options as :func:`linear_cross_entropy`'s,
+        resolved: ``logits_dtype`` not None, ``transform`` a
+        :class:`compile_pass.op.transform.HeadTransform` or None, ``projection_dtype`` the
+        autocast dtype or None, ``grads_in_forward`` None or the ``[hidden_states, weight, bias]``
+        mask of gradients wanted. vocab_start, vocab_size, group_name: a vocabulary shard's
+        place over a c10d group (:func:`compile_pass.op.vocab_parallel.sharded_loss`).
 
     Returns:
         The loss in ``logits_dtype``: 0-d, or shaped like ``target`` for ``"none"``.
 
     Raises:
-        TypeError: a keyword that is not an option's name. NotImplementedError: ``grads_in_forward``
-        with a shard.
+        NotImplementedError: ``grads_in_forward`` with a shard.
     """
     if group_name is not None and grads_in_forward is not None:
         raise NotImplementedError(
@@ -251,18 +189,9 @@ def _gradients_now(grads_in_forward: list[bool] | None, reduction: str) -> bool:
 def planned_tiles(num_tokens: int, vocab_size: int, projection_dtype: torch.dtype, device_type: str, *,
                   reduction: str, grads_in_forward: list[bool] | None = None, **options: Any) -> Tiles:
     """The tiles a :func:`chunked_cross_entropy` call with these arguments runs, with the
-    environment as it is now: :func:`compile_pass.op.chunking.resolve_tiles`, the function
-    the op's body calls (:meth:`compile_pass.op.schema.ChunkPlan.resolve`), for the op the
-    call picks (whole rows for the grads-in-forward op). The graph pass's report shows them
-    for each rewritten site, from its sizes (their hints where they are symbolic).
-
-    Args:
-        num_tokens: N, the flattened tokens; vocab_size: V.
-        projection_dtype: the dtype the projection runs in (a tile's logits).
-        device_type: the hidden states' device type.
-        reduction, grads_in_forward, options: as :func:`chunked_cross_entropy` takes them (of
-            the options, ``chunk_size`` and ``chunk_bytes`` set the tiles; None or absent:
-            automatic).
+    environment as it is now (:func:`compile_pass.op.chunking.resolve_tiles`, whole rows for the
+    grads-in-forward op); the pass's report shows them per site. ``num_tokens``: N;
+    ``vocab_size``: V; ``projection_dtype``: a tile's logits' dtype.
 
     Raises:
         ValueError: a ``CHUNKCE_*`` variable holds a bad value.

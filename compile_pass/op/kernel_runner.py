@@ -6,9 +6,11 @@ functorch transform. Why each setting: docs/op.md, "Per-chunk kernels".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import types
+from collections.abc import Callable, Iterator
 
 import torch
 import torch._dynamo
@@ -20,15 +22,28 @@ from compile_pass.op import kernels, statistics_kernels
 
 _MODULES = (kernels, statistics_kernels)  # the kernels' modules, searched by function name
 _RECORDS = (kernels.KernelArgs, statistics_kernels.StatisticsArgs)  # their constants' records
+_HOOKS: list[Callable[[str, tuple], None]] = []
 
 
 def _kernel(fn_name: str):
     return next(getattr(module, fn_name) for module in _MODULES if hasattr(module, fn_name))
 
 
+@contextlib.contextmanager
+def hooked(hook: Callable[[str, tuple], None]) -> Iterator[None]:
+    """Call ``hook(fn_name, variant)`` each time :func:`run` is about to run a compiled kernel,
+    while the block runs (to look, or to inject a fault: what the hook raises, ``run`` raises)."""
+    _HOOKS.append(hook)
+    try:
+        yield
+    finally:
+        _HOOKS.remove(hook)
+
+
 @functools.cache
-def _compiled(fn_name: str, variant: tuple):
-    # one code object per variant: its own Dynamo cache and recompile limit
+def compiled(fn_name: str, variant: tuple):
+    """The kernel ``fn_name`` compiled for ``variant``, once (one code object per variant: its
+    own Dynamo cache and recompile limit)."""
     fn = _kernel(fn_name)
     suffix = re.sub(r"\W+", "_", "_".join(map(str, variant)))
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{suffix}")
@@ -93,4 +108,6 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
     with (fx_config.patch(use_duck_shape=False, backed_size_oblivious=True),
           torch._C._AutoDispatchBelowADInplaceOrView()):
-        return _compiled(fn_name, variant)(*_symbolic(args))
+        for hook in _HOOKS:
+            hook(fn_name, variant)
+        return compiled(fn_name, variant)(*_symbolic(args))

@@ -1,18 +1,8 @@
-"""The recompute op's two chunk loops, and what every op's body runs around its loop.
-
-:func:`chunked_forward` walks the tiles of :func:`compile_pass.op.chunking.resolve_tiles`:
-for each token chunk, each vocabulary block's ``[n, Vb]`` logits are projected into one
-tile buffer (:class:`TileBuffer`) and the per-tile kernel of :mod:`compile_pass.op.kernels`
-carries the row's log-sum-exp on to the next block (:func:`row_statistics`).
-:func:`chunked_backward` walks the plan of :func:`compile_pass.op.chunking.plan_backward`:
-it recomputes each tile's logits, turns them into their gradient in place and multiplies
-that into the gradient buffers (:mod:`compile_pass.op.gradient_products`). The
-grads-in-forward op's loop, which does both in one walk over whole rows, is
-:func:`compile_pass.op.grads_in_forward.chunked_grads_in_forward`; it takes its tiles,
-kernels and row statistics from here.
-They run inside the ops' bodies (no autograd graph is built here), within
-:func:`op_body`: the call's :class:`~compile_pass.op.schema.ChunkPlan`, the target
-check, autocast off, the allocator cache released after.
+"""The recompute op's two chunk loops, and what every op's body runs around its loop
+(:func:`op_body`). :func:`chunked_forward` projects each ``[n, Vb]`` tile into one buffer and
+carries the row's log-sum-exp across vocabulary blocks; :func:`chunked_backward` recomputes each
+tile, turns it into its gradient in place and multiplies that into the gradient buffers.
+Walk: docs/op.md, "Forward" and "Backward (recompute)".
 """
 
 from __future__ import annotations
@@ -48,8 +38,8 @@ def release_cache(device: torch.device, enabled: bool) -> None:
 
 
 def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raise (CPU) or device-assert (accelerators: no host sync) on a target outside
-    ``[0, V)`` that is not ``ignore_index``, before any kernel indexes with it."""
+    """Raise (CPU) or device-assert (no host sync) on a target outside ``[0, V)`` that is not
+    ``ignore_index``."""
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
     ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
     # (int64's minimum: no target is ignored, the graph pass's gather spelling)
@@ -59,14 +49,9 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
 @contextlib.contextmanager
 def op_body(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
             target: Tensor | None = None, **placement: Any) -> Iterator[ChunkPlan]:
-    """What every op's body runs around its chunk loop: yields the call's plan
-    (:meth:`ChunkPlan.resolve` of ``hidden_states [N, H]``, ``weight [V, H]``, the head's
-    ``scale_tensor`` and the keyword ``options``; ``placement``: its keywords ``option_defaults``,
-    ``whole_rows``, ``vocab_offset``, ``vocab_size``); first checks ``target [N]`` when given
-    (the forward ops: every target in ``[0, V)`` or ignored); runs the loop with autocast off
-    (the inputs are already in the dtypes the op computes in); then, when the loop returned,
-    applies the allocator policy of the environment (``CHUNKCE_RELEASE_CACHE``:
-    :func:`release_cache`), which no op's schema carries.
+    """Around an op body's chunk loop: yields the call's :class:`ChunkPlan` (``placement``: the
+    keywords of :meth:`ChunkPlan.resolve`), after checking ``target [N]`` when given; runs the loop
+    with autocast off; then applies ``CHUNKCE_RELEASE_CACHE`` (:func:`release_cache`).
 
     Raises:
         ValueError: a ``CHUNKCE_*`` variable holds a bad value.
@@ -84,10 +69,8 @@ def op_body(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, 
 
 
 def _dense(tensor: Tensor | None) -> Tensor | None:
-    """A copy of stride 1 of a strided or expanded ``[N]`` / ``[V]`` tensor (``target``,
-    ``class_weight``, the ``grad_loss`` of a ``sum``, which is expanded from a scalar);
-    the tensor itself when its stride is already 1. The kernels then always see one stride
-    pattern, and a new reduction or layout does not recompile them."""
+    """``tensor`` with stride 1 (a copy where it is strided or expanded, as a ``sum``'s
+    ``grad_loss``): the kernels see one stride pattern and do not recompile."""
     if tensor is None or tensor.stride(0) == 1:
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)  # [1] of stride 0 too
@@ -115,13 +98,9 @@ class TileBuffer:
 
 def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
                     state: tuple, vocab_start: int) -> tuple[Tensor, ...]:
-    """``kernels.chunk_forward`` of one tile: ``(loss, row_max, row_log_sum, *state)``, ``[n]``
-    each in ``accumulate_dtype(plan.options["logits_dtype"])``, from ``logits_chunk [n, Vb]``
-    (projection dtype; the vocabulary columns ``[vocab_start, vocab_start + Vb)``),
-    ``target [n]`` int64, ``class_weight [V]`` or None and the state of the
-    row's earlier blocks (``kernels.initial_state`` for the first); after a row's last
-    block, the loss and the row statistics are the whole row's. The plan's constants
-    (smoothing, transform, dtypes) go to the kernel as one record (``plan.kernel_args``)."""
+    """``kernels.chunk_forward`` of one tile ``logits_chunk [n, Vb]`` (columns from
+    ``vocab_start``): ``(loss, row_max, row_log_sum, *state)``, ``[n]`` each in the accumulate
+    dtype, the whole row's after its last block."""
     loss, row_max, row_log_sum, *state = kernel_runner.run(
         "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
         logits_chunk, target, class_weight, *state, plan.kernel_args(vocab_start),
@@ -131,13 +110,8 @@ def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class
 
 def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
                      target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int) -> Tensor:
-    """``kernels.chunk_backward`` of one block: the gradient ``[n, Vb]`` (projection dtype)
-    w.r.t. ``logits_chunk [n, Vb]``, the vocabulary columns ``[vocab_start, vocab_start + Vb)``;
-    ``grad_loss [n]``, and the forward kernel's ``row_max [n]`` and
-    ``row_log_sum [n]`` of the whole rows, fp32 (fp64 for fp64).
-
-    The gradient is written into ``logits_chunk`` (which is returned): the chunk's
-    logits are consumed, and a chunk costs one ``[n, Vb]`` buffer, not two."""
+    """``kernels.chunk_backward`` of one tile: the gradient w.r.t. ``logits_chunk [n, Vb]``,
+    written into it (returned), from ``grad_loss [n]`` and the whole rows' statistics."""
     kernel_runner.run(
         "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
         logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss, plan.kernel_args(vocab_start),
@@ -149,10 +123,7 @@ def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, we
                    target: Tensor, bias: Tensor | None, class_weight: Tensor | None,
                    vocab_blocks: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One token chunk's walk over its vocabulary blocks: ``loss [n]``, ``row_max [n]``,
-    ``row_log_sum [n]`` of the whole rows, and the last block's logits ``[n, Vb]`` (in
-    ``buffer``: the whole rows' when there is one block).
-
-    ``hidden_chunk [n, H]``, ``target [n]``; ``weight``, ``bias``, ``class_weight`` whole."""
+    ``row_log_sum [n]`` of the whole rows, and the last block's logits ``[n, Vb]`` (in ``buffer``)."""
     accumulate = accumulate_dtype(plan.options["logits_dtype"])
     state = kernels.initial_state(hidden_chunk.shape[0], hidden_chunk.new_empty(0, dtype=accumulate),
                                   plan.kernel_label_smoothing is not None)
@@ -166,13 +137,9 @@ def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, we
 
 def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token ``loss [N]``, and ``row_max [N]`` and ``row_log_sum [N]`` (the log-sum-exp in
-    two parts, :func:`compile_pass.op.kernels.chunk_forward`: what backward needs), in
-    ``accumulate_dtype(plan.options["logits_dtype"])``.
-
-    ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]``
-    and ``class_weight [V]`` (or None), as the op takes them. Holds one ``[n, Vb]`` tile.
-    """
+    """Per-token ``loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` in the accumulate dtype,
+    from the op's tensors (``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
+    ``bias`` / ``class_weight`` ``[V]`` or None). Holds one ``[n, Vb]`` tile."""
     num_tokens, vocab_size = hidden_states.shape[0], weight.shape[0]
     target, class_weight = _dense(target), _dense(class_weight)
     accumulate = accumulate_dtype(plan.options["logits_dtype"])
@@ -189,15 +156,9 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
 def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
                      target: Tensor, bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor,
                      row_log_sum: Tensor, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]``, each in
-    its parameter's dtype; one that ``output_mask`` (``[hidden, weight, bias]``) does
-    not ask for is an empty tensor and costs no work.
-
-    ``grad_loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` (:func:`chunked_forward`'s)
-    are fp32 (fp64 for fp64); the other tensors are as :func:`chunked_forward` takes them.
-    The forward's row statistics are of whole rows, so a vocabulary block's probabilities
-    round as torch's log-softmax does, and no row is reduced again here.
-    """
+    """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` in their
+    parameters' dtypes (empty where ``output_mask`` does not ask), from ``grad_loss [N]`` and
+    :func:`chunked_forward`'s row statistics of whole rows."""
     target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
 
     def tile_gradient(logits_chunk: Tensor, start: int, end: int, vocab_start: int) -> Tensor:
@@ -210,11 +171,8 @@ def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, 
 def backward_walk(tiles: Tiles, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                   output_mask: list[bool], tile_gradient) -> tuple[Tensor, Tensor, Tensor]:
     """The backward walk every recompute op shares (:func:`compile_pass.op.chunking.plan_backward`):
-    each tile's logits ``[n, Vb]`` are projected into one buffer, ``tile_gradient(logits, start,
-    end, vocab_start)`` turns them into their gradient (in place, the projection dtype; the tokens
-    ``[start, end)``, the columns from ``vocab_start`` of ``weight``), and that is multiplied into
-    ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` (each in its
-    parameter's dtype; empty where ``output_mask`` does not ask)."""
+    ``tile_gradient(logits, start, end, vocab_start)`` turns each projected tile into its gradient
+    in place, which is multiplied into the three gradients (as :func:`chunked_backward` returns them)."""
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     walk = plan_backward(num_tokens, vocab_size, tiles, hidden_states.dtype,
                          weight.dtype, output_mask, bias is not None)

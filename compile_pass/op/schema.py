@@ -1,17 +1,11 @@
 """The recompute op's options as its schemas hold them, and :class:`ChunkPlan`, the options of
 one op call resolved.
 
-Every custom op of the package takes its tensors positionally and its options as keyword-only
-schema arguments (:data:`OPTIONS`, after ``*``): the dispatcher hands an op's body the keywords
-it was called with, the same names everywhere from the public function to the kernels. The
-head's transform is one :class:`~compile_pass.op.transform.HeadTransform` in Python and several
-schema arguments (``logit_scale`` or the positional ``logit_scale_tensor``, ``scale_divides``,
-``scale_dtype``): :func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. The
-schema strings are what torch registers, stores in graphs and hashes into cache keys
-(``tests/op/test_op.py`` pins them).
-
-Adding an option: its keyword (with a default) in :data:`OPTIONS`, its use in the loops or
-kernels, and its argument in the public function (and in the rewrite, if the pass sets it).
+Every custom op takes its tensors positionally and its options keyword-only (:data:`OPTIONS`),
+under the same names from the public function to the kernels. The head's
+:class:`~compile_pass.op.transform.HeadTransform` is several schema arguments:
+:func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. ``tests/op/test_op.py``
+pins the schema strings (they are hashed into cache keys).
 """
 
 from __future__ import annotations
@@ -48,8 +42,7 @@ def op_schema(tensors: str, returns: str, own: str = "", options: str = OPTIONS)
 
 
 def defaults(options: str) -> dict[str, Any]:
-    """The defaults of the options (schema syntax) that have one: what the dispatcher leaves out
-    of an op body's keywords."""
+    """The defaults of the options (schema syntax) that have one."""
     arguments = torch._C.parse_schema(f"options(*, {options}) -> ()").arguments
     return {argument.name: argument.default_value for argument in arguments if argument.has_default_value()}
 
@@ -58,9 +51,8 @@ DEFAULTS = defaults(OPTIONS)
 
 
 def op_arguments(transform: HeadTransform = HeadTransform(), **options: Any) -> tuple[Tensor | None, dict[str, Any]]:
-    """``(logit_scale_tensor, keywords)``: the options as the ops take them, ``transform`` as its
-    schema arguments (its scale a float ``logit_scale`` when it is a Python number, else the
-    0-d tensor)."""
+    """``(logit_scale_tensor, keywords)``: the options as the ops take them, ``transform``'s scale
+    a float ``logit_scale`` when it is a Python number, else the 0-d tensor."""
     number = isinstance(transform.scale, numbers.Real)
     keywords = {**options, "logit_scale": float(transform.scale) if number else None,
                 "scale_divides": transform.divides, "scale_dtype": transform.dtype}
@@ -72,11 +64,7 @@ def loss_inputs(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, *, i
                 chunk_bytes: int | None = None, transform: HeadTransform | None = None,
                 projection_dtype: Any = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, dict[str, Any]]:
     """``(hidden_states, weight, bias, logit_scale_tensor, keywords)`` as a loss op takes them: the
-    tensors cast to ``projection_dtype`` (None: no cast), the options by :func:`op_arguments`.
-
-    Raises:
-        TypeError: a keyword that is not an option's name.
-    """
+    tensors cast to ``projection_dtype`` (None: no cast). Raises TypeError: an unknown keyword."""
     scale_tensor, options = op_arguments(
         HeadTransform() if transform is None else transform, ignore_index=ignore_index,
         label_smoothing=label_smoothing, logits_dtype=logits_dtype, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
@@ -109,11 +97,9 @@ class ChunkPlan:
                 *, option_defaults: Mapping[str, Any] = DEFAULTS, whole_rows: bool = False,
                 vocab_offset: int = 0, vocab_size: int | None = None) -> ChunkPlan:
         """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
-        ``options`` (``option_defaults`` filled in): the tiles (``chunk_size`` / ``chunk_bytes``
-        None: ``CHUNKCE_*``, else automatic; whole rows for the grads-in-forward op:
-        :func:`~compile_pass.op.chunking.resolve_tiles`), the environment's flags, the transform's
-        dtype None as the projection dtype (the hidden states'). ``vocab_offset`` and
-        ``vocab_size`` place a shard (default: the whole head, ``weight.shape[0]``).
+        ``options``: the tiles (:func:`~compile_pass.op.chunking.resolve_tiles`), the
+        environment's flags, the transform's dtype resolved; ``vocab_offset`` / ``vocab_size``
+        place a shard (default: the whole head).
 
         Raises:
             ValueError: a ``CHUNKCE_*`` variable holds a bad value.
@@ -134,8 +120,7 @@ class ChunkPlan:
 
     @property
     def kernel_label_smoothing(self) -> float | None:
-        """What the kernels take: the value, or None when there is no smoothing (a variant
-        whose graph has no smoothing terms)."""
+        """The smoothing the kernels take: None when there is none (a variant without its terms)."""
         smoothing = self.options["label_smoothing"]
         return smoothing if smoothing > 0.0 else None
 
@@ -146,9 +131,7 @@ class ChunkPlan:
                           vocab_start + self.vocab_offset, self.vocab_size, self.transform)
 
     def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
-        """The kernels' compile key: device type, projection dtype (``logits``: a chunk's
-        projection, or the hidden states), logits dtype, class weights present, label
-        smoothing present, the head transform's form (:meth:`HeadTransform.form`: what it
-        does, in which dtype), never a value."""
+        """The kernels' compile key (never a value): device type, projection dtype (of ``logits``),
+        logits dtype, class weights and smoothing present, the transform's form."""
         return (logits.device.type, logits.dtype, self.options["logits_dtype"],
                 class_weight is not None, self.kernel_label_smoothing is not None, self.transform.form())

@@ -63,33 +63,24 @@ def linear_statistics(
         selected = z.gather(-1, indices); lse = z.logsumexp(-1)
         entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1); max, argmax = z.max(-1)
 
-    with ``0 log 0 = 0`` in the entropy (a ``-inf`` logit adds nothing, and no gradient; torch's
-    spelling gives nan there) and the statistics of a row holding ``+inf`` or only ``-inf`` as
-    torch's (``lse`` inf / -inf, the entropy nan).
+    with ``0 log 0 = 0`` in the entropy and a row holding ``+inf`` or only ``-inf`` as torch's
+    (docs/op.md, "Row statistics").
 
     Args:
         hidden_states: ``[N, H]``, floating.
-        weight: ``[V, H]`` (the lm_head weight), or a DTensor sharded over the vocabulary
-            (``Shard(0)`` on a 1-D mesh): each rank walks its shard and the statistics are combined
-            over the group (every rank gets the global values and must call).
-        bias: ``[V]`` (a DTensor sharded as ``weight`` with one) or None.
+        weight: ``[V, H]``, or a DTensor ``Shard(0)`` on a 1-D mesh (every rank must call and gets
+            the global values); bias: ``[V]`` (sharded as ``weight``) or None.
         indices: ``[N, K]`` int64 in ``[0, V)``, or None.
-        logits_dtype: the logits' dtype (the head's output, after ``transform``); None = the
-            projection's.
-        projection_dtype: autocast's: the operands are cast to it first; None = no cast (autocast
-            itself is off inside the op).
+        logits_dtype: the head's output dtype (None = the projection's); projection_dtype:
+            autocast's, the operands cast to it first (None = no cast).
         transform: the head's own scale (:class:`compile_pass.op.transform.HeadTransform`).
-        temperature: divides every row (a Python number, or a ``[N]`` (or 0-d) floating tensor,
-            never differentiated); None = none.
-        temperature_multiplies: multiply by ``temperature`` instead.
-        statistics_dtype: the dtype of ``z`` (the values whose statistics these are); None =
-            ``logits_dtype``.
-        row_statistics: False: only ``selected`` is wanted (``lse``, ``entropy``, ``max``,
-            ``argmax`` come back empty ``[0]``), computed from the gathered weight rows
-            (``O(N K H)``) without a walk over the vocabulary.
-        maximum_only: True: the walk computes ``max`` and ``argmax`` (and ``selected``) with no
-            exponential; ``lse`` and ``entropy`` come back empty ``[0]`` (a vocabulary-sharded head
-            computes them all).
+        temperature: a number or a ``[N]`` / 0-d floating tensor, never differentiated (None =
+            none); ``temperature_multiplies``: multiply instead of divide.
+        statistics_dtype: the dtype of ``z``; None = ``logits_dtype``.
+        row_statistics: False: only ``selected``, from the gathered weight rows (no vocabulary
+            walk); the others empty ``[0]``.
+        maximum_only: only ``max`` / ``argmax`` (and ``selected``), no exponential; ``lse`` and
+            ``entropy`` empty ``[0]`` (a sharded head computes them all).
         chunk_size, chunk_bytes: the tiles, as :func:`compile_pass.op.function.linear_cross_entropy`.
 
     Returns:
@@ -143,20 +134,11 @@ def chunked_statistics(
     projection_dtype: torch.dtype | None = None,
     vocab_parallel: tuple[int, str, int] | None = None,
 ) -> RowStatistics:
-    """:func:`linear_statistics` after its checks: reads no tensor's value or metadata, so the
-    graph pass can call it with FX proxies (as :func:`compile_pass.op.function.chunked_cross_entropy`).
-
-    Args:
-        hidden_states: ``[N, H]``; weight ``[V, H]`` (this rank's ``[V_local, H]`` with
-            ``vocab_parallel``); bias ``[V]`` (``[V_local]``) or None; indices ``[N, K]`` or None.
-        temperature: a Python number, a ``[N]`` tensor, or None.
-        projection_dtype: cast hidden_states, weight and bias to it first; None = no cast.
-        vocab_parallel: ``(vocab_start, group_name, V)`` of a vocabulary-sharded weight (this rank's
-            first column, the tensor-parallel group's c10d name, the whole vocabulary); None = the
-            whole head.
-        logits_dtype, statistics_dtype: resolved, not None; the others as :func:`linear_statistics`
-            takes them (``transform`` None: none).
-    """
+    """:func:`linear_statistics` after its checks, traceable with FX proxies (as
+    :func:`compile_pass.op.function.chunked_cross_entropy`): ``temperature`` a number, a ``[N]``
+    tensor or None; ``logits_dtype`` / ``statistics_dtype`` resolved; ``vocab_parallel``:
+    ``(vocab_start, group_name, V)`` of a vocabulary shard (``weight`` / ``bias`` this rank's),
+    None = the whole head; the others as :func:`linear_statistics` takes them."""
     number = temperature is None or isinstance(temperature, numbers.Real)
     scale_tensor, arguments = op_arguments(
         HeadTransform() if transform is None else transform,  # made here: Dynamo cannot wrap a default's instance

@@ -1,30 +1,7 @@
 """Cross-entropy of a vocabulary-sharded (tensor-parallel) head, exact, with no ``[N, V]`` or
-``[N, V_local]`` tensor on any rank.
-
-Each rank of the tensor-parallel group holds the classes ``[vocab_start, vocab_start + V_local)``
-of the head (a DTensor ``Shard(0)`` weight's local tensor, e.g. torch's ``ColwiseParallel``), and
-the same hidden states. Per token ``i`` (``z``: the logits, ``w``: class weights, ones without
-them, ``W = sum_c w_c``, ``eps``: label smoothing, ``C = V``):
-
-1. each rank walks its shard in the op's ``[n, Vb]`` tiles (``chunkce::vocab_parallel_statistics``,
-   :mod:`compile_pass.op.vocab_parallel_ops`) and keeps ``m_r = max_c z_c``, ``s_r = sum_c exp(z_c -
-   m_r)``, ``t_r = z_y`` if the target is in its shard (else 0), ``q_r = sum_c w_c (z_c - m_r)``
-   (with smoothing) and ``W_r = sum_c w_c``, its classes only;
-2. ``m = max_r m_r`` (all-reduce max), then one all-reduce sum of ``[s_r exp(m_r - m), t_r,
-   q_r + W_r (m_r - m)]``: ``log_sum = log sum_c exp(z_c - m)``, ``z_y``, ``Q = sum_c w_c (z_c - m)``;
-3. ``loss_i = (1 - eps) w_y (log_sum - (z_y - m)) + eps / C (W log_sum - Q)``, 0 where ignored
-   (the single-device op's formula, :mod:`compile_pass.op.kernels`), in plain torch; the reduction
-   as :func:`compile_pass.op.function.chunked_cross_entropy` does it;
-4. backward (``chunkce::vocab_parallel_loss``'s autograd) recomputes each tile of the shard against
-   the global ``m`` and ``log_sum`` (the single-device backward walk, each tile at its global
-   columns); the hidden-state gradient is all-reduced (sum), the weight and bias gradients are
-   the shard's.
-
-:func:`sharded_loss` is the body :func:`compile_pass.op.function.chunked_cross_entropy` runs
-when given a shard (``group_name``); :func:`compile_pass.linear_cross_entropy` passes one for a
-DTensor weight sharded over the vocabulary (one function: the layout decides), after its checks
-and :func:`vocabulary_mesh_dim`. Every collective is over ``[N]`` vectors (and the ``[N, H]`` hidden-state gradient), made with
-``torch.ops._c10d_functional`` (all-reduce, wait), which Dynamo, AOTAutograd and Inductor trace.
+``[N, V_local]`` tensor on any rank: each rank walks its shard for its row statistics, all-reduces
+them over ``[N]`` vectors, and backward recomputes each tile against the global ones. The
+formula, step by step: docs/op.md, "A vocabulary-sharded head".
 """
 
 from __future__ import annotations
@@ -45,28 +22,22 @@ def sharded_loss(tensors: tuple[Tensor | None, ...], options: dict[str, Any], ta
     """The global loss of a vocabulary-sharded head, the same on every rank of the group: the body
     of :func:`compile_pass.op.function.chunked_cross_entropy` given a ``group_name``.
 
-    Exactly (up to floating-point summation order), with ``full_weight`` / ``full_bias`` the
-    shards of every rank concatenated in rank order::
+    Exactly (up to floating-point summation order), ``full_weight`` / ``full_bias`` the ranks'
+    shards concatenated in rank order::
 
         logits = F.linear(hidden_states, full_weight, full_bias)   # transformed and cast as the
         F.cross_entropy(logits.flatten(0, -2), target.flatten(),   # single-device op does
                         weight=class_weight, reduction=reduction, ...)
 
-    and its gradients: w.r.t. ``hidden_states`` the full one (all-reduced over the group), w.r.t.
-    ``weight`` and ``bias`` this rank's rows. Every rank of the group calls it with the same
-    ``hidden_states``, ``target``, ``class_weight`` and options; traceable with FX proxies, under
-    ``torch.compile``, saved-tensor hooks and activation checkpointing (whose recompute repeats
-    the forward's collectives on every rank).
+    Gradients: ``hidden_states``' the full one (all-reduced), ``weight``'s and ``bias``' this
+    rank's rows. Every rank calls it with the same hidden states, target, class weights and options.
 
     Args:
-        tensors: ``(hidden_states [N, H], weight [V_local, H] (this rank's shard, a local
-            tensor), target [N] int64 (GLOBAL class indices or ignore_index), bias [V_local] or
-            None, class_weight [V] (replicated) or None, logit_scale_tensor 0-d or None)``, cast.
+        tensors: ``(hidden_states [N, H], weight [V_local, H], target [N] int64 (global classes),
+            bias [V_local] or None, class_weight [V] or None, logit_scale_tensor 0-d or None)``.
         options: the op's keywords (:func:`compile_pass.op.schema.loss_inputs`).
         target_shape: the loss's shape for ``"none"``.
-        vocab_start: the global index of this rank's first class (shards may be uneven).
-        vocab_size: V, the global vocabulary.
-        group_name: the c10d group name of the tensor-parallel group.
+        vocab_start: this rank's first class; vocab_size: V; group_name: the c10d group.
 
     Returns:
         The loss in ``options["logits_dtype"]``: 0-d, or ``target_shape`` for ``"none"``.
@@ -112,8 +83,7 @@ def sharded_loss(tensors: tuple[Tensor | None, ...], options: dict[str, Any], ta
 
 
 def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor (torch.distributed's tensor module imported only when
-    torch.distributed is available)."""
+    """Whether ``tensor`` is a DTensor (False where torch.distributed is unavailable)."""
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
@@ -123,9 +93,12 @@ def is_dtensor(tensor: object) -> bool:
 
 def vocabulary_mesh_dim(linear_weight: Tensor, linear_bias: Tensor | None, where: str = PUBLIC_NAME,
                         names: tuple[str, str] = ("linear_weight", "linear_bias")) -> int:
-    """The mesh dimension the head's DTensor weight is sharded over (``Shard(0)``; ``Replicate()``
-    on the others), checked; the bias sharded the same way. ``where`` and ``names`` (the weight's and
-    bias's argument names) are the messages' (also :func:`compile_pass.op.statistics.linear_statistics`')."""
+    """The mesh dimension the head's DTensor weight is ``Shard(0)`` over (``Replicate()`` on the
+    others), the bias laid out the same; ``where`` and ``names`` are the messages'.
+
+    Raises:
+        TypeError: a plain weight with a DTensor bias. ValueError: another layout.
+    """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     weight_name, bias_name = names
@@ -159,8 +132,8 @@ def shard_of(linear_weight: Tensor, mesh_dim: int) -> tuple[int, str]:
 
 
 def replicated(name: str, value: Tensor | None) -> Tensor | None:
-    """``value``'s local tensor where it is a DTensor replicated on every mesh dimension; a plain
-    tensor (or None) as it is."""
+    """``value``'s local tensor where it is a DTensor replicated everywhere; a plain tensor (or
+    None) as it is. Raises ValueError: another layout."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(value, DTensor):

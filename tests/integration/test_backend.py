@@ -42,8 +42,8 @@ class Toy(nn.Module):
 
 
 def test_backend_is_registered_by_entry_point_and_on_import():
-    """The installed entry point, and the same one ``import compile_pass`` adds for a source
-    checkout (both resolved in fresh processes by tests/integration/test_entry_points.py)."""
+    """The installed entry point, which ``import compile_pass`` leaves to Dynamo (a source
+    checkout's stand-in is resolved in a fresh process by tests/integration/test_entry_points.py)."""
     (entry,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "chunkce"]
     assert entry.value == "compile_pass.backend:chunkce_backend"
     assert compile_pass.BACKEND_ENTRY_POINT == entry
@@ -429,7 +429,7 @@ def test_dynamic_true_compiles_the_models_frame_as_often_as_stock(monkeypatch):
     from compile_pass.op import kernel_runner
 
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)  # the kernels compiled, as a user runs them
-    kernel_runner._compiled.cache_clear()
+    kernel_runner.compiled.cache_clear()
     config = transformers.LlamaConfig(vocab_size=2053, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=4)
     torch.manual_seed(0)
@@ -455,7 +455,7 @@ def test_dynamic_true_compiles_the_models_frame_as_often_as_stock(monkeypatch):
 
     (got, graphs, frames), (expected, stock_graphs, stock_frames) = run(compiled), run(stock)
     assert frames == stock_frames == 1
-    assert kernel_runner._compiled.cache_info().currsize == 2
+    assert kernel_runner.compiled.cache_info().currsize == 2
     assert (graphs, stock_graphs) == (1 + 2, 1)
     for (loss, grads), (expected_loss, expected_grads) in zip(got, expected, strict=True):
         torch.testing.assert_close(loss, expected_loss)

@@ -2,7 +2,7 @@
 Dynamo setting, ``backend="chunkce"`` resolves through Dynamo's own lookup with or
 without install metadata, and the first use installs the logging scope for every
 thread (:mod:`compile_pass.dynamo_scope`); and the entry point pyproject.toml declares is
-the one installed and the one the package adds."""
+the one installed and the one a source checkout's stand-in loads."""
 
 import importlib
 import os
@@ -66,24 +66,33 @@ def test_import_changes_no_dynamo_setting_and_the_first_compile_installs_the_sco
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("metadata", "first"), [("installed", "lookup"), ("absent", "lookup"), ("absent", "list")])
+@pytest.mark.parametrize(("metadata", "first"), [("installed", "lookup"), ("installed", "list"), ("installed", "import"),
+                                                 ("absent", "lookup"), ("absent", "list")])
 def test_dynamo_lookup_finds_chunkce(metadata, first):
-    """Installed: the distribution's entry point alone (no ``import compile_pass``). Absent (a
-    source checkout): the entry point that ``import compile_pass`` adds."""
-    prelude = WITHOUT_METADATA + "\n    import compile_pass\n" if metadata == "absent" else ""
+    """Installed: the distribution's entry point, loaded by Dynamo's lookup, with or without an
+    earlier ``import compile_pass`` (no duplicate registration either way). Absent (a source
+    checkout): the stand-in that ``import compile_pass`` registers, which imports the backend
+    at its first compile."""
+    prelude = WITHOUT_METADATA if metadata == "absent" else ""
+    if metadata == "absent" or first == "import":
+        prelude += "\n    import compile_pass\n"
     run_fresh(prelude + f"""
+    import sys
     import torch
     from torch._dynamo.backends.registry import list_backends, lookup_backend
 
     if {first!r} == "list":
         assert "chunkce" in list_backends()
     backend = lookup_backend("chunkce")
-    import compile_pass.backend
-    assert backend is compile_pass.backend.chunkce_backend is compile_pass.chunkce_backend
-    assert "chunkce" in list_backends() and lookup_backend("chunkce") is backend
+    assert ("compile_pass.backend" in sys.modules) == ({metadata!r} == "installed")
     compiled = torch.compile(lambda x: x.sin() + 1, backend="chunkce", options={{"inner_backend": "eager"}})
     x = torch.randn(3)
     torch.testing.assert_close(compiled(x), x.sin() + 1)
+    import compile_pass.backend
+    if {metadata!r} == "installed":
+        assert backend is compile_pass.backend.chunkce_backend is compile_pass.chunkce_backend
+    assert "chunkce" in list_backends() and lookup_backend("chunkce") is backend
+    assert "chunkce" in torch._dynamo.list_backends()
     print("ok")
     """)
 
@@ -154,7 +163,7 @@ def test_scope_reaches_every_thread_that_compiles():
 
 def test_declared_installed_and_source_entry_points_agree():
     """pyproject.toml's entry point, the installed distribution's and the one ``import
-    compile_pass`` adds are one: an edited pyproject with a stale install (or the reverse)
+    compile_pass``'s stand-in loads are one: an edited pyproject with a stale install (or the reverse)
     fails here, not in a user's first compile."""
     from importlib.metadata import entry_points
 

@@ -323,7 +323,7 @@ def test_chunk_size_from_environment(monkeypatch):
 
 def test_kernels_compiled_and_no_recompile_for_new_lengths(monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
-    kernel_runner._compiled.cache_clear()
+    kernel_runner.compiled.cache_clear()
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
     counters.clear()
@@ -333,7 +333,7 @@ def test_kernels_compiled_and_no_recompile_for_new_lengths(monkeypatch):
     # One compiled graph for each of the two per-chunk functions: the ragged last chunks
     # (5 and 2 tokens; 81 = 5 x 16 + 1 joins its one-token tail to the chunk before,
     # since Dynamo would specialise a size-1 dim) and the new lengths reused them.
-    assert kernel_runner._compiled.cache_info().currsize == 2
+    assert kernel_runner.compiled.cache_info().currsize == 2
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 

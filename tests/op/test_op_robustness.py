@@ -56,7 +56,7 @@ RECOMPILE_CASES = [
 @pytest.mark.parametrize("dtype,warm_up", RECOMPILE_CASES)
 def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
-    kernel_runner._compiled.cache_clear()
+    kernel_runner.compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
     _step(dtype, warm_up)
@@ -78,7 +78,7 @@ def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
                                                    (torch.bfloat16, 7)])
 def test_no_recompile_across_tile_edges(dtype, warm_up_columns, monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
-    kernel_runner._compiled.cache_clear()
+    kernel_runner.compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
     _step(dtype, 37, columns=warm_up_columns)
@@ -180,20 +180,18 @@ def test_out_of_memory_while_compiling_propagates_and_the_next_call_compiles(mon
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
     inputs = make_inputs(n=20)
     expected = loss_and_grads(chunked, *inputs, chunk_size=8)
-    real_compiled = kernel_runner._compiled
     state = {"raised": False, "compiled_calls": 0}
 
-    def flaky_compiled(fn_name, variant):
+    def flaky_compile(fn_name, variant):
         if not state["raised"]:
             state["raised"] = True
             raise torch.OutOfMemoryError("injected: out of memory while compiling")
         state["compiled_calls"] += 1
-        return real_compiled(fn_name, variant)
 
-    monkeypatch.setattr(kernel_runner, "_compiled", flaky_compiled)
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        loss_and_grads(chunked, *inputs, chunk_size=8)
-    again = loss_and_grads(chunked, *inputs, chunk_size=8)
+    with kernel_runner.hooked(flaky_compile):
+        with pytest.raises(torch.OutOfMemoryError, match="injected"):
+            loss_and_grads(chunked, *inputs, chunk_size=8)
+        again = loss_and_grads(chunked, *inputs, chunk_size=8)
     assert state["compiled_calls"] > 0  # compiled, not pinned to eager
     _assert_all_close(again, expected)
 
@@ -213,10 +211,10 @@ def test_eager_kernels_by_an_explicit_device_rule(monkeypatch):
     try:
         assert not kernel_runner.inductor_compiles_for("cpu")
         compiled = []
-        monkeypatch.setattr(kernel_runner, "_compiled", lambda *a: compiled.append(a))
         inputs = make_inputs(n=20)
-        _assert_all_close(loss_and_grads(chunked, *inputs, chunk_size=8),
-                          loss_and_grads(unfused, *inputs))
+        with kernel_runner.hooked(lambda *a: compiled.append(a)):
+            _assert_all_close(loss_and_grads(chunked, *inputs, chunk_size=8),
+                              loss_and_grads(unfused, *inputs))
         assert not compiled  # ran eagerly by the rule, no compile attempted
     finally:
         kernel_runner.inductor_compiles_for.cache_clear()

@@ -448,7 +448,7 @@ def test_meta_tensors_forward_and_backward():
 def test_no_kernel_recompile_for_new_lengths_indices_or_temperatures():
     """After one warm-up call: new N (ragged tails, one token), K 1 / 2, new temperature values and
     vocabularies reuse the two compiled kernels."""
-    kernel_runner._compiled.cache_clear()
+    kernel_runner.compiled.cache_clear()
     torch._dynamo.reset()
     counters.clear()
 
