@@ -27,6 +27,8 @@ from compile_pass.graph.returned_logits import STAND_IN, TakenOut
 from compile_pass.lazy_logits import Recipe
 from compile_pass.graph.nodes import size_hint
 
+STATISTICS = torch.ops.chunkce.linear_statistics.default
+
 
 @dataclass(frozen=True)
 class NodeFact:
@@ -107,10 +109,13 @@ class GraphCopies:
 
 
 def assert_logits_lazy(graph: torch.fx.Graph, vocab: int) -> None:
-    """One op node, and the only node (not an input) holding ``[..., vocab]`` values (the logits or
-    a view of them) is the lazy stand-in (``meta[STAND_IN]`` a :class:`TakenOut` with a :class:`Recipe`), read by
-    the output alone."""
-    assert [n.target for n in graph.nodes if n.target is OP] == [OP]
+    """One op node computing the loss (the cross-entropy op; in an evaluation graph, where the loss
+    is one walk with the returned logits' row statistics, the statistics op), and the only node (not
+    an input) holding ``[..., vocab]`` values (the logits or a view of them) is the lazy stand-in
+    (``meta[STAND_IN]`` a :class:`TakenOut` with a :class:`Recipe`), read by the output alone."""
+    ops = [n.target for n in graph.nodes if n.target in (OP, STATISTICS)]
+    taken = [n.meta[STAND_IN] for n in graph.nodes if STAND_IN in n.meta]
+    assert ops == [STATISTICS if any(t.statistics for t in taken) else OP], ops
     vocab_shaped = [n for n in graph.nodes if n.op != "placeholder"
                     and isinstance(value := n.meta.get("example_value"), torch.Tensor)
                     and value.dim() >= 2 and size_hint(value.shape[-1]) == vocab]

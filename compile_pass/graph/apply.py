@@ -48,8 +48,9 @@ def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Option
         # a failed rewrite's loss still reads the logits
         fate, droppable = (group.fate, group.droppable) if len(done) == len(group.sites) else (KEPT, False)
         saved = None
+        statistics = next((plan.statistics for plan in done if plan.statistics), ())
         if fate in (LAZY, DROPPED) and take_out:
-            saved = attempt(options.strict, partial(_take_out, group, fate, options), lambda exc: None,
+            saved = attempt(options.strict, partial(_take_out, group, fate, options, statistics), lambda exc: None,
                             "taking the returned logits of %s out of the graph failed; the step computes them",
                             group.projection.node.format_node())
         if fate in (LAZY, DROPPED) and saved is None:
@@ -80,6 +81,7 @@ def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
         reached("rewrite", plan.site)
         done = rewrite_site(plan.site, plan.replacement, edit, options)
         graph.lint()
+    plan.statistics = done.statistics
     return dataclasses.replace(plan.record, logits_bytes_avoided=done.logits_bytes_avoided, tiles=done.tiles)
 
 
@@ -89,12 +91,12 @@ def _failed(plan: SitePlan, exc: Exception) -> SiteRecord:
                                fix=reason.fix, tiles=None)
 
 
-def _take_out(group: LogitsPlan, fate: str, options: Options) -> int:
+def _take_out(group: LogitsPlan, fate: str, options: Options, statistics: tuple = ()) -> int:
     graph = group.projection.node.graph
     with Edit(graph) as edit:
         reached("take_out", group.projection)
         saved = take_out_logits(group.projection, edit, "drop" if fate == DROPPED else "lazy",
-                                tiles=(options.chunk_size, options.chunk_bytes))
+                                tiles=(options.chunk_size, options.chunk_bytes), statistics=statistics)
         reached("taken_out", group.projection)
         graph.lint()
     return saved

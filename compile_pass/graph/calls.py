@@ -48,9 +48,14 @@ class Spelling:
     :func:`compile_pass.op.function.chunked_cross_entropy`'s signature, or the
     :class:`Reason` it has none for this head. ``kind``: :data:`LOSS` (the guard checks the
     call's target and arguments) or :data:`STATISTIC` (a row statistic: no target).
+    ``one_walk`` (a loss's, optional) gives the replacement that also returns the row statistics of
+    its logits (``statistics_dtype=`` added to the signature; it returns ``(loss, lse, entropy,
+    max, argmax)``), or None when the loss cannot be computed from them
+    (:mod:`compile_pass.graph.one_walk`).
     """
 
     name: str  # SiteRecord.form
     read: Callable[[Node], Call | None]
     replace: Callable[[Call, Projection], Callable[..., Any] | Reason]
     kind: str = LOSS
+    one_walk: Callable[[Call, Projection], Callable[..., Any] | None] | None = None

@@ -5,7 +5,9 @@
     torch._C._nn.cross_entropy_loss(...)  (reduction as torch's enum int)
 
 Replaced by the op's loss (:func:`compile_pass.op.function.chunked_cross_entropy`), or, for a
-vocabulary-sharded head, the vocabulary-parallel loss (:func:`compile_pass.graph.tensor_parallel.loss_function`).
+vocabulary-sharded head, the vocabulary-parallel loss (:func:`compile_pass.graph.tensor_parallel.loss_function`);
+in one walk with its returned logits' row statistics (:mod:`compile_pass.graph.one_walk`), by
+:func:`loss_and_statistics`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.fx import Node
 
 from compile_pass.graph import tensor_parallel
 from compile_pass.graph.calls import Call, Spelling
 from compile_pass.graph.forms import Projection
 from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.op.reduction import reduce_total
+from compile_pass.op.statistics import chunked_statistics
 
 REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch's reduction ints (cross_entropy_loss, nll_loss_nd)
 _ENUM_ARGS = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
@@ -70,4 +75,36 @@ def replace(call: Call, projection: Projection) -> Callable[..., Any]:
     return chunked_cross_entropy
 
 
-SPELLING = Spelling("cross_entropy", read, replace)
+def one_walk(call: Call, projection: Projection) -> Callable[..., Any] | None:
+    """:func:`loss_and_statistics`; None for a class weight, label smoothing or a sharded head."""
+    if projection.sharded is not None or call.weight is not None or call.label_smoothing != 0.0:
+        return None
+    return loss_and_statistics
+
+
+def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                        class_weight: None, *, reduction: str, ignore_index: int, logits_dtype: torch.dtype,
+                        statistics_dtype: torch.dtype, transform: Any, projection_dtype: torch.dtype | None,
+                        chunk_size: int | None, chunk_bytes: int | None, **unused: Any) -> tuple[Tensor, ...]:
+    """``(loss, lse, entropy, max, argmax)``: :func:`chunked_cross_entropy`'s loss with no class
+    weight or label smoothing, computed as ``lse - z[target]`` from one
+    ``chunkce::linear_statistics`` walk of ``z = transform(hidden_states @ weight.T + bias)
+    .to(statistics_dtype)`` (``hidden_states [..., H]``, ``target`` its leading shape), and that
+    walk's row statistics ``[N]`` (fp32; fp64 for fp64). ``statistics_dtype`` rounds as
+    ``logits_dtype`` does and has its accumulate dtype (the caller checks)."""
+    flat_target = target.reshape(-1)  # [N]
+    valid = flat_target != ignore_index  # [N]
+    indices = flat_target.masked_fill(~valid, 0).unsqueeze(-1)  # [N, 1]: an ignored row gathers column 0
+    statistics = chunked_statistics(hidden_states.flatten(0, -2), weight, bias, indices, None,
+                                    logits_dtype=statistics_dtype, statistics_dtype=statistics_dtype,
+                                    transform=transform, projection_dtype=projection_dtype, chunk_size=chunk_size,
+                                    chunk_bytes=chunk_bytes)
+    loss = (statistics.lse - statistics.selected.squeeze(-1)).masked_fill(~valid, 0.0)  # [N]
+    if reduction == "none":
+        loss = loss.view_as(target).to(logits_dtype)
+    else:
+        loss = reduce_total(loss.sum(), flat_target, None, reduction, ignore_index, 0.0, logits_dtype)
+    return loss, statistics.lse, statistics.entropy, statistics.max, statistics.argmax
+
+
+SPELLING = Spelling("cross_entropy", read, replace, one_walk=one_walk)

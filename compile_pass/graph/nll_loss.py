@@ -36,4 +36,4 @@ def read(node: Node) -> Call | None:
                 SPELLING, passes=found.passes, unsupported=found.unsupported)
 
 
-SPELLING = Spelling("nll_loss", read, cross_entropy.replace)
+SPELLING = Spelling("nll_loss", read, cross_entropy.replace, one_walk=cross_entropy.one_walk)

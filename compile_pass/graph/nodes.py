@@ -131,7 +131,8 @@ def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[s
                **kwargs: Any) -> Node:
     """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs`` (dataclass
     fields included): its tensor ops become nodes of ``graph`` at the insertion point, each with
-    its ``example_value``. ``fn`` must read no tensor value or metadata. Returns the result's node.
+    its ``example_value``. ``fn`` must read no tensor value or metadata. Returns the result's node
+    (a tuple of them for a tuple result).
     """
     tracer = _MetaTracer(graph, meta or {})
 
@@ -142,7 +143,7 @@ def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[s
         return Proxy(value, tracer) if isinstance(value, Node) else value
 
     result = fn(*map(wrap, args), **{name: wrap(value) for name, value in kwargs.items()})
-    return result.node
+    return tuple(part.node for part in result) if isinstance(result, tuple) else result.node
 
 
 class _MetaTracer(GraphAppendingTracer):

@@ -88,7 +88,7 @@ def _run_graph(graph: Graph, options: Options, in_subgraph: bool, take_out: bool
                     "could not read the graph's cross-entropy sites; left it unchanged")
     if isinstance(sites, Exception):
         return [failed("(whole graph)", guard.internal_error(f"{type(sites).__name__}: {sites}"))]
-    plans, logits = plan_sites(sites, options, in_subgraph)
+    plans, logits = plan_sites(sites, options, in_subgraph, take_out and not in_subgraph)
     return apply_plans(plans, logits, options, take_out and not in_subgraph)
 
 

@@ -1,6 +1,6 @@
 """Plan: what the pass will do at every site of a graph, decided before any edit (pure queries).
 
-    plans, logits = plan_sites(sites, options, in_subgraph)
+    plans, logits = plan_sites(sites, options, in_subgraph, take_out)
     returned = plan_returned(graph, options)   # a top-level graph with no site: its returned logits
 
 A :class:`SitePlan` per site: ``REWRITE`` (with its spelling's replacement), ``REFUSE`` (a
@@ -8,7 +8,9 @@ A :class:`SitePlan` per site: ``REWRITE`` (with its spelling's replacement), ``R
 the rewritten sites read: what becomes of its logits (:func:`compile_pass.graph.logits_fate.logits_fate`).
 The two are decided together: a site without grad whose logits stay computed (``KEPT``) is left
 as stock, since without grad Inductor fuses the upcast and the log-softmax into reductions over
-the logits, and the rewrite would only add a second projection.
+the logits, and the rewrite would only add a second projection; where they leave the graph
+lazy, the first such site that can is replaced by one walk that also returns the row statistics
+their reads need (:mod:`compile_pass.graph.one_walk`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from torch.fx import Graph, Node
 
 from compile_pass.graph import guard, no_site
 from compile_pass.graph.forms import Projection, as_projection
-from compile_pass.graph.logits_fate import KEPT, LAZY, logits_fate
+from compile_pass.graph.logits_fate import KEPT, LAZY, dead_after, logits_fate
 from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
+from compile_pass.graph.one_walk import one_walk_replacement
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.report import (
     LEFT,
@@ -55,6 +58,7 @@ class SitePlan:
     action: str  # REWRITE, REFUSE or LEAVE
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
+    statistics: tuple[Node, ...] = ()  # rewritten by one walk (one_walk.py): its lse, entropy, max, argmax nodes
 
 
 @dataclass
@@ -67,8 +71,10 @@ class LogitsPlan:
     droppable: bool = False  # only the graph output reads them
 
 
-def plan_sites(sites: list[Site], options: Options, in_subgraph: bool) -> tuple[list[SitePlan], list[LogitsPlan]]:
-    """The plans of ``sites`` (one graph's) and of the logits they read.
+def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
+               take_out: bool = False) -> tuple[list[SitePlan], list[LogitsPlan]]:
+    """The plans of ``sites`` (one graph's) and of the logits they read; ``take_out``: returned
+    logits may leave the graph (the caller wraps it).
 
     Raises:
         NotImplementedError: ``options.strict`` and a site is refused (the message has the reason).
@@ -88,6 +94,9 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool) -> tuple[
     for logits in groups.values():
         attempt(options.strict, partial(_plan_logits, logits, options.returned_logits, in_subgraph),
                 lambda exc: None, "could not tell which rewritten sites' logits are kept; the graph is rewritten")
+        if take_out and logits.fate == LAZY:
+            attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,
+                    "could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
     return plans, list(groups.values())
 
 
@@ -126,6 +135,19 @@ def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
         plan.record = dataclasses.replace(plan.record, decision=LEFT, reason=NO_GRAD_LOGITS_READ,
                                           reason_key="no_grad_logits_read")
     logits.fate, logits.droppable = fate, droppable
+
+
+def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
+    """The first site without grad among ``logits.sites`` (``LAZY``) that can, replaced by one
+    walk returning the row statistics of the returned logits (:mod:`compile_pass.graph.one_walk`)."""
+    dead = dead_after(plan.site for plan in logits.sites)
+    for plan in logits.sites:
+        if _requires_grad(plan.site.node):
+            continue
+        replacement = one_walk_replacement(plan.site, dead, (options.chunk_size, options.chunk_bytes))
+        if replacement is not None:
+            plan.replacement = replacement
+            return
 
 
 def _requires_grad(loss: Node) -> bool:

@@ -3,7 +3,7 @@ shape), and a recipe to compute them on read (``"lazy"``: the graph's chain from
 the graph returning the tensors it reads instead) or the refusing one (``"drop"``).
 
     saved = take_out(projection, edit, "lazy")   # inside the edit of the logits (graph/apply.py)
-    plan = add_outputs(graph)                     # the recipes' inputs appended to the output: a Plan
+    plan = add_outputs(graph)                     # the recipes' inputs (and row statistics) appended: a Plan
     compiled = wrap_compiled(inner(gm), plan)     # compile_pass.lazy_logits.wrap (the backend)
 """
 
@@ -21,6 +21,7 @@ from compile_pass.graph.logits_fate import recipe_nodes, returned_chain
 from compile_pass.graph.nodes import Edit, create_node, example_value, is_tensor_node, size_hint, tensor_op_name
 from compile_pass.graph.tensor_parallel import local_value
 from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
+from compile_pass.lazy_logits.head import Head
 
 STAND_IN = "chunkce_returned_logits"  # meta key of the stand-in node in the graph output: its TakenOut
 
@@ -31,16 +32,20 @@ class TakenOut:
 
     recipe: Recipe | Refusing
     inputs: tuple[Node, ...]  # the recipe's inputs, nodes of the graph
+    statistics: tuple[Node, ...] = ()  # lse, entropy, max, argmax [N] of the head's rows, computed in the step
 
 
 def take_out(projection: Projection, edit: Edit, how: str,
-             tiles: tuple[int | None, int | None] = (None, None)) -> int:
+             tiles: tuple[int | None, int | None] = (None, None), statistics: tuple[Node, ...] = ()) -> int:
     """Replace the :func:`returned_chain` of ``projection`` by a stand-in carrying a
     :class:`TakenOut` (``how``: ``"lazy"`` or ``"drop"``), as part of ``edit``; returns the bytes
     of the values no longer computed. ``tiles``: the options' ``(chunk_size, chunk_bytes)``, which
-    the lazy logits' fused reads take."""
+    the lazy logits' fused reads take; ``statistics``: nodes of the row statistics of the recipe's
+    head (:func:`returned_head`) the graph computes, handed to the lazy logits."""
     chain = returned_chain(projection.node)
     taken = TakenOut(DROPPED, ()) if how == "drop" else _recipe(projection, chain, tiles)
+    if statistics and isinstance(taken.recipe, Recipe) and taken.recipe.head is not None:
+        taken = TakenOut(taken.recipe, taken.inputs, statistics)
     stand_in = _stand_in_for(projection, example_value(chain[-1]))
     stand_in.meta[STAND_IN] = taken
     edit.replace_all_uses_with(chain[-1], stand_in)
@@ -59,13 +64,31 @@ def _recipe(projection: Projection, chain: list[Node], tiles: tuple[int | None, 
         inputs = [rebuilt if node is projection.hidden else node for node in inputs]
     values = [example_value(node) for node in inputs]
     scalars = tuple(not isinstance(v, torch.Tensor) for v in values)
-    projected = example_value(projection.node)
-    operands = [example_value(a) for a in (projection.hidden, projection.weight) if is_tensor_node(a)]
-    autocast_dtype = projected.dtype if any(v.dtype != projected.dtype for v in operands) else None
+    autocast_dtype = _autocast_dtype(projection)
     roles = tuple("hidden states" if node is rebuilt else _role(node, projection) for node in inputs)
     module = _copy_nodes(projection.node.graph, made, inputs, scalars, chain[-1], projection, rebuilt)
     head = head_of(projection, chain, inputs, rebuilt or projection.hidden, autocast_dtype, tiles)
     return TakenOut(Recipe(module, roles, scalars, autocast_dtype, head), tuple(inputs))
+
+
+def returned_head(projection: Projection, dead: set[Node],
+                  tiles: tuple[int | None, int | None] = (None, None)) -> tuple[Head, list[Node]] | None:
+    """The head the recipe of ``projection``'s returned logits will have once the ``dead`` nodes
+    are erased (a single-device head's; as :func:`take_out` makes it), and their chain; None when
+    there is none (no returned chain, inputs a recipe cannot take, a chain the op cannot round as)."""
+    chain = returned_chain(projection.node, dead)
+    made = recipe_nodes(projection, chain) if chain is not None and projection.sharded is None else None
+    if made is None:
+        return None
+    head = head_of(projection, chain, made[1], projection.hidden, _autocast_dtype(projection), tiles)
+    return None if head is None else (head, chain)
+
+
+def _autocast_dtype(projection: Projection) -> torch.dtype | None:
+    """The projection's dtype where its operands have another (autocast's), else None."""
+    projected = example_value(projection.node)
+    operands = [example_value(a) for a in (projection.hidden, projection.weight) if is_tensor_node(a)]
+    return projected.dtype if any(v.dtype != projected.dtype for v in operands) else None
 
 
 def _role(node: Node, projection: Projection) -> str:
@@ -116,9 +139,9 @@ def _stand_in_for(projection: Projection, returned: torch.Tensor) -> Node:
 
 
 def add_outputs(graph: Graph) -> Plan | None:
-    """Append every stand-in's recipe inputs to ``graph``'s (tuple) output, scalars as 0-d
-    CPU tensors; the :class:`compile_pass.lazy_logits.Plan` of the slots, or None when the
-    output holds no stand-in."""
+    """Append every stand-in's recipe inputs (scalars as 0-d CPU tensors), then its row
+    statistics, to ``graph``'s (tuple) output; the :class:`compile_pass.lazy_logits.Plan` of the
+    slots, or None when the output holds no stand-in."""
     (output,) = graph.find_nodes(op="output")
     values = output.args[0]
     if not isinstance(values, (tuple, list)):
@@ -136,7 +159,9 @@ def add_outputs(graph: Graph) -> Plan | None:
                     node = graph.call_function(torch.scalar_tensor, (node,), {"dtype": dtype, "device": "cpu"})
             indices.append(len(extras))
             extras.append(node)
-        slots.append(Slot(position, taken.recipe, tuple(indices)))
+        statistics = tuple(range(len(extras), len(extras) + len(taken.statistics)))
+        extras.extend(taken.statistics)
+        slots.append(Slot(position, taken.recipe, tuple(indices), statistics))
     if not slots:
         return None
     if extras:

@@ -53,13 +53,15 @@ class Rewritten:
     # casts where nothing else needs them
     logits_bytes_avoided: int
     tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.function.planned_tiles)
+    statistics: tuple[Node, ...] = ()  # a replacement's row statistics beside the loss (graph/one_walk.py)
 
 
 def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options) -> Rewritten:
     """Replace an accepted ``site``'s loss node by ``replacement`` traced in (the spelling's:
     token-dim indexing replayed on the hidden states, then the op's nodes), as part of ``edit``,
     with the op's options from ``options`` (``grads_in_forward`` picks the grads-in-forward op
-    where the site's loss wants gradients)."""
+    where the site's loss wants gradients). A replacement returning a tuple gives the loss and
+    row statistics (:attr:`Rewritten.statistics`)."""
     graph: Graph = site.node.graph
     projection, call, scale = site.projection, site.call, site.scale
     meta = site.node.meta
@@ -89,6 +91,9 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
             transform=HeadTransform() if scale is None else scale.head_transform(meta),
             grads_in_forward=wanted, meta=meta, **options.op_options(),
         )
+        statistics = ()
+        if isinstance(new, tuple):
+            new, *statistics = new
         if sharded is not None and sharded.loss_parallel:  # the loss a replicated DTensor, as loss_parallel's
             new = tensor_parallel.as_dtensor_loss(sharded, new, graph, meta)
     reached("traced", site)
@@ -108,7 +113,7 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
     if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
         scaled = tensor_parallel.local_value(example_value(scale.node))
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
-    return Rewritten(bytes_avoided, tiles)
+    return Rewritten(bytes_avoided, tiles, tuple(statistics))
 
 
 def _hidden_states(site: Site, meta: dict) -> Node:

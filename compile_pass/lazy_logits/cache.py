@@ -6,7 +6,8 @@ rows of its extent (the head rows it was made on, :attr:`Key.extent`, not only t
 op call, and keeps them, differentiably: later reads of those rows (a loop over rows, 128-row chunks)
 index the kept vectors, so autograd sums their gradients into that call's one backward. Gathered
 values for new indices on kept rows are one op call without a walk over the vocabulary
-(``row_statistics=False``). Statistics computed without grad serve reads without grad only. A read
+(``row_statistics=False``). Statistics computed without grad (or by the step itself:
+:meth:`RowCache.keep`) serve reads without grad only. A read
 of the argmax alone on rows with nothing kept walks for the maximum only (no exponential) and keeps
 nothing.
 """
@@ -93,6 +94,13 @@ class RowCache:
         if indices is not None and selected is None:
             selected = self._call(head_rows, indices, grad, row_statistics=False).selected
         return Statistics(lse, entropy, maximum, argmax, selected)
+
+    def keep(self, lse: Tensor, entropy: Tensor, maximum: Tensor, argmax: Tensor) -> None:
+        """Keep statistics of every head row (``[N]`` each, in head row order) computed elsewhere
+        (the step's own walk), as this key's op call computes them; they serve reads without grad."""
+        kept = self.kept[False]
+        if not kept.covers(self.key.extent):
+            kept.add(self.key.extent, tuple(t.detach() for t in (lse, entropy, maximum, argmax)))
 
     def argmax(self, head_rows: Tensor) -> Tensor:
         """The argmax ``[n]`` of head rows ``head_rows`` (as :meth:`read` takes them): kept, or a

@@ -5,7 +5,8 @@ The returned-logits pass (:mod:`compile_pass.graph.returned_logits`) took return
 out of the graph, put a stand-in (an expanded scalar of the logits' shape, dtype and
 device) in their output slot, and appended the tensors their recipe reads to the graph's
 output; :func:`wrap_compiled` takes those extra outputs off and puts a :class:`LazyLogits` (or a
-:class:`DroppedLogits`) in each slot.
+:class:`DroppedLogits`) in each slot. Row statistics the step computed of a slot's head (an
+evaluation step's loss walk, :mod:`compile_pass.graph.one_walk`) are kept for its reads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from compile_pass.lazy_logits.cache import cache_of
 from compile_pass.lazy_logits.recipe import Recipe, Refusing
 from compile_pass.lazy_logits.staleness import Inputs
 from compile_pass.lazy_logits.tensor import DroppedLogits, LazyLogits, Layout
@@ -25,11 +27,13 @@ from compile_pass.lazy_logits.tensor import DroppedLogits, LazyLogits, Layout
 @dataclass(frozen=True)
 class Slot:
     """One output slot of lazy logits: its position, its recipe, and the positions of the
-    recipe's inputs among the extra outputs."""
+    recipe's inputs among the extra outputs, then of its head's row statistics ``lse``,
+    ``entropy``, ``max``, ``argmax`` (``[N]`` each, every head row; none: ``()``)."""
 
     position: int
     recipe: Recipe | Refusing
     inputs: tuple[int, ...]
+    statistics: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,24 +54,31 @@ def wrap_compiled(compiled: Callable[..., Any], plan: Plan) -> Callable[..., Any
         extras = outputs[plan.num_outputs:]
         for slot in plan.slots:
             swapped[slot.position] = lazy_logits(slot.recipe, [extras[i] for i in slot.inputs],
-                                                 swapped[slot.position])
+                                                 swapped[slot.position], [extras[i] for i in slot.statistics])
         return type(outputs)(swapped) if isinstance(outputs, tuple) else swapped
 
     return run
 
 
-def lazy_logits(recipe: Recipe | Refusing, tensors: Sequence[torch.Tensor], stand_in: torch.Tensor) -> LazyLogits:
+def lazy_logits(recipe: Recipe | Refusing, tensors: Sequence[torch.Tensor], stand_in: torch.Tensor,
+                statistics: Sequence[torch.Tensor] = ()) -> LazyLogits:
     """The :class:`LazyLogits` of ``recipe`` over ``tensors`` (as the step returned them;
     a :class:`DroppedLogits` for a refusing recipe), shaped as ``stand_in`` (the graph's
     stand-in: an expanded scalar of the logits' shape, dtype and device; the logits
-    themselves are contiguous)."""
+    themselves are contiguous). ``statistics``: ``(lse, entropy, max, argmax)`` of every head
+    row as the recipe's head computes them without grad (:meth:`compile_pass.lazy_logits.cache.RowCache.keep`), or empty."""
     source = Inputs(recipe, tensors)
     layout = Layout(stand_in.shape, _contiguous_strides(stand_in.shape), stand_in.dtype, stand_in.device)
     if isinstance(recipe, Refusing):
         return DroppedLogits(layout, source=source)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return _Recompute.apply(source, layout, *tensors)
-    return LazyLogits(layout, source=source)
+        logits = _Recompute.apply(source, layout, *tensors)
+    else:
+        logits = LazyLogits(layout, source=source)
+    storage = logits._storage if statistics else None  # the root's form: one key, every head row
+    if storage is not None:
+        cache_of(storage.keys[0]).keep(*statistics)
+    return logits
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
