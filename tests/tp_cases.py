@@ -218,7 +218,7 @@ def case_tp_logits(rank: int, vocab_size: int = dc.VOCAB_SIZE, seq_len: int = dc
     ``peak``: this rank's peak of a step whose logits are returned and not read, chunkce and stock.
     ``pairs``: the loss and the logits read on every rank (a collective), against stock TP's;
     ``read_pairs`` (``read_backward``): every gradient of ``loss + (logits * probe).sum()`` (backward
-    through a read). ``stale``: what a read after ``optimizer.step()`` raised."""
+    through a read); ``fused_pairs`` and ``fused_calls`` (``read_backward``): :func:`_fused_reads`. ``stale``: what a read after ``optimizer.step()`` raised."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from compile_pass import LazyLogits, StaleLogitsError
@@ -261,6 +261,8 @@ def case_tp_logits(rank: int, vocab_size: int = dc.VOCAB_SIZE, seq_len: int = dc
         stock_params = dict(stock.named_parameters())
         for name, param in model.named_parameters():
             read_pairs[f"{name}.grad"] = (_local(param.grad), _local(stock_params[name].grad))
+    fused_pairs, fused_calls = _fused_reads(compiled, stock_compiled, model, stock, input_ids, labels,
+                                            num_items_in_batch) if read_backward else ({}, None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss, logits = compiled(input_ids, labels, num_items_in_batch)
     kinds.append(type(logits).__name__)
@@ -271,9 +273,35 @@ def case_tp_logits(rank: int, vocab_size: int = dc.VOCAB_SIZE, seq_len: int = dc
         stale = ""
     except StaleLogitsError as exc:
         stale = str(exc)
-    return {"pairs": pairs, "read_pairs": read_pairs, "peak": peak, "stock_peak": stock_peak, "kinds": kinds,
+    return {"pairs": pairs, "read_pairs": read_pairs, "fused_pairs": fused_pairs, "fused_calls": fused_calls,
+            "peak": peak, "stock_peak": stock_peak, "kinds": kinds,
             "stale": stale, "local_vocab": model.lm_head.weight.to_local().shape[0], "vocab_size": vocab_size,
             **dc.pass_outcome(recorder)}
+
+
+def _fused_reads(compiled, stock_compiled, model, stock, input_ids, labels, num_items_in_batch):
+    """TRL's log-probs and entropy at temperature 0.7 and an argmax of each step's returned logits, on
+    every rank, then backward of ``logps.sum() + 0.01 * entropy.sum()``: values and every gradient
+    (``pairs``, chunkce's against stock TP's) and chunkce's op walks and recipe runs (``calls``)."""
+    from lazy_reads import counting
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+    ids = labels.clamp(min=0)
+    results = []
+    for module, fn in ((model, compiled), (stock, stock_compiled)):
+        module.zero_grad(set_to_none=True)
+        with counting() as calls:
+            _, logits = fn(input_ids, labels, num_items_in_batch)
+            z = logits / 0.7
+            logps, entropy = selective_log_softmax(z, ids), entropy_from_logits(z)
+            argmax = logits.argmax(-1)
+            (logps.sum() + 0.01 * entropy.sum()).backward()
+        grads = {f"{name}.grad": _local(param.grad) for name, param in module.named_parameters()
+                 if param.grad is not None}
+        results.append(({"logps": logps.detach(), "entropy": entropy.detach(), "argmax": argmax, **grads},
+                        (calls.walks, calls.recipes)))
+    (got, calls), (expected, _) = results
+    return {name: (got[name], expected[name]) for name in expected}, calls
 
 
 def case_fsdp_tp_logits(rank: int) -> dict[str, Any]:

@@ -42,12 +42,6 @@ class Head:
     chunk_size: int | None = None  # the tiles of its reads (the backend's options); None: the op's rule
     chunk_bytes: int | None = None
 
-    @property
-    def fused(self) -> bool:
-        """Whether reads go through the op: not yet for a sharded head (the op's reference body
-        takes no DTensor weight; its contract does): they compute the logits, as before."""
-        return not self.sharded
-
     def num_rows(self, tensors: Sequence[Tensor]) -> int:
         hidden = tensors[self.hidden]
         return hidden.numel() // max(hidden.shape[-1], 1)

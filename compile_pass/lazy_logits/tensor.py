@@ -47,7 +47,7 @@ class LazyLogits(torch.Tensor):
     def _storage(self) -> forms.Storage | None:
         """A root's form: the returned logits' made on first use (when the recipe has a head)."""
         head = getattr(self._source.recipe, "head", None) if self._source is not None else None
-        if self._form is None and head is not None and head.fused:
+        if self._form is None and head is not None:
             self._form = forms.root_storage(self._source, head, self.shape)
         return self._form
 

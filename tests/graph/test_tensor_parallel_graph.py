@@ -293,12 +293,9 @@ def test_loss_parallel_peak_is_below_stock_loss_parallel_with_compiled_kernels(m
     assert result["peak"] < 0.75 * result["stock_peak"], (result["peak"], result["stock_peak"])
 
 
-@pytest.mark.parametrize("fused", [pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="a sharded head is not fused until the op takes a DTensor weight (Head.fused)")), False])
-def test_reads_of_a_gathered_head_get_stock_tps_values_and_gradients(mesh, fused):
+def test_reads_of_a_gathered_head_get_stock_tps_values_and_gradients(mesh):
     """TRL's log-probs and entropy of colwise_rep's lazy logits: stock TP's values and gradients,
-    through the op on the sharded weight (``fused``: a collective over the group, never the
-    recipe), or, until the op takes a DTensor weight, through the recipe (the gathered logits)."""
+    through the op on the sharded weight (a collective over the group), never the recipe."""
     from lazy_reads import counting
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
@@ -316,4 +313,4 @@ def test_reads_of_a_gathered_head_get_stock_tps_values_and_gradients(mesh, fused
     torch.testing.assert_close(results[0][:3], results[1][:3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.lm_head.weight.grad.to_local(), eager.lm_head.weight.grad.to_local(),
                                rtol=1e-5, atol=1e-5)
-    assert (results[0][3].walks, results[0][3].recipes == 0) == ((1, True) if fused else (0, False))
+    assert (results[0][3].walks, results[0][3].recipes) == (1, 0)

@@ -97,6 +97,17 @@ def assert_read_grads(result: dict, rank: int) -> None:
     assert "lm_head.weight.grad" in result["read_pairs"]
 
 
+def assert_fused_reads(result: dict, rank: int) -> None:
+    """TRL's log-probs, entropy and an argmax of the lazy logits, read on every rank, and their
+    backward: stock TP's values and gradients, through the op on each rank's shard (a walk for
+    ``logits / 0.7``'s log-probs and entropy, one for the argmax of the logits; the gathered logits
+    never computed)."""
+    for name, (got, expected) in result["fused_pairs"].items():
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+    assert "lm_head.weight.grad" in result["fused_pairs"] and "argmax" in result["fused_pairs"]
+    assert result["fused_calls"] == (2, 0), result["fused_calls"]  # (op walks, recipe runs)
+
+
 def test_returned_logits_of_a_colwise_rep_head_are_lazy(two_ranks):
     """A model returning (loss, logits), as a Hugging Face causal LM: the logits are computed when read,
     by a collective over the tensor-parallel group (every rank reads), exactly as stock TP gathers them;
@@ -104,6 +115,7 @@ def test_returned_logits_of_a_colwise_rep_head_are_lazy(two_ranks):
     for rank, result in enumerate(two_ranks.case("tp_logits")):
         assert_lazy_logits(result, rank)
         assert_read_grads(result, rank)
+        assert_fused_reads(result, rank)
 
 
 def test_returned_logits_peak_is_below_stock_tensor_parallel(two_ranks):
@@ -140,6 +152,7 @@ def test_four_ranks_uneven_shards_lazy_logits(four_ranks):
     for rank, result in enumerate(four_ranks.case("tp4_logits")):
         assert_lazy_logits(result, rank)
         assert_read_grads(result, rank)
+        assert_fused_reads(result, rank)
         assert result["local_vocab"] == (128, 128, 128, 125)[rank]
 
 
