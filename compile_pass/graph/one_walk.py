@@ -36,7 +36,7 @@ def one_walk_replacement(site: Site, dead: set[Node],
     spelling = site.call.spelling.one_walk
     replacement = spelling(site.call, site.projection) if spelling is not None else None
     found = returned_head(site.projection, dead, tiles)
-    if replacement is None or found is None or not found[0].fused:
+    if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
         return None
     head, chain = found
     if any(kind != "reshape" for kind, _ in site.hidden_plan):
