@@ -154,7 +154,8 @@ def assert_statistics_rewritten(recorder, losses, statistics, tokens=B * T, voca
     assert recorder.logits_like(tokens, vocab) == [], "[N, V] logits still in the rewritten graph"
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.slow)],  # dynamic: a second length, twice the compiles
+                         ids=["static", "dynamic"])
 @pytest.mark.parametrize("name", list(SPELLINGS))
 def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(name, dynamic):
     loss, losses, statistics = SPELLINGS[name]
@@ -268,7 +269,8 @@ def input_labels_set_before_cross_entropy(m, h, y):
     return F.cross_entropy(logits.view(-1, V), y.view(-1)) + 1e-4 * logits.logsumexp(-1).pow(2).mean()
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dynamic", [False, pytest.param(True, marks=pytest.mark.slow)],  # dynamic: a second length, twice the compiles
+                         ids=["static", "dynamic"])
 @pytest.mark.parametrize("loss", [labels_cloned_then_set, labels_cloned_then_masked_fill_, input_labels_set,
                                   input_labels_masked_fill_, input_labels_set_before_cross_entropy],
                          ids=["clone_setitem", "clone_masked_fill_", "input_setitem", "input_masked_fill_",
