@@ -33,6 +33,23 @@ class Head(nn.Module):
         return self.loss(self, hidden, labels, *extra)
 
 
+class ToyLM(nn.Module):
+    """A body ``Linear(H, H)``, a ReLU, an lm_head ``[V, H]`` and ``F.cross_entropy`` of the
+    flattened logits (``upcast``: ``.float()`` first, as Hugging Face's loss); seeded."""
+
+    def __init__(self, hidden_size=H, vocab=V, upcast=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(hidden_size, hidden_size)
+        self.lm_head = nn.Linear(hidden_size, vocab, bias=False)
+        self.upcast = upcast
+
+    def forward(self, h, labels):
+        logits = self.lm_head(torch.relu(self.body(h)))  # [B, T, V]
+        logits = logits.float() if self.upcast else logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
 def hidden_states(*shape, seed=0, dtype=torch.float32):
     """``[B, T, H]`` (or ``shape``) standard-normal hidden states that require grad."""
     gen = torch.Generator().manual_seed(seed)

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import compile_pass
-from builders import OP
+from builders import OP, ToyLM
 from rewrite_proof import compare_with_stock
 from compile_pass import ChunkcePreGradPass, Options, cache_key, chunkce_backend
 
@@ -30,15 +30,9 @@ def make_inputs(seed=0):
     return torch.randn(B, T, H, generator=gen).requires_grad_(), labels
 
 
-class Toy(nn.Module):
+class Toy(ToyLM):
     def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.proj = nn.Linear(H, H)
-        self.lm_head = nn.Linear(H, V, bias=False)
-
-    def forward(self, h, labels):
-        return F.cross_entropy(self.lm_head(torch.relu(self.proj(h))).view(-1, V), labels.view(-1))
+        super().__init__(H, V)
 
 
 def test_backend_is_registered_by_entry_point_and_on_import():
@@ -250,7 +244,7 @@ def test_explain_reports_every_site(eager_kernels):
 
 class ReturnsLogits(Toy):
     def forward(self, h, labels):
-        logits = self.lm_head(torch.relu(self.proj(h)))
+        logits = self.lm_head(torch.relu(self.body(h)))
         return F.cross_entropy(logits.view(-1, V), labels.view(-1)), logits
 
 

@@ -16,27 +16,16 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from builders import ToyLM
 from rewrite_proof import Recorder
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
-H, V = 16, 23
+H, V = 16, 23  # builders' defaults, named here
 GIF_OP = torch.ops.chunkce.linear_cross_entropy_grads_in_forward.default
 
 
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Linear(H, H)
-        self.lm_head = nn.Linear(H, V, bias=False)
-
-    def forward(self, h, labels):
-        logits = self.lm_head(torch.relu(self.body(h)))
-        return F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1))
 
 
 def _first_call_under_checkpoint(module, h, labels):
@@ -52,7 +41,7 @@ def _first_call_under_checkpoint(module, h, labels):
 def test_first_call_inside_non_reentrant_checkpoint(kernels, grads_in_forward, monkeypatch):
     if kernels == "eager":
         monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", "1")
-    model = TinyLM()
+    model = ToyLM(H, V, upcast=True)
     reference = copy.deepcopy(model)
     recorder = Recorder("aot_eager")
     compiled = torch.compile(model, backend="chunkce",
