@@ -102,12 +102,14 @@ def statistics_forward(
     new_max, argmax = _maximum(z, row_max, argmax, args.vocab_start)
     old_shift, shift = row_shift(row_max), row_shift(new_max)
     rescale = torch.where(row_max == float("-inf"), 0.0, torch.exp(old_shift - shift))  # [n]
+    selected = _selected(z, indices, selected, args.vocab_start)
     shifted = z - shift.unsqueeze(1)  # [n, Vb]
     exp = torch.exp(shifted)
-    terms = torch.where(exp == 0.0, 0.0, exp * shifted)  # 0 log 0 = 0 for a -inf logit
+    block_sum = exp.sum(dim=-1)
+    terms = shifted.mul_(exp).masked_fill_(exp == 0.0, 0.0)  # in place (eager: fewer tiles); 0 log 0 = 0
     sum_shifted = rescale * (sum_shifted + (old_shift - shift) * sum_exp) + terms.sum(dim=-1)
-    sum_exp = sum_exp * rescale + exp.sum(dim=-1)
-    return new_max, sum_exp, sum_shifted, argmax, _selected(z, indices, selected, args.vocab_start)
+    sum_exp = sum_exp * rescale + block_sum
+    return new_max, sum_exp, sum_shifted, argmax, selected
 
 
 def maximum_forward(
