@@ -48,6 +48,13 @@ def is_vocabulary(vocab: int, hidden: int | None = None) -> bool:
     return vocab >= VOCAB_MIN and (hidden is None or vocab > hidden)
 
 
+def decode_sized(projection: Projection) -> bool:
+    """Whether the logits hold one row per sequence (``[B, 1, V]``, a decode step's): small, read at
+    once; neither taken out lazy nor warned of."""
+    shape = example_value(projection.node).shape
+    return len(shape) < 2 or size_hint(shape[-2]) <= 1
+
+
 def unmatched_projections(graph: Graph, *, training: bool = True) -> list[VocabProjection]:
     """Every projection to the vocabulary of ``graph``; ``training=False`` drops the
     requires-grad condition. The caller checks that ``graph`` is a top-level graph with no

@@ -188,8 +188,7 @@ def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
         return []
     plans = []
     for found in no_site.unmatched_projections(graph, training=False):
-        shape = example_value(found.projection.node).shape
-        if found.use != no_site.RETURNED or len(shape) < 2 or size_hint(shape[-2]) <= 1:
+        if found.use != no_site.RETURNED or no_site.decode_sized(found.projection):
             continue
         reached("fate", found.projection.node)
         if logits_fate(found.projection, [], options.returned_logits, False)[0] == LAZY:

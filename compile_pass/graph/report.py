@@ -101,13 +101,13 @@ class UnmatchedRecord:
 
 
 def unmatched(graph: Graph) -> list[UnmatchedRecord]:
-    """The records of ``graph``'s projections to the vocabulary (:func:`compile_pass.graph.no_site.
-    unmatched_projections`; the caller checks that the graph has no site and is a top-level graph).
+    """The records of ``graph``'s projections to the vocabulary but a decode step's (:func:`compile_pass.
+    graph.no_site.unmatched_projections`; the caller checks that the graph has no site and is a top-level graph).
     Never raises: a graph it cannot read gives ``[]`` (logged at DEBUG)."""
     try:
         return [UnmatchedRecord(source_of(found.projection.node), module_of(found.projection.node), found.vocab,
                                 found.use)
-                for found in no_site.unmatched_projections(graph)]
+                for found in no_site.unmatched_projections(graph) if not no_site.decode_sized(found.projection)]
     except Exception:  # noqa: BLE001 - a diagnostic never fails the compile
         log.debug("chunkce: could not look for logits without a loss", exc_info=True)
         return []

@@ -169,6 +169,17 @@ def test_a_training_graph_with_logits_kept_and_no_loss_warns_once(logs):
     assert "fix: compute the loss inside the compiled region" in message and "compile_pass.explain" in message
 
 
+def test_a_decode_sized_training_graph_does_not_warn(logs):
+    """One token per sequence (``[B, 1, V]`` logits, as a decode step's): small, returned computed,
+    and no warning, though the graph has grad and no loss."""
+    compiled = torch.compile(ReturnsLogits(), backend="chunkce", options=OPTIONS, dynamic=False)
+    logits = compiled(hidden(2, 1, H))
+    assert type(logits) is torch.Tensor and logits.shape == (2, 1, WIDE)
+    logits.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert warnings_of(logs) == [] and counters["chunkce"]["unmatched_projections"] == 0
+
+
 def test_an_eval_graph_with_logits_does_not_warn(logs):
     compiled = torch.compile(ReturnsLogits(), backend="chunkce", options=OPTIONS)
     with torch.no_grad():
