@@ -9,7 +9,7 @@ the graph returning the tensors it reads instead) or the refusing one (``"drop"`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -45,7 +45,7 @@ def take_out(projection: Projection, edit: Edit, how: str,
     chain = returned_chain(projection.node)
     taken = TakenOut(DROPPED, ()) if how == "drop" else _recipe(projection, chain, tiles)
     if statistics and isinstance(taken.recipe, Recipe) and taken.recipe.head is not None:
-        taken = TakenOut(taken.recipe, taken.inputs, statistics)
+        taken = replace(taken, statistics=statistics)
     stand_in = _stand_in_for(projection, example_value(chain[-1]))
     stand_in.meta[STAND_IN] = taken
     edit.replace_all_uses_with(chain[-1], stand_in)
