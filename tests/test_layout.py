@@ -206,7 +206,7 @@ def test_no_issue_numbers_or_history_narration():
 
 TESTS = PACKAGE.parent / "tests"
 TEST_LAYERS = ("op", "graph", "lazy_logits", "integration")  # the package's layers, then the whole
-TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py"}  # the project's shape and its docs
+TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py", "test_names.py"}  # the project's shape, names, docs
 
 
 def test_tests_live_in_their_layer_and_benchmarks_import_no_test():

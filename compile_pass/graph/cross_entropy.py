@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.fx import Node
 
 from compile_pass.graph import tensor_parallel
-from compile_pass.graph.calls import Call, Spelling
+from compile_pass.graph.calls import LossCall, Spelling
 from compile_pass.graph.forms import Projection
 from compile_pass.op.function import chunked_cross_entropy
 from compile_pass.op.reduction import reduce_total
@@ -33,17 +33,18 @@ _ENUM_ARGS = ("input", "target", "weight", "reduction", "ignore_index", "label_s
 _ENUM_DEFAULTS = (None, None, None, 1, -100, 0.0)
 
 
-def read(node: Node) -> Call | None:
+def read_cross_entropy(node: Node) -> LossCall | None:
     """The call's arguments normalised; None when ``node`` is no cross-entropy call."""
     if node.op != "call_function":
         return None
     if node.target is torch._C._nn.cross_entropy_loss:
-        return Call(**enum_arguments(node, len(_ENUM_ARGS)), spelling=SPELLING)
+        return LossCall(**enum_arguments(node, len(_ENUM_ARGS)), spelling=CROSS_ENTROPY)
     if node.target is not F.cross_entropy:
         return None
     args = bound_arguments(F.cross_entropy, node)
-    return Call(args["input"], args["target"], args["weight"], args["ignore_index"], args["reduction"],
-                args["label_smoothing"], SPELLING)
+    return LossCall(input=args["input"], target=args["target"], weight=args["weight"],
+                    ignore_index=args["ignore_index"], reduction=args["reduction"],
+                    label_smoothing=args["label_smoothing"], spelling=CROSS_ENTROPY)
 
 
 def enum_arguments(node: Node, count: int) -> dict[str, Any]:
@@ -68,14 +69,14 @@ def bound_arguments(function: Callable[..., Any], node: Node) -> Mapping[str, An
     return args
 
 
-def replace(call: Call, projection: Projection) -> Callable[..., Any]:
+def replace_cross_entropy(call: LossCall, projection: Projection) -> Callable[..., Any]:
     """The op's loss; a vocabulary-sharded head's vocabulary-parallel loss."""
     if projection.sharded is not None:
         return tensor_parallel.loss_function(projection.sharded)
     return chunked_cross_entropy
 
 
-def one_walk(call: Call, projection: Projection) -> Callable[..., Any] | None:
+def one_walk_cross_entropy(call: LossCall, projection: Projection) -> Callable[..., Any] | None:
     """:func:`loss_and_statistics`; None for a class weight, label smoothing or a sharded head."""
     if projection.sharded is not None or call.weight is not None or call.label_smoothing != 0.0:
         return None
@@ -107,4 +108,5 @@ def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, b
     return loss, statistics.lse, statistics.entropy, statistics.max, statistics.argmax
 
 
-SPELLING = Spelling("cross_entropy", read, replace, one_walk=one_walk)
+CROSS_ENTROPY = Spelling("cross_entropy", read_cross_entropy, replace_cross_entropy,
+                         one_walk=one_walk_cross_entropy)

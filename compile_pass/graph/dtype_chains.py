@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from compile_pass.graph.nodes import example_value
-from compile_pass.graph.sites import Site
+from compile_pass.graph.sites import Site, StepKind
 
 
 def logits_dtypes(site: Site) -> list[torch.dtype]:
@@ -14,7 +14,7 @@ def logits_dtypes(site: Site) -> list[torch.dtype]:
     and the dtype the loss is computed in (the cross-entropy output's: fp32 under
     autocast). Consecutive repeats are dropped."""
     chain = [example_value(site.projection.node).dtype]
-    chain += [example_value(step.node).dtype for step in site.steps if step.kind in ("cast", "scale")]
+    chain += [example_value(step.node).dtype for step in site.steps if step.kind in (StepKind.CAST, StepKind.SCALE)]
     chain.append(example_value(site.node).dtype)
     return _dedupe(chain)
 
@@ -26,9 +26,9 @@ def cast_chains(site: Site) -> list[list[torch.dtype]]:
         return [logits_dtypes(site)]
     chains: list[list[torch.dtype]] = [[example_value(site.projection.node).dtype]]
     for step in site.steps:
-        if step.kind == "cast":
+        if step.kind is StepKind.CAST:
             chains[-1].append(example_value(step.node).dtype)
-        elif step.kind == "scale":
+        elif step.kind is StepKind.SCALE:
             chains[-1].append(site.scale.dtype)
             chains.append([site.scale.dtype])
     chains[-1].append(example_value(site.node).dtype)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from compile_pass.graph.calls import STATISTIC, Call, Spelling
+from compile_pass.graph.calls import Spelling, SpellingKind, StatisticCall
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import CASTS, COPIES, example_value, function_of, is_tensor_node, tensor_op_name
 from compile_pass.graph.refusals import Reason
@@ -36,10 +38,23 @@ _EXP = (torch.exp, torch.Tensor.exp)
 _REPEATABLE = CASTS | COPIES | {"view", "reshape", "getitem", "flatten", "unsqueeze", "squeeze"}  # same input, same value
 _MAX_DEPTH = 8  # nodes of a repeated chain compared
 
-NEGATIVE_ENTROPY, EXPECTED_LOGIT = "negative_entropy", "expected_logit"  # Call.params: what the sum is
 
 
-def read(node: Node) -> Call | None:
+class RowSum(Enum):
+    """What the sum of a softmax-weighted row is."""
+
+    NEGATIVE_ENTROPY = "negative_entropy"  # (softmax(z) * log_softmax(z)).sum(-1)
+    EXPECTED_LOGIT = "expected_logit"  # (softmax(z) * z).sum(-1), lse - entropy
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntropyCall(StatisticCall):
+    """A softmax-weighted sum over the vocabulary, and which."""
+
+    row_sum: RowSum
+
+
+def read_entropy(node: Node) -> EntropyCall | None:
     """``(softmax(z) * log_softmax(z)).sum(-1)`` or ``(softmax(z) * z).sum(-1)`` of one ``z``
     (``Call.input``), or None."""
     reduced = last_dim_reduction(node, _SUM)
@@ -55,18 +70,18 @@ def read(node: Node) -> Call | None:
         logits, probs_nodes = probs
         repeated = _repeat_of(other, logits)
         if repeated is not None:
-            what, other_nodes = EXPECTED_LOGIT, repeated
+            what, other_nodes = RowSum.EXPECTED_LOGIT, repeated
         else:
             other_logits = _last_dim_softmax(other, _LOG_SOFTMAX)
             repeated = None if other_logits is None else _repeat_of(other_logits, logits)
             if repeated is None:
                 continue
-            what, other_nodes = NEGATIVE_ENTROPY, (other, *repeated)
+            what, other_nodes = RowSum.NEGATIVE_ENTROPY, (other, *repeated)
         if example_value(product).shape != example_value(logits).shape:
             return None  # a broadcast product: not one distribution per row
         inner = tuple(dict.fromkeys((product, *probs_nodes, *other_nodes)))
-        return Call(logits, None, None, -100, "none", 0.0, SPELLING, class_dim=-1, inner=inner,
-                    params=(what, keepdim))
+        return EntropyCall(input=logits, spelling=ENTROPY, class_dim=-1, inner=inner, keepdim=keepdim,
+                           row_sum=what)
     return None
 
 
@@ -113,15 +128,14 @@ def _last_dim_softmax(node: Any, functions: tuple) -> Node | None:
     return logits
 
 
-def _value(what: str) -> Callable[[Any], Any]:
-    if what == NEGATIVE_ENTROPY:
+def _value(row_sum: RowSum) -> Callable[[Any], Any]:
+    if row_sum is RowSum.NEGATIVE_ENTROPY:
         return lambda statistics: statistics.entropy.neg()
     return lambda statistics: statistics.lse - statistics.entropy
 
 
-def replace(call: Call, projection: Projection) -> Callable[..., Any] | Reason:
-    what, keepdim = call.params
-    return statistic_replacement(call, projection, _value(what), keepdim=keepdim)
+def replace_entropy(call: EntropyCall, projection: Projection) -> Callable[..., Any] | Reason:
+    return statistic_replacement(call, projection, _value(call.row_sum), keepdim=call.keepdim)
 
 
-SPELLING = Spelling("entropy", read, replace, kind=STATISTIC)
+ENTROPY = Spelling("entropy", read_entropy, replace_entropy, kind=SpellingKind.STATISTIC)

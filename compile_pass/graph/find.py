@@ -18,7 +18,7 @@ import torch
 from torch.fx import Graph, Node
 
 from compile_pass.graph import stages
-from compile_pass.graph.calls import STATISTIC
+from compile_pass.graph.calls import SpellingKind
 from compile_pass.graph.no_site import is_vocabulary
 from compile_pass.graph.nodes import example_value, module_attr, size_hint
 from compile_pass.graph.refusals import Refusal
@@ -45,8 +45,8 @@ def find_sites(graph: Graph, in_subgraph: bool = False, strict: bool = False) ->
         if site is not None:
             sites.append(site)
     losses = {site.projection.node for site in sites if site.projection is not None and site.call is not None
-              and site.call.spelling.kind != STATISTIC}
-    return [site for site in sites if site.call is None or site.call.spelling.kind != STATISTIC
+              and site.call.spelling.kind is not SpellingKind.STATISTIC}
+    return [site for site in sites if site.call is None or site.call.spelling.kind is not SpellingKind.STATISTIC
             or site.projection.node in losses]
 
 
@@ -56,7 +56,7 @@ def _read(node: Node, in_subgraph: bool) -> Site | None:
         return None
     stages.reached("read", node)
     site = match_site(node, call, in_subgraph)
-    if call.spelling.kind == STATISTIC and not _of_a_vocabulary(site):
+    if call.spelling.kind is SpellingKind.STATISTIC and not _of_a_vocabulary(site):
         return None
     return site
 

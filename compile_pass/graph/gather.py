@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-from compile_pass.graph.calls import Call, Spelling
+from compile_pass.graph.calls import LossCall, Spelling
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.log_softmax import find_log_softmax
 from compile_pass.graph.nodes import example_value, function_of, is_tensor_node, same_size, tensor_op_name
@@ -40,9 +40,10 @@ _UNSQUEEZE_LAST = {"unsqueeze", "getitem", "view", "reshape"}
 NO_IGNORE_INDEX = torch.iinfo(torch.int64).min  # the op's ignore_index for a gather: no label is ignored
 
 
-@dataclass(frozen=True)
-class Gather:
-    """What a gather of log-probabilities reads (``Call.params``): ``[..., 1]``, one per token."""
+@dataclass(frozen=True, kw_only=True)
+class GatherCall(LossCall):
+    """A gather of log-probabilities: ``[..., 1]``, one per token (a ``reduction="none"``
+    cross-entropy of the logits and the labels, and how its value is the gather's)."""
 
     negated: bool  # the log-probabilities were negated before the gather (its value is the loss)
     flat: bool  # the index was ``labels.reshape(-1, 1)`` of ``[N, V]`` log-probabilities: ``[N, 1]``
@@ -50,8 +51,8 @@ class Gather:
     wraps: bool = False  # take_along_dim: it reads class ``index % V`` (its reference wraps, checks nothing)
 
 
-def read(node: Node) -> Call | None:
-    """A ``reduction="none"`` cross-entropy of ``z`` and the labels (:class:`Gather` says how its
+def read_gather(node: Node) -> GatherCall | None:
+    """A ``reduction="none"`` cross-entropy of ``z`` and the labels (:class:`GatherCall` says how its
     value is the gather's), or None."""
     target = function_of(node) if node.op in ("call_function", "call_method") else None
     if target in _GATHER:
@@ -82,10 +83,10 @@ def read(node: Node) -> Call | None:
         unsupported = unsupported or (f"gather index of shape {tuple(picked.shape)} for log-probabilities of shape "
                                       f"{tuple(log_probs.shape)}: chunkce reads one label per token "
                                       "(an index shaped [..., 1] like the log-probabilities)")
-    return Call(source, index if labels is None else labels, None, NO_IGNORE_INDEX, "none", 0.0, SPELLING,
-                passes=found.passes, class_dim=-1, inner=(index,) if labels is not None else (),
-                unsupported=unsupported, params=Gather(negated=found.negated, flat=flat, squeeze=labels is None,
-                                                       wraps=target in _TAKE_ALONG_DIM))
+    return GatherCall(input=source, target=index if labels is None else labels, ignore_index=NO_IGNORE_INDEX,
+                      reduction="none", spelling=GATHER, passes=found.passes, class_dim=-1,
+                      inner=(index,) if labels is not None else (), unsupported=unsupported,
+                      negated=found.negated, flat=flat, squeeze=labels is None, wraps=target in _TAKE_ALONG_DIM)
 
 
 def _squeezed_labels(index: Node) -> tuple[Node | None, bool]:
@@ -123,14 +124,13 @@ def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bi
     return log_p.reshape(-1, 1) if flat else log_p.unsqueeze(-1)
 
 
-def replace(call: Call, projection: Projection) -> Callable[..., Any] | Reason:
-    """:func:`gathered_log_probs` with the call's :class:`Gather`; none for a vocabulary-sharded head."""
+def replace_gather(call: GatherCall, projection: Projection) -> Callable[..., Any] | Reason:
+    """:func:`gathered_log_probs` as the call says; none for a vocabulary-sharded head."""
     if projection.sharded is not None:
         return Reason(Refusal.TENSOR_PARALLEL, detail="a gather of log-probabilities (the vocabulary-parallel op "
                                                       "computes a loss)")
-    gather = call.params
-    return partial(gathered_log_probs, negated=gather.negated, flat=gather.flat, squeeze=gather.squeeze,
-                   wraps=gather.wraps)
+    return partial(gathered_log_probs, negated=call.negated, flat=call.flat, squeeze=call.squeeze,
+                   wraps=call.wraps)
 
 
-SPELLING = Spelling("gather", read, replace)
+GATHER = Spelling("gather", read_gather, replace_gather)

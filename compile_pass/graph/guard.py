@@ -20,7 +20,7 @@ from torch.fx import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from compile_pass.graph import diagnostics
-from compile_pass.graph.calls import LOSS
+from compile_pass.graph.calls import LossCall
 from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
 from compile_pass.graph.refusals import Reason, Refusal
@@ -67,7 +67,7 @@ def _check_call(site: Site) -> Reason | None:
     call = site.call
     if call.unsupported:  # a spelling the op cannot reproduce
         return Reason(Refusal.LOSS_SPELLING, form=call.form, detail=call.unsupported)
-    if call.spelling.kind != LOSS:
+    if not isinstance(call, LossCall):  # a row statistic: no target, no loss argument
         return None
     if not is_tensor_node(call.target):
         return Reason(Refusal.TARGET, detail="target is not a tensor computed in this graph")

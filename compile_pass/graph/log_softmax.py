@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from compile_pass.graph.calls import StepKind
 from compile_pass.graph.forms import as_projection
 from compile_pass.graph.nodes import example_value, function_of, is_tensor_node
 
@@ -27,7 +28,7 @@ _MAX_DEPTH = 16  # nodes between a loss and its log_softmax the reader looks thr
 class LogProbs(NamedTuple):
     """What lies between a loss's input and the log_softmax that made it."""
 
-    passes: dict[Node, str]  # the log_softmax and the negations on the way
+    passes: dict[Node, StepKind]  # the log_softmax and the negations on the way
     negated: bool  # an odd number of negations
     unsupported: str | None
 
@@ -54,7 +55,7 @@ def find_log_softmax(start: Node, negations: bool) -> LogProbs | None:
         if not node.args or not is_tensor_node(node.args[0]):  # e.g. input= as a keyword: not read
             return None
         if target in _LOG_SOFTMAX:
-            return LogProbs({node: "log_softmax", **dict.fromkeys(negs, "neg")}, len(negs) % 2 == 1,
+            return LogProbs({node: StepKind.LOG_SOFTMAX, **dict.fromkeys(negs, StepKind.NEG)}, len(negs) % 2 == 1,
                             _log_softmax_problem(node, path))
         if target in _LOG and isinstance(node.args[0], Node) and function_of(node.args[0]) in _SOFTMAX:
             return LogProbs({}, False, "log(softmax(logits)) is not torch's log_softmax (it rounds differently "

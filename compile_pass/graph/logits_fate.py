@@ -13,6 +13,7 @@ scale the pass absorbs (:func:`returned_chain`), and ``returned_logits`` takes t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import Enum
 
 import torch
 from torch.fx import Node
@@ -22,24 +23,32 @@ from compile_pass.graph.nodes import CASTS, COPIES, example_value, tensor_op_nam
 from compile_pass.graph.scale import read_scale
 from compile_pass.graph.sites import Site
 
-GONE, KEPT, LAZY, DROPPED = "gone", "kept", "lazy", "dropped"
 
 
-def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[str, bool]:
+class Fate(Enum):
+    """What becomes of a projection's logits (the module docstring says when each)."""
+
+    GONE = "gone"
+    KEPT = "kept"
+    LAZY = "lazy"
+    DROPPED = "dropped"
+
+
+def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[Fate, bool]:
     """``(fate, droppable)`` of ``projection``'s logits after ``rewritten`` (the sites reading
     them that will be rewritten) under ``returned_logits=mode``."""
     dead = dead_after(rewritten)
     if projection.node in dead:
-        return GONE, False
+        return Fate.GONE, False
     chain = returned_chain(projection.node, dead)
     loss_parallel = projection.sharded is not None and projection.sharded.loss_parallel
     droppable = chain is not None and not in_subgraph and not loss_parallel
     (output,) = projection.node.graph.find_nodes(op="output")
     if not droppable or mode not in ("lazy", "drop") or not isinstance(output.args[0], (tuple, list)):
-        return KEPT, droppable
+        return Fate.KEPT, droppable
     if mode == "drop" and example_value(chain[-1]).requires_grad:
-        return DROPPED, True
-    return (LAZY if recipe_nodes(projection, chain) is not None else KEPT), True
+        return Fate.DROPPED, True
+    return (Fate.LAZY if recipe_nodes(projection, chain) is not None else Fate.KEPT), True
 
 
 def dead_after(sites: Iterable[Site]) -> set[Node]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from compile_pass.graph.calls import STATISTIC, Call, Spelling
+from compile_pass.graph.calls import Spelling, SpellingKind, StatisticCall
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.row_statistic import last_dim_reduction, statistic_replacement
@@ -23,17 +23,17 @@ from compile_pass.graph.row_statistic import last_dim_reduction, statistic_repla
 _LOGSUMEXP = (torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp)
 
 
-def read(node: Node) -> Call | None:
+def read_logsumexp(node: Node) -> StatisticCall | None:
     """The logsumexp over the last dim of ``z`` (``Call.input``), or None."""
     reduced = last_dim_reduction(node, _LOGSUMEXP)
     if reduced is None:
         return None
     logits, keepdim = reduced
-    return Call(logits, None, None, -100, "none", 0.0, SPELLING, class_dim=-1, params=keepdim)
+    return StatisticCall(input=logits, spelling=LOGSUMEXP, class_dim=-1, keepdim=keepdim)
 
 
-def replace(call: Call, projection: Projection) -> Callable[..., Any] | Reason:
-    return statistic_replacement(call, projection, lambda statistics: statistics.lse, keepdim=call.params)
+def replace_logsumexp(call: StatisticCall, projection: Projection) -> Callable[..., Any] | Reason:
+    return statistic_replacement(call, projection, lambda statistics: statistics.lse, keepdim=call.keepdim)
 
 
-SPELLING = Spelling("logsumexp", read, replace, kind=STATISTIC)
+LOGSUMEXP = Spelling("logsumexp", read_logsumexp, replace_logsumexp, kind=SpellingKind.STATISTIC)

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from compile_pass.graph import cross_entropy
-from compile_pass.graph.calls import Call, Spelling
+from compile_pass.graph.calls import LossCall, Spelling
 from compile_pass.graph.log_softmax import find_log_softmax
 from compile_pass.graph.nodes import is_tensor_node
 
 _NLL_LOSS = (F.nll_loss, torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss)
 
 
-def read(node: Node) -> Call | None:
+def read_nll_loss(node: Node) -> LossCall | None:
     if node.op != "call_function" or node.target not in _NLL_LOSS:
         return None
     if node.target is F.nll_loss:
@@ -32,8 +32,10 @@ def read(node: Node) -> Call | None:
     found = find_log_softmax(args["input"], negations=False)
     if found is None:
         return None
-    return Call(args["input"], args["target"], args["weight"], args["ignore_index"], args["reduction"], 0.0,
-                SPELLING, passes=found.passes, unsupported=found.unsupported)
+    return LossCall(input=args["input"], target=args["target"], weight=args["weight"],
+                    ignore_index=args["ignore_index"], reduction=args["reduction"], spelling=NLL_LOSS,
+                    passes=found.passes, unsupported=found.unsupported)
 
 
-SPELLING = Spelling("nll_loss", read, cross_entropy.replace, one_walk=cross_entropy.one_walk)
+NLL_LOSS = Spelling("nll_loss", read_nll_loss, cross_entropy.replace_cross_entropy,
+                    one_walk=cross_entropy.one_walk_cross_entropy)

@@ -22,7 +22,6 @@ from compile_pass.graph.nodes import CASTS, COPIES, example_value, is_tensor_nod
 from compile_pass.graph.scale import read_scale
 
 VOCAB_MIN = 1024  # below it the logits cost about what a hidden state does: little to lose
-RETURNED = "returned by the graph"
 
 # Ops on the logits that keep every logit as it is (shape, dtype or copy only).
 _SHAPE_DTYPE_ONLY = CASTS | COPIES | {
@@ -38,7 +37,8 @@ class VocabProjection:
 
     projection: Projection  # its node's output is the logits, [..., V]
     vocab: int  # V (a size hint when symbolic)
-    use: str  # RETURNED, or "normalised by `<op>`"
+    use: str  # what reads them: "returned by the graph", or "normalised by `<op>`"
+    returned: bool  # the graph output reads them
 
 
 def is_vocabulary(vocab: int, hidden: int | None = None) -> bool:
@@ -73,19 +73,19 @@ def unmatched_projections(graph: Graph, *, training: bool = True) -> list[VocabP
             continue
         use = _use(projection.node)
         if use is not None:
-            found.append(VocabProjection(projection, vocab, use))
+            found.append(VocabProjection(projection, vocab, *use))
     return found
 
 
-def _use(logits: Node) -> str | None:
-    """:data:`RETURNED` or ``normalised by `<op>``` when the logits, through shape/dtype-only
-    ops and scalings, reach the graph output or a softmax over their last dim; else None."""
+def _use(logits: Node) -> tuple[str, bool] | None:
+    """``(use, returned)`` when the logits, through shape/dtype-only ops and scalings, reach the
+    graph output (``returned``) or a softmax over their last dim; else None."""
     seen, stack, use = {logits}, [logits], None
     while stack:
         node = stack.pop()
         for user in node.users:
             if user.op == "output":
-                return RETURNED
+                return "returned by the graph", True
             if user in seen or not user.args or user.args[0] is not node and not _scales(user, node):
                 continue
             if op_name(user) in _NORMALISERS and _over_last_dim(user, node):
@@ -93,7 +93,7 @@ def _use(logits: Node) -> str | None:
             elif _keeps_logits(user, node) or _scales(user, node):
                 seen.add(user)
                 stack.append(user)
-    return use
+    return None if use is None else (use, False)
 
 
 def _keeps_logits(user: Node, logits: Node) -> bool:

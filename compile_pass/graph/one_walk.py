@@ -21,7 +21,7 @@ from torch.fx import Node
 
 from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.returned_logits import returned_head
-from compile_pass.graph.sites import Site
+from compile_pass.graph.sites import Reshape, Site
 from compile_pass.lazy_logits.keys import holds
 from compile_pass.op.dtypes import accumulate_dtype
 
@@ -39,7 +39,7 @@ def one_walk_replacement(site: Site, dead: set[Node],
     if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
         return None
     head, chain = found
-    if any(kind != "reshape" for kind, _ in site.hidden_plan):
+    if not all(isinstance(step, Reshape) for step in site.hidden_plan):
         return None
     if (site.scale is None) != (head.scale is None) or (site.scale is not None and site.scale.node not in chain):
         return None

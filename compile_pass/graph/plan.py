@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -27,27 +28,25 @@ from torch.fx import Graph, Node
 
 from compile_pass.graph import guard, no_site
 from compile_pass.graph.forms import Projection, as_projection
-from compile_pass.graph.logits_fate import KEPT, LAZY, dead_after, logits_fate
+from compile_pass.graph.logits_fate import Fate, dead_after, logits_fate
 from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
 from compile_pass.graph.one_walk import one_walk_replacement
 from compile_pass.graph.refusals import Reason
-from compile_pass.graph.report import (
-    LEFT,
-    NO_GRAD_LOGITS_READ,
-    REFUSED,
-    REWRITTEN,
-    SiteRecord,
-    failed,
-    module_of,
-    source_of,
-)
+from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord, failed, module_of, source_of
 from compile_pass.graph.sites import Site
 from compile_pass.graph.stages import attempt, reached
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
 
-REWRITE, REFUSE, LEAVE = "rewrite", "refuse", "leave"
+
+
+class Action(Enum):
+    """What the pass will do at a site."""
+
+    REWRITE = "rewrite"  # with its spelling's replacement
+    REFUSE = "refuse"  # a Reason: left as it was, reported
+    LEAVE = "leave"  # left as stock: the rewrite would only cost (not a refusal)
 
 
 @dataclass
@@ -55,7 +54,7 @@ class SitePlan:
     """One site's plan; ``record`` is what the report says of it (a rewrite adds its tiles and bytes)."""
 
     site: Site
-    action: str  # REWRITE, REFUSE or LEAVE
+    action: Action
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
     statistics: tuple[Node, ...] = ()  # rewritten by one walk (one_walk.py): its lse, entropy, max, argmax nodes
@@ -67,7 +66,7 @@ class LogitsPlan:
 
     projection: Projection
     sites: list[SitePlan] = field(default_factory=list)
-    fate: str = ""  # a logits_fate fate; "" when it could not be told (nothing taken out, no note)
+    fate: Fate | None = None  # None when it could not be told (nothing taken out, no note)
     droppable: bool = False  # only the graph output reads them
 
 
@@ -82,19 +81,19 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
     order = {node: i for i, node in enumerate(sites[0].node.graph.nodes)} if sites else {}
     plans = [attempt(options.strict, partial(_plan_site, site, order), partial(_unplanned, site),
                      "could not plan the site %s; left it unfused", site.node.name) for site in sites]
-    refused = [plan for plan in plans if plan.action == REFUSE]
+    refused = [plan for plan in plans if plan.action is Action.REFUSE]
     if options.strict and refused:
         record = refused[0].record
         raise NotImplementedError(f"chunkce: cannot rewrite the cross-entropy at {record.source}: {record.reason} "
                                   "(strict=True; pass strict=False to leave such sites unfused)")
     groups: dict[Node, LogitsPlan] = {}
     for plan in plans:
-        if plan.action == REWRITE:
+        if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
     for logits in groups.values():
         attempt(options.strict, partial(_plan_logits, logits, options.returned_logits, in_subgraph),
                 lambda exc: None, "could not tell which rewritten sites' logits are kept; the graph is rewritten")
-        if take_out and logits.fate == LAZY:
+        if take_out and logits.fate is Fate.LAZY:
             attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,
                     "could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
     return plans, list(groups.values())
@@ -112,27 +111,28 @@ def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
     source, form = source_of(site.node), site.call.form if site.call is not None else ""
     if reason is not None:
         module = module_of(site.projection.node if site.projection else site.stop)
-        return SitePlan(site, REFUSE, SiteRecord(source, module, REFUSED, str(reason), reason.key, fix=reason.fix,
-                                                 form=form, warns=_saves_memory(site)))
-    record = SiteRecord(source, module_of(site.projection.node), REWRITTEN, "", form=form)
-    return SitePlan(site, REWRITE, record, replacement)
+        record = SiteRecord(source, module, Decision.REFUSED, str(reason), reason.key, fix=reason.fix, form=form,
+                            warns=_saves_memory(site))
+        return SitePlan(site, Action.REFUSE, record)
+    record = SiteRecord(source, module_of(site.projection.node), Decision.REWRITTEN, "", form=form)
+    return SitePlan(site, Action.REWRITE, record, replacement)
 
 
 def _unplanned(site: Site, exc: Exception) -> SitePlan:
-    return SitePlan(site, REFUSE, failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
+    return SitePlan(site, Action.REFUSE, failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
 
 
 def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
     """Fill ``logits.fate``; a site without grad among them is left as stock when they are ``KEPT``."""
     reached("fate", logits.projection.node)
     fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], mode, in_subgraph)
-    left = [plan for plan in logits.sites if not _requires_grad(plan.site.node)] if fate == KEPT else []
+    left = [plan for plan in logits.sites if not _requires_grad(plan.site.node)] if fate is Fate.KEPT else []
     if left:
         logits.sites = [plan for plan in logits.sites if plan not in left]
         fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], mode, in_subgraph)
     for plan in left:
-        plan.action, plan.replacement = LEAVE, None
-        plan.record = dataclasses.replace(plan.record, decision=LEFT, reason=NO_GRAD_LOGITS_READ,
+        plan.action, plan.replacement = Action.LEAVE, None
+        plan.record = dataclasses.replace(plan.record, decision=Decision.LEFT, reason=NO_GRAD_LOGITS_READ,
                                           reason_key="no_grad_logits_read")
     logits.fate, logits.droppable = fate, droppable
 
@@ -188,9 +188,9 @@ def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
         return []
     plans = []
     for found in no_site.unmatched_projections(graph, training=False):
-        if found.use != no_site.RETURNED or no_site.decode_sized(found.projection):
+        if not found.returned or no_site.decode_sized(found.projection):
             continue
         reached("fate", found.projection.node)
-        if logits_fate(found.projection, [], options.returned_logits, False)[0] == LAZY:
-            plans.append(LogitsPlan(found.projection, fate=LAZY, droppable=True))
+        if logits_fate(found.projection, [], options.returned_logits, False)[0] is Fate.LAZY:
+            plans.append(LogitsPlan(found.projection, fate=Fate.LAZY, droppable=True))
     return plans

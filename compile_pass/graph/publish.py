@@ -33,16 +33,8 @@ from functools import partial
 
 from torch._dynamo.utils import counters
 
-from compile_pass.graph.report import (
-    LEFT,
-    LOGITS_DROPPED,
-    LOGITS_KEPT,
-    LOGITS_LAZY,
-    REWRITTEN,
-    SOFT_CAP_BY_DESIGN,
-    PassReport,
-    tiles_text,
-)
+from compile_pass.graph.logits_fate import Fate
+from compile_pass.graph.report import SOFT_CAP_BY_DESIGN, Decision, PassReport, tiles_text
 from compile_pass.graph.stages import attempt, reached
 
 log = logging.getLogger(__name__)
@@ -72,16 +64,16 @@ def _publish(report: PassReport) -> None:
     stats = counters["chunkce"]
     for record in report.records:
         stats["sites_found"] += 1
-        if record.decision == REWRITTEN:
+        if record.decision is Decision.REWRITTEN:
             stats["sites_rewritten"] += 1
             stats["logits_bytes_avoided"] += record.logits_bytes_avoided
-            stats["logits_kept"] += record.reason == LOGITS_KEPT
-            stats["logits_dropped"] += record.reason == LOGITS_DROPPED
-            stats["logits_lazy"] += record.reason == LOGITS_LAZY
+            stats["logits_kept"] += record.fate is Fate.KEPT
+            stats["logits_dropped"] += record.fate is Fate.DROPPED
+            stats["logits_lazy"] += record.fate is Fate.LAZY
             log.info("chunkce: rewrote %s (%s, module %s, tiles %s, logits bytes avoided %s)%s",
                      record.source, record.form or "loss", record.module or "?", tiles_text(record.tiles),
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
-        elif record.decision == LEFT:  # nothing is lost: no warning
+        elif record.decision is Decision.LEFT:  # nothing is lost: no warning
             stats["sites_left"] += 1
             log.info("chunkce: left %s as stock compiles it: %s", record.source, record.reason)
         else:

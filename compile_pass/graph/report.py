@@ -11,17 +11,27 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from torch.fx import Graph, Node
 
 from compile_pass.graph import no_site
+from compile_pass.graph.logits_fate import Fate
 from compile_pass.graph.refusals import Reason, fix_for
 from compile_pass.op.chunking import Tiles
 
 log = logging.getLogger(__name__)
 
-REWRITTEN, REFUSED = "rewritten", "refused"
-LEFT = "left as stock"  # a site the pass could rewrite but does not: the rewrite would only cost (not a refusal)
+
+
+class Decision(StrEnum):
+    """What the pass did at a site (its value is what the report's table shows)."""
+
+    REWRITTEN = "rewritten"
+    REFUSED = "refused"
+    LEFT = "left as stock"  # a site the pass could rewrite but does not: the rewrite would only cost (not a refusal)
+
+
 NO_GRAD_LOGITS_READ = (
     "not rewritten: this graph computes no gradient and still computes the [N, V] logits for another reader; "
     "without grad Inductor fuses the fp32 upcast and the log-softmax into reductions over them, so the rewrite "
@@ -42,7 +52,7 @@ class SiteRecord:
 
     source: str  # "file.py:12 in forward: loss = F.cross_entropy(...)"
     module: str  # module path of the projection, e.g. "lm_head"; "" when unknown
-    decision: str  # REWRITTEN, REFUSED or LEFT
+    decision: Decision
     reason: str  # why refused or left; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
     reason_key: str = ""
     # a rewritten site's [n, Vb] tiles: what the op's own rule (op.chunking.resolve_tiles) gives
@@ -55,9 +65,12 @@ class SiteRecord:
     form: str = ""
     # a refused site: whether a rewrite would have saved memory (logged at WARNING, else at INFO)
     warns: bool = True
+    # what became of the logits, on the record that says so (``reason``): every rewritten site of
+    # logits kept, the last rewritten site of logits taken out; None on the others
+    fate: Fate | None = None
 
     def __post_init__(self) -> None:
-        if self.decision == REFUSED and not self.fix:  # every refusal says what to do about it
+        if self.decision is Decision.REFUSED and not self.fix:  # every refusal says what to do about it
             object.__setattr__(self, "fix", fix_for(self.reason_key))
 
     @property
@@ -69,7 +82,7 @@ class SiteRecord:
 def failed(where: str, reason: Reason) -> SiteRecord:
     """The record of a site (``where``: its node's name, or ``"(whole graph)"``) the pass
     failed on (``reason``: ``internal_error``)."""
-    return SiteRecord(where, "", REFUSED, str(reason), reason.key, fix=reason.fix)
+    return SiteRecord(where, "", Decision.REFUSED, str(reason), reason.key, fix=reason.fix)
 
 
 SOFT_CAP_BY_DESIGN = ("refused by design: the op has no soft cap, so a soft-capped head's logits stay as stock "
@@ -140,16 +153,16 @@ class PassReport:
 
     @property
     def rewritten(self) -> list[SiteRecord]:
-        return [r for r in self.records if r.decision == REWRITTEN]
+        return [r for r in self.records if r.decision is Decision.REWRITTEN]
 
     @property
     def refused(self) -> list[SiteRecord]:
-        return [r for r in self.records if r.decision == REFUSED]
+        return [r for r in self.records if r.decision is Decision.REFUSED]
 
     def __str__(self) -> str:
         header = (f"chunkce: {len(self.records)} cross-entropy site(s), {len(self.rewritten)} rewritten, "
                   f"{len(self.refused)} refused")
-        left = [r for r in self.records if r.decision == LEFT]
+        left = [r for r in self.records if r.decision is Decision.LEFT]
         header += f", {len(left)} left as stock" if left else ""
         columns = ("#", "decision", "loss", "source", "module", "tiles", "logits avoided", "reason")
         rows = [(str(i), r.decision, r.form or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",

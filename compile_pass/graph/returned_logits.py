@@ -2,7 +2,7 @@
 shape), and a recipe to compute them on read (``"lazy"``: the graph's chain from the projection,
 the graph returning the tensors it reads instead) or the refusing one (``"drop"``).
 
-    saved = take_out(projection, edit, "lazy")   # inside the edit of the logits (graph/apply.py)
+    saved = take_out(projection, edit, Fate.LAZY)   # inside the edit of the logits (graph/apply.py)
     plan = add_outputs(graph)                     # the recipes' inputs (and row statistics) appended: a Plan
     compiled = wrap_compiled(inner(gm), plan)     # compile_pass.lazy_logits.wrap (the backend)
 """
@@ -17,7 +17,7 @@ from torch.fx import Graph, GraphModule, Node
 from compile_pass.graph import tensor_parallel
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.lazy_head import head_of
-from compile_pass.graph.logits_fate import recipe_nodes, returned_chain
+from compile_pass.graph.logits_fate import Fate, recipe_nodes, returned_chain
 from compile_pass.graph.nodes import Edit, create_node, example_value, is_tensor_node, size_hint, tensor_op_name
 from compile_pass.graph.tensor_parallel import local_value
 from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
@@ -35,15 +35,15 @@ class TakenOut:
     statistics: tuple[Node, ...] = ()  # lse, entropy, max, argmax [N] of the head's rows, computed in the step
 
 
-def take_out(projection: Projection, edit: Edit, how: str,
+def take_out(projection: Projection, edit: Edit, fate: Fate,
              tiles: tuple[int | None, int | None] = (None, None), statistics: tuple[Node, ...] = ()) -> int:
     """Replace the :func:`returned_chain` of ``projection`` by a stand-in carrying a
-    :class:`TakenOut` (``how``: ``"lazy"`` or ``"drop"``), as part of ``edit``; returns the bytes
+    :class:`TakenOut` (``fate``: ``LAZY`` or ``DROPPED``), as part of ``edit``; returns the bytes
     of the values no longer computed. ``tiles``: the options' ``(chunk_size, chunk_bytes)``, which
     the lazy logits' fused reads take; ``statistics``: nodes of the row statistics of the recipe's
     head (:func:`returned_head`) the graph computes, handed to the lazy logits."""
     chain = returned_chain(projection.node)
-    taken = TakenOut(DROPPED, ()) if how == "drop" else _recipe(projection, chain, tiles)
+    taken = TakenOut(DROPPED, ()) if fate is Fate.DROPPED else _recipe(projection, chain, tiles)
     if statistics and isinstance(taken.recipe, Recipe) and taken.recipe.head is not None:
         taken = replace(taken, statistics=statistics)
     stand_in = _stand_in_for(projection, example_value(chain[-1]))

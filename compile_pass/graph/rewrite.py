@@ -26,6 +26,7 @@ import torch
 from torch.fx import Graph, Node
 
 from compile_pass.graph import tensor_parallel
+from compile_pass.graph.calls import LossCall
 from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.nodes import (
     Edit,
@@ -35,7 +36,7 @@ from compile_pass.graph.nodes import (
     size_hint,
     trace_into,
 )
-from compile_pass.graph.sites import Site
+from compile_pass.graph.sites import Reshape, Site, StepKind
 from compile_pass.graph.stages import reached
 from compile_pass.op.chunking import Tiles
 from compile_pass.op.function import planned_tiles
@@ -83,10 +84,11 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
             wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
                                     for node in (hidden, weight, bias)),
                                   grad_enabled=example_value(site.node).requires_grad)
+        loss = call if isinstance(call, LossCall) else None  # a row statistic reads no target or argument
         new = trace_into(
-            graph, replacement, hidden, weight, call.target, bias, call.weight,
-            reduction=call.reduction, ignore_index=call.ignore_index,
-            label_smoothing=float(call.label_smoothing), logits_dtype=cast_chains(site)[-1][-1],
+            graph, replacement, hidden, weight, loss and loss.target, bias, loss and loss.weight,
+            reduction=loss.reduction if loss else "none", ignore_index=loss.ignore_index if loss else -100,
+            label_smoothing=float(loss.label_smoothing) if loss else 0.0, logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
             transform=HeadTransform() if scale is None else scale.head_transform(meta),
             grads_in_forward=wanted, meta=meta, **options.op_options(),
@@ -99,9 +101,9 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
     reached("traced", site)
     logits = example_value(projection.node)  # [..., V]
     vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
-    rows = call.target if call.target is not None else site.node  # a row statistic's value: one per row
-    tiles = planned_tiles(size_hint(example_value(rows).numel()), vocab,
-                          projection_dtype, logits.device.type, reduction=call.reduction, grads_in_forward=wanted,
+    rows = loss.target if loss else site.node  # a row statistic's value: one per row
+    tiles = planned_tiles(size_hint(example_value(rows).numel()), vocab, projection_dtype, logits.device.type,
+                          reduction=loss.reduction if loss else "none", grads_in_forward=wanted,
                           **options.op_options())
     # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
     loss_input = tensor_parallel.local_value(example_value(call.input))
@@ -124,11 +126,12 @@ def _hidden_states(site: Site, meta: dict) -> Node:
     if site.projection.sharded is not None:  # the replicated DTensor's local tensor
         hidden, _, _ = tensor_parallel.local_operands(site.projection, graph, meta, weight=False)
     hidden_size = example_value(hidden).shape[-1]
-    for kind, what in site.hidden_plan:
-        if kind == "reshape":
-            hidden = create_node(graph, "call_method", "reshape", (hidden, *what, hidden_size), meta=meta)
+    for step in site.hidden_plan:
+        if isinstance(step, Reshape):
+            hidden = create_node(graph, "call_method", "reshape", (hidden, *step.shape, hidden_size), meta=meta)
         else:  # replay the token-dim indexing of the logits on the hidden states
-            hidden = create_node(graph, what.op, what.target, (hidden, *what.args[1:]), what.kwargs, meta=meta)
+            node = step.node
+            hidden = create_node(graph, node.op, node.target, (hidden, *node.args[1:]), node.kwargs, meta=meta)
     if site.class_dim_moved is None and example_value(hidden).dim() == 1:
         hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
     return hidden
@@ -144,7 +147,7 @@ def _erase_dead(site: Site, edit: Edit) -> int:
     materialized = {projection.node}
     if projection.bias is not None and projection.inner:
         materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
-    materialized.update(step.node for step in site.steps if step.kind == "cast"
+    materialized.update(step.node for step in site.steps if step.kind is StepKind.CAST
                         and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
     bytes_avoided = 0
     for node in site.erasable():

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.fx import Node
 
-from compile_pass.graph.calls import Call
+from compile_pass.graph.calls import StatisticCall
 from compile_pass.graph.forms import Projection
 from compile_pass.graph.nodes import example_value, function_of, is_tensor_node, same_size
 from compile_pass.graph.refusals import Reason, Refusal
@@ -52,7 +52,7 @@ def row_statistic(hidden_states: Tensor, weight: Tensor, target: None, bias: Ten
     return row.to(logits_dtype)
 
 
-def statistic_replacement(call: Call, projection: Projection, value: Value,
+def statistic_replacement(call: StatisticCall, projection: Projection, value: Value,
                           keepdim: bool = False) -> Callable[..., Any] | Reason:
     """:func:`row_statistic` with ``value`` for ``call``'s rows (:func:`row_shape`), or why not."""
     if projection.sharded is not None:

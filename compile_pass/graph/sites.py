@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import Node
 
-from compile_pass.graph.calls import Call
+from compile_pass.graph.calls import Call, StepKind
 from compile_pass.graph.forms import Projection, as_projection
 from compile_pass.graph.nodes import (
     CASTS,
@@ -46,15 +46,25 @@ from compile_pass.graph.tensor_parallel import read_sharded
 _RESHAPE = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
 # Ops that select or reorder token dims: replayed on the hidden states.
 _TOKEN_INDEX = {"getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute"}
-_PASSED = {"reshape", "copy", "cast", "index", "log_softmax", "neg"}  # step kinds the walk goes on through
 
 
 class Step(NamedTuple):
     """One node between projection and loss, and how it treats the logits."""
 
     node: Node
-    # reshape | copy | cast | index | scale | log_softmax | neg (the last two: Call.passes)
-    kind: str
+    kind: StepKind
+
+
+class Reshape(NamedTuple):
+    """A step of a site's hidden-states plan: ``hidden.reshape(*shape, H)``."""
+
+    shape: tuple[int, ...]
+
+
+class Replay(NamedTuple):
+    """A step of a site's hidden-states plan: ``node``'s token-dim indexing replayed on them."""
+
+    node: Node
 
 
 @dataclass
@@ -75,8 +85,8 @@ class Site:
     stop_kind: Refusal | None = None  # one of refusals.STOPS
     error: str | None = None  # what went wrong reading the site (INTERNAL_ERROR)
     stop_detail: str | None = None  # what of a scaling the op cannot take (the SCALE_* kinds)
-    hidden_plan: list[tuple[str, Any]] = field(default_factory=list)  # ("reshape", shape) | ("replay", node)
-    scale: Scale | None = None  # the logits' scaling, also among ``steps`` (kind "scale")
+    hidden_plan: list[Reshape | Replay] = field(default_factory=list)
+    scale: Scale | None = None  # the logits' scaling, also among ``steps`` (kind SCALE)
 
     def erasable(self) -> list[Node]:
         """The nodes a rewrite of this site erases where nothing else reads them, loss side first."""
@@ -105,7 +115,7 @@ def _index_keeps_vocab_dim(index: Any, ndim: int) -> Refusal | None:
     return None if full else Refusal.VOCAB_DIM
 
 
-def _classify(node: Node) -> str | Refusal:
+def _classify(node: Node) -> StepKind | Refusal:
     """How a node between projection and loss treats the logits: reshape / copy /
     cast / index, or a stop kind (``OPAQUE``, ``VOCAB_DIM``, ``ADVANCED_INDEX``)."""
     name = tensor_op_name(node)
@@ -117,25 +127,25 @@ def _classify(node: Node) -> str | Refusal:
         return Refusal.VOCAB_DIM if name in _RESHAPE | _TOKEN_INDEX else Refusal.OPAQUE
     if name in CASTS:
         same = after.shape == before.shape and after.device == before.device
-        return "cast" if same and after.is_floating_point() else Refusal.OPAQUE
+        return StepKind.CAST if same and after.is_floating_point() else Refusal.OPAQUE
     if after.dtype != before.dtype:
         return Refusal.OPAQUE
     if name in COPIES:
-        return "copy" if after.shape == before.shape else Refusal.OPAQUE
+        return StepKind.COPY if after.shape == before.shape else Refusal.OPAQUE
     if name in _RESHAPE:
-        return "reshape"
+        return StepKind.RESHAPE
     if name == "getitem":
-        return _index_keeps_vocab_dim(node.args[1], ndim) or "index"
+        return _index_keeps_vocab_dim(node.args[1], ndim) or StepKind.INDEX
     if name in ("narrow", "select"):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        return "index" if isinstance(dim, int) and dim % ndim != ndim - 1 else Refusal.VOCAB_DIM
+        return StepKind.INDEX if isinstance(dim, int) and dim % ndim != ndim - 1 else Refusal.VOCAB_DIM
     if name in ("transpose", "swapaxes", "swapdims"):
         dims = node.args[1:]
         ok = len(dims) == 2 and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims)
-        return "index" if ok else Refusal.VOCAB_DIM
+        return StepKind.INDEX if ok else Refusal.VOCAB_DIM
     if name == "permute":
         dims = dims_arg(node.args[1:])
-        return "index" if dims and isinstance(dims[-1], int) and dims[-1] % ndim == ndim - 1 else Refusal.VOCAB_DIM
+        return StepKind.INDEX if dims and isinstance(dims[-1], int) and dims[-1] % ndim == ndim - 1 else Refusal.VOCAB_DIM
     return Refusal.OPAQUE
 
 
@@ -194,14 +204,14 @@ def _walk(site: Site, in_subgraph: bool) -> Stop | None:
     ``steps`` (forward order) and ``scale``, or returns where it stopped."""
     current = site.call.input if site.class_dim_moved is None else site.class_dim_moved.args[0]
     steps: list[Step] = []
-    log_softmax_ahead = "log_softmax" in site.call.passes.values()  # a spelling's, not yet passed
+    log_softmax_ahead = StepKind.LOG_SOFTMAX in site.call.passes.values()  # a spelling's, not yet passed
     projection, stop = _projection_at(current)
     while stop is None and projection is None:
         step, stop = _step(site, current, in_subgraph, log_softmax_ahead)
         if step is not None:
             steps.append(step)
-            log_softmax_ahead = log_softmax_ahead and step.kind != "log_softmax"
-            current = site.scale.logits if step.kind == "scale" else current.args[0]
+            log_softmax_ahead = log_softmax_ahead and step.kind is not StepKind.LOG_SOFTMAX
+            current = site.scale.logits if step.kind is StepKind.SCALE else current.args[0]
             projection, stop = _projection_at(current)
     site.projection, site.steps = projection, steps[::-1]
     return stop
@@ -229,7 +239,7 @@ def _step(site: Site, node: Any, in_subgraph: bool, log_softmax_ahead: bool) -> 
     if node.op == "placeholder":
         return None, Stop(node, Refusal.SUBGRAPH_INPUT if in_subgraph else Refusal.GRAPH_INPUT)
     kind = passes.get(node) or _classify(node)
-    return (Step(node, kind), None) if kind in _PASSED else (None, Stop(node, kind))
+    return (Step(node, kind), None) if isinstance(kind, StepKind) else (None, Stop(node, kind))
 
 
 def _scale_step(site: Site, node: Node, read: ScaleRead, log_softmax_ahead: bool) -> tuple[Step | None, Stop | None]:
@@ -242,7 +252,7 @@ def _scale_step(site: Site, node: Node, read: ScaleRead, log_softmax_ahead: bool
     if log_softmax_ahead:
         return None, Stop(node, Refusal.SCALE_OPERAND, "a scaling of the log-probabilities, after the log_softmax")
     site.scale = read.scale
-    return Step(node, "scale"), None
+    return Step(node, StepKind.SCALE), None
 
 
 def _plan_hidden(site: Site) -> Stop | None:
@@ -255,12 +265,12 @@ def _plan_hidden(site: Site) -> Stop | None:
     """
     pending, stop = False, None
     for node, kind in site.steps:
-        if kind == "reshape":
+        if kind is StepKind.RESHAPE:
             pending = pending or example_value(node).shape != example_value(node.args[0]).shape
-        elif kind == "index":
+        elif kind is StepKind.INDEX:
             stop = stop or (_append_reshape(site, example_value(node.args[0]), node) if pending else None)
             pending = False
-            site.hidden_plan.append(("replay", node))
+            site.hidden_plan.append(Replay(node))
     if site.class_dim_moved is not None and pending:
         stop = stop or _append_reshape(site, example_value(site.class_dim_moved.args[0]), site.class_dim_moved)
     return stop
@@ -274,5 +284,5 @@ def _append_reshape(site: Site, logits: torch.Tensor, at: Node) -> Stop | None:
     hidden_size = example_value(site.projection.hidden).shape[-1]
     if len(symbolic) > 1 or not isinstance(hidden_size, int):
         return Stop(at, Refusal.SYMBOLIC_RESHAPE)
-    site.hidden_plan.append(("reshape", tuple(-1 if i in symbolic else size for i, size in enumerate(leading))))
+    site.hidden_plan.append(Reshape(tuple(-1 if i in symbolic else size for i, size in enumerate(leading))))
     return None

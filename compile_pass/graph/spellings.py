@@ -17,8 +17,8 @@ from torch.fx import Node
 from compile_pass.graph import cross_entropy, entropy, gather, logsumexp, nll_loss
 from compile_pass.graph.calls import Call, Spelling
 
-SPELLINGS: tuple[Spelling, ...] = (cross_entropy.SPELLING, nll_loss.SPELLING, gather.SPELLING, logsumexp.SPELLING,
-                                   entropy.SPELLING)
+SPELLINGS: tuple[Spelling, ...] = (cross_entropy.CROSS_ENTROPY, nll_loss.NLL_LOSS, gather.GATHER, logsumexp.LOGSUMEXP,
+                                   entropy.ENTROPY)
 
 
 def read_call(node: Node) -> Call | None:

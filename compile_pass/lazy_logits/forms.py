@@ -2,8 +2,8 @@
 
 A root (the returned logits, a lazy copy, a derived tensor) has a :class:`Storage`: per row of its
 values (row-major over ``shape[:-1]``), the head row and a :class:`compile_pass.lazy_logits.keys.Key`,
-and one kind for all rows: ``"z"`` (the values the key says), ``"lp"`` (their log_softmax), ``"p"``
-(softmax), ``"plp"`` (``p * lp``), ``"pz"`` (``p * z``). Every tensor has ``_rows``: which rows of its
+and one :class:`RowValues` for all rows: the values the key says (``z``), their log_softmax
+(``lp``), softmax (``p``), ``p * lp`` or ``p * z``. Every tensor has ``_rows``: which rows of its
 root's values its rows are (CPU int64, ``shape[:-1]``), or None when its last dim is not the
 vocabulary. Views read their root's storage as it is now (an in-place temperature changes the keys of
 the rows it wrote: :func:`edit`); copies and derived tensors take the keys of the moment they are
@@ -13,6 +13,7 @@ made. Anything else written to a root's rows takes their form away (:func:`break
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import Tensor
@@ -25,13 +26,23 @@ _aten = torch.ops.aten
 _RESHAPES = {_aten.view.default, _aten._unsafe_view.default}
 
 
+class RowValues(Enum):
+    """What a lazy tensor's rows hold, of the values ``z`` their keys say."""
+
+    LOGITS = "z"
+    LOG_PROBS = "lp"  # log_softmax(z)
+    PROBS = "p"  # softmax(z)
+    P_LOG_P = "plp"  # p * lp, summed: the negated entropy
+    P_Z = "pz"  # p * z, summed: lse - entropy
+
+
 @dataclass
 class Storage:
     """A root's form: ``head_rows`` and ``row_keys`` (indices into ``keys``, -1: no form) per row
-    (``[S]`` CPU int64), its ``kind``, and for kinds other than ``"z"`` the dtype the values were
+    (``[S]`` CPU int64), its ``kind``, and for kinds other than ``LOGITS`` the dtype the values were
     rounded to (``value_dtype``)."""
 
-    kind: str
+    kind: RowValues
     head_rows: Tensor
     row_keys: Tensor
     keys: list[Key]
@@ -42,7 +53,7 @@ class Storage:
 class Form:
     """A tensor's form now, its rows flattened: ``head_rows`` and the key of each, ``keys[key_ids]``."""
 
-    kind: str
+    kind: RowValues
     dtype: torch.dtype
     value_dtype: torch.dtype | None
     head_rows: Tensor
@@ -69,7 +80,7 @@ def own_rows(shape: torch.Size) -> Tensor:
 def root_storage(source: object, head: Head, shape: torch.Size) -> Storage:
     num_rows = shape[:-1].numel()
     key = Key.root(source, head, num_rows)
-    return Storage("z", torch.arange(num_rows), torch.zeros(num_rows, dtype=torch.int64), [key])
+    return Storage(RowValues.LOGITS, torch.arange(num_rows), torch.zeros(num_rows, dtype=torch.int64), [key])
 
 
 def form_of(tensor: Tensor) -> Form | None:
@@ -113,7 +124,7 @@ def _snapshot(tensor: Tensor) -> tuple[Storage, Tensor] | None:
     return storage, rows.reshape(-1)
 
 
-def _new_storage(storage: Storage, rows: Tensor, change: object, kind: str | None = None,
+def _new_storage(storage: Storage, rows: Tensor, change: object, kind: RowValues | None = None,
                  value_dtype: torch.dtype | None = None) -> Storage:
     """A storage of ``storage``'s ``rows``, each key mapped through ``change`` (a key or None)."""
     ids = storage.row_keys[rows]
@@ -136,7 +147,7 @@ def copied(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
     if taken is None:
         return None
     storage, rows = taken
-    if storage.kind == "z":
+    if storage.kind is RowValues.LOGITS:
         return _new_storage(storage, rows, lambda key, head_rows: key.cast(dtype, head_rows))
     value_dtype = storage.value_dtype
     if not holds(dtype, value_dtype):
@@ -150,7 +161,7 @@ def scaled(tensor: Tensor, other: object, multiplies: bool, dtype: torch.dtype) 
     """The storage of ``tensor * other`` (``/ other``) rounded to ``dtype`` (in place: the
     tensor's own), or None."""
     taken = _snapshot(tensor)
-    if taken is None or taken[0].kind != "z" or not taken[0].keys:
+    if taken is None or taken[0].kind is not RowValues.LOGITS or not taken[0].keys:
         return None
     storage, rows = taken
     num_rows = storage.keys[0].num_rows
@@ -183,11 +194,11 @@ def break_rows(tensor: Tensor) -> None:
         storage.row_keys[tensor._rows.reshape(-1) if tensor._rows is not None else slice(None)] = -1
 
 
-def softmaxed(tensor: Tensor, kind: str, dtype: torch.dtype) -> Storage | None:
-    """The storage of ``log_softmax`` (``kind="lp"``) or ``softmax`` (``"p"``) of ``tensor`` (of
-    kind z) over the last dim, in ``dtype``, where the op computes it in torch's precision."""
+def softmaxed(tensor: Tensor, kind: RowValues, dtype: torch.dtype) -> Storage | None:
+    """The storage of ``log_softmax`` (``kind=LOG_PROBS``) or ``softmax`` (``PROBS``) of ``tensor`` (of
+    kind ``LOGITS``) over the last dim, in ``dtype``, where the op computes it in torch's precision."""
     taken = _snapshot(tensor)
-    if taken is None or taken[0].kind != "z":
+    if taken is None or taken[0].kind is not RowValues.LOGITS:
         return None
     storage, rows = taken
     return _new_storage(storage, rows, lambda key, head_rows: key if key.reads_in(dtype) else None, kind=kind,
@@ -197,9 +208,13 @@ def softmaxed(tensor: Tensor, kind: str, dtype: torch.dtype) -> Storage | None:
 def exponentiated(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
     """The storage of ``exp`` of ``tensor`` when it holds log-probabilities: probabilities."""
     taken = _snapshot(tensor)
-    if taken is None or taken[0].kind != "lp":
+    if taken is None or taken[0].kind is not RowValues.LOG_PROBS:
         return None
-    return _new_storage(*taken, lambda key, head_rows: key, kind="p", value_dtype=dtype)
+    return _new_storage(*taken, lambda key, head_rows: key, kind=RowValues.PROBS, value_dtype=dtype)
+
+
+_PRODUCTS = {frozenset((RowValues.PROBS, RowValues.LOG_PROBS)): RowValues.P_LOG_P,
+             frozenset((RowValues.PROBS, RowValues.LOGITS)): RowValues.P_Z}
 
 
 def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Storage | None:
@@ -207,9 +222,9 @@ def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Storage | None:
     forms = form_of(a), form_of(b)
     if forms[0] is None or forms[1] is None or a.shape != b.shape or not forms[0].same_rows(forms[1]):
         return None
-    kinds = {forms[0].kind, forms[1].kind}
-    kind = {frozenset(("p", "lp")): "plp", frozenset(("p", "z")): "pz"}.get(frozenset(kinds))
-    if kind is None or (kind == "pz" and not all(key.reads_in(dtype) for key, _ in forms[0].groups())):
+    kinds = frozenset((forms[0].kind, forms[1].kind))
+    kind = _PRODUCTS.get(kinds)
+    if kind is None or (kind is RowValues.P_Z and not all(key.reads_in(dtype) for key, _ in forms[0].groups())):
         return None
     storage, rows = _snapshot(a)
     return _new_storage(storage, rows, lambda key, head_rows: key, kind=kind, value_dtype=dtype)

@@ -135,7 +135,7 @@ def _derived_storage(func: Any, args: tuple, dtype: torch.dtype) -> forms.Storag
         return forms.scaled(b, a, True, dtype) if _SCALES[func] else None
     if func in (_aten._log_softmax.default, _aten._softmax.default) and is_lazy(args[0]):
         last = args[1] % args[0].dim() == args[0].dim() - 1
-        kind = "lp" if func is _aten._log_softmax.default else "p"
+        kind = forms.RowValues.LOG_PROBS if func is _aten._log_softmax.default else forms.RowValues.PROBS
         return forms.softmaxed(args[0], kind, dtype) if last else None
     if func is _aten.exp.default:
         return forms.exponentiated(args[0], dtype)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compile_pass.lazy_logits.cache import Statistics, cache_of
-from compile_pass.lazy_logits.forms import Form, form_of
+from compile_pass.lazy_logits.forms import Form, RowValues, form_of
 
 
 def fused(func: object, args: tuple, kwargs: dict) -> object:
@@ -95,16 +95,17 @@ def _reads_in(form: Form, dtype: torch.dtype) -> bool:
 
 def _gather(input: Tensor, dim: int, index: Tensor, *, sparse_grad: bool = False, out: Tensor | None = None) -> object:
     form = form_of(input)
-    if (form is None or form.kind not in ("z", "lp", "p") or out is not None or sparse_grad or not _last(input, dim)
+    if (form is None or form.kind not in (RowValues.LOGITS, RowValues.LOG_PROBS, RowValues.PROBS) or out is not None
+            or sparse_grad or not _last(input, dim)
             or not isinstance(index, Tensor) or index.dtype != torch.int64 or index.dim() != input.dim()
             or index.shape[:-1] != input.shape[:-1]):
         return NotImplemented
     flat = index.reshape(-1, index.shape[-1]) if index.dim() > 0 else index.reshape(1, 1)
     stats = _statistics(form, _grad(input), flat)
     values = stats.selected
-    if form.kind != "z":
+    if form.kind is not RowValues.LOGITS:
         values = values - stats.lse.unsqueeze(-1)
-        values = values.exp() if form.kind == "p" else values
+        values = values.exp() if form.kind is RowValues.PROBS else values
     return _rounded(values, form, input.dtype).reshape(index.shape)
 
 
@@ -116,7 +117,7 @@ def _take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None, *, o
 
 def _logsumexp(input: Tensor, dim: object, keepdim: bool = False, *, out: Tensor | None = None) -> object:
     form = form_of(input)
-    if form is None or form.kind != "z" or out is not None or not _last(input, dim):
+    if form is None or form.kind is not RowValues.LOGITS or out is not None or not _last(input, dim):
         return NotImplemented
     dtype = _read_dtype(torch.logsumexp, input, -1)
     if not _reads_in(form, dtype):
@@ -127,10 +128,11 @@ def _logsumexp(input: Tensor, dim: object, keepdim: bool = False, *, out: Tensor
 def _sum(input: Tensor, dim: object = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
          out: Tensor | None = None) -> object:
     form = form_of(input)
-    if form is None or form.kind not in ("plp", "pz") or dtype is not None or out is not None or not _last(input, dim):
+    if (form is None or form.kind not in (RowValues.P_LOG_P, RowValues.P_Z) or dtype is not None or out is not None
+            or not _last(input, dim)):
         return NotImplemented
     stats = _statistics(form, _grad(input))
-    values = -stats.entropy if form.kind == "plp" else stats.lse - stats.entropy
+    values = -stats.entropy if form.kind is RowValues.P_LOG_P else stats.lse - stats.entropy
     return _rows_out(_rounded(values, form, input.dtype), input, keepdim)
 
 
@@ -138,7 +140,7 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, 
                    ignore_index: int = -100, reduce: object = None, reduction: str = "mean",
                    label_smoothing: float = 0.0) -> object:
     form = form_of(input)
-    if (form is None or form.kind != "z" or weight is not None or size_average is not None or reduce is not None
+    if (form is None or form.kind is not RowValues.LOGITS or weight is not None or size_average is not None or reduce is not None
             or reduction not in ("none", "mean", "sum") or label_smoothing != 0.0 or input.dim() not in (1, 2)
             or not isinstance(target, Tensor) or target.dtype != torch.int64 or target.shape != input.shape[:-1]):
         return NotImplemented
@@ -158,7 +160,7 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, 
 
 def _argmax(input: Tensor, dim: int | None = None, keepdim: bool = False, *, out: Tensor | None = None) -> object:
     form = form_of(input)
-    if form is None or form.kind != "z" or out is not None or not _last(input, dim):
+    if form is None or form.kind is not RowValues.LOGITS or out is not None or not _last(input, dim):
         return NotImplemented
     groups = form.groups()  # the argmax alone: kept, or a walk for the maximum only (no exponential)
     if len(groups) == 1:
@@ -172,7 +174,7 @@ def _argmax(input: Tensor, dim: int | None = None, keepdim: bool = False, *, out
 
 def _max(input: Tensor, dim: object = None, keepdim: bool = False, *, out: object = None) -> object:
     form = form_of(input)
-    if form is None or form.kind != "z" or out is not None or not _last(input, dim):
+    if form is None or form.kind is not RowValues.LOGITS or out is not None or not _last(input, dim):
         return NotImplemented
     stats = _statistics(form, _grad(input))
     values = _rows_out(stats.max.to(input.dtype), input, keepdim)

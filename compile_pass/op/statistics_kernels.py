@@ -75,7 +75,7 @@ def row_shift(row_max: Tensor) -> Tensor:
     return torch.where(row_max.abs() == float("inf"), 0.0, row_max)
 
 
-def initial_state(num_tokens: int, num_indices: int | None, like: Tensor) -> tuple:
+def initial_statistics(num_tokens: int, num_indices: int | None, like: Tensor) -> tuple:
     """A row's state before its first block: ``(row_max -inf, s 0, t 0, argmax 0, selected 0
     [n, K] or None)``, in ``like``'s dtype and device."""
     zeros = [like.new_zeros(num_tokens) for _ in range(2)]
@@ -88,7 +88,7 @@ def statistics_forward(
     logits: Tensor,  # [n, Vb] projection dtype: the columns [vocab_start, vocab_start + Vb)
     indices: Tensor | None,  # [n, K] int64 (whole-vocabulary columns)
     temperature_rows: Tensor | None,  # [n]
-    row_max: Tensor,  # [n] the state of the row's earlier blocks (initial_state) ...
+    row_max: Tensor,  # [n] the state of the row's earlier blocks (initial_statistics) ...
     sum_exp: Tensor,  # [n] s
     sum_shifted: Tensor,  # [n] t
     argmax: Tensor,  # [n] int64

@@ -56,7 +56,7 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
         rows = slice(start, end)
         index_rows = None if indices is None else indices[rows]
         temperature_rows = None if temperature is None else temperature[rows]
-        state = statistics_kernels.initial_state(end - start, num_indices, selected)
+        state = statistics_kernels.initial_statistics(end - start, num_indices, selected)
         if maximum_only:
             state = (state[0], state[3], state[4])  # row_max, argmax, selected
         for block_start, block_end in vocab_blocks:

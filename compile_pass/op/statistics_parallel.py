@@ -15,7 +15,7 @@ from compile_pass.op.custom_ops import input_grads
 from compile_pass.op.statistics_ops import OPTIONS, STATISTICS, TENSORS
 from compile_pass.op.vocab_parallel_ops import all_reduce
 
-NAME = "chunkce.vocab_parallel_row_statistics"
+PARALLEL_NAME = "chunkce.vocab_parallel_row_statistics"
 ROW_STATISTICS_SCHEMA = (f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, {TENSORS}, {STATISTICS}, *, "
                          f"str group_name, {OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
@@ -61,7 +61,7 @@ def _(selected, lse, entropy, max, *tensors, **arguments):
     return tuple(torch.empty_like(value) for value in (selected, lse, entropy, max))
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
+def _parallel_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*inputs[4:])  # the six tensors, then the four statistics
     arguments = dict(keyword_only_inputs)
@@ -70,7 +70,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max):
+def _parallel_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max):
     grad_hidden, grad_weight, grad_bias = statistics_ops.backward(
         (grad_selected, grad_lse, grad_entropy, grad_max), ctx.saved_tensors, ctx.arguments,
         ctx.needs_input_grad[4:7])
@@ -79,4 +79,4 @@ def _backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max):
     return input_grads(ctx, {4: grad_hidden, 5: grad_weight, 6: grad_bias})
 
 
-_row_statistics_op.register_autograd(_backward, setup_context=_setup_context)
+_row_statistics_op.register_autograd(_parallel_backward, setup_context=_parallel_setup_context)

@@ -66,7 +66,7 @@ def test_several_sites_in_one_graph():
     assert recorder.logits_like(N, V2) == []
     stats = counters["chunkce"]
     assert (stats["sites_found"], stats["sites_rewritten"], stats["logits_kept"]) == (2, 2, 0)
-    assert [r.decision for r in records()] == [report.REWRITTEN] * 2
+    assert [r.decision for r in records()] == [report.Decision.REWRITTEN] * 2
 
 
 def test_sites_on_both_sides_of_a_graph_break():
@@ -99,7 +99,7 @@ class SharedLogits(nn.Module):
 def test_same_logits_feeding_two_losses_are_not_reported_kept():
     recorder, _ = compare_with_stock(SharedLogits(), *inputs())
     recorder.assert_rewritten(N, V, sites=2)
-    assert [(r.decision, r.reason, r.fix) for r in records()] == [(report.REWRITTEN, "", "")] * 2
+    assert [(r.decision, r.reason, r.fix) for r in records()] == [(report.Decision.REWRITTEN, "", "")] * 2
     stats = counters["chunkce"]
     assert (stats["sites_rewritten"], stats["logits_kept"]) == (2, 0), dict(stats)
     logits_bytes = N * V * 4
@@ -183,7 +183,7 @@ def test_other_users_of_the_logits_see_them_exact(loss):
     assert recorder.op_count() == 1
     assert recorder.logits_like(N, V) != []  # the projection stays for its other user
     (record,) = records()
-    assert (record.decision, record.reason, record.fix) == (report.REWRITTEN, report.LOGITS_KEPT, "")
+    assert (record.decision, record.reason, record.fix) == (report.Decision.REWRITTEN, report.LOGITS_KEPT, "")
     assert counters["chunkce"]["logits_kept"] == 1
     if loss is accuracy:  # the metric reads the logits' values: the exact argmax, not a close one
         compiled = torch.compile(ExtraUser(loss), backend="chunkce", options={"inner_backend": "aot_eager"})

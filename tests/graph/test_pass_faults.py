@@ -143,7 +143,7 @@ def test_a_fault_in_the_returned_logits_pass_leaves_the_logits_computed(stage, m
     assert result.returned is None and str(gm.graph) == after_losses
     gm.graph.lint()
     assert sum(node.target is OP for node in gm.graph.nodes) == 1
-    assert [(r.decision, r.reason) for r in result.report.records] == [(report.REWRITTEN, report.LOGITS_KEPT)]
+    assert [(r.decision, r.reason) for r in result.report.records] == [(report.Decision.REWRITTEN, report.LOGITS_KEPT)]
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings and any(r.exc_info and r.exc_info[0] is Injected for r in warnings)
     gm = _captured(Head(returns_logits=True))
@@ -177,7 +177,7 @@ def test_a_fault_in_reporting_keeps_the_rewritten_graph(caplog):
     gm = _captured(Head())
     with stages.hooked("report", _raise), caplog.at_level(logging.WARNING, logger="compile_pass"):
         result = fuse_linear_cross_entropy(gm.graph)
-    assert [r.decision for r in result.records] == [report.REWRITTEN]
+    assert [r.decision for r in result.records] == [report.Decision.REWRITTEN]
     assert sum(node.target is OP for node in gm.graph.nodes) == 1
     assert any("could not report" in r.getMessage() for r in caplog.records)
 

@@ -27,12 +27,12 @@ def test_every_refusal_kind_has_its_own_fix():
         assert kind.fix.startswith("fix: ") and len(kind.fix) > len("fix: ") + 10, kind
         key = kind.key.format(op="tanh")
         assert fix_for(key) == kind.fix, kind  # kinds counted under one key share their fix
-        record = report.SiteRecord("x.py:1 in f: loss", "lm_head", report.REFUSED, "why", key)
+        record = report.SiteRecord("x.py:1 in f: loss", "lm_head", report.Decision.REFUSED, "why", key)
         assert record.fix == kind.fix, kind
     for key in ("op_iadd", "some_future_key"):
-        record = report.SiteRecord("x.py:1 in f: loss", "lm_head", report.REFUSED, "why", key)
+        record = report.SiteRecord("x.py:1 in f: loss", "lm_head", report.Decision.REFUSED, "why", key)
         assert record.fix.startswith("fix: ") and len(record.fix) > len("fix: ") + 10, key
-    rewritten = report.SiteRecord("x.py:1 in f: loss", "lm_head", report.REWRITTEN, "")
+    rewritten = report.SiteRecord("x.py:1 in f: loss", "lm_head", report.Decision.REWRITTEN, "")
     assert rewritten.fix == ""
 
 

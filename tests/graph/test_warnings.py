@@ -341,4 +341,4 @@ def test_a_sequence_classifier_logs_no_warning_and_matches_eager(logs):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert warnings_of(logs) == []
     (record,) = compile_pass.last_report().records
-    assert (record.decision, record.reason_key, record.warns) == (report.REFUSED, "advanced_index", False)
+    assert (record.decision, record.reason_key, record.warns) == (report.Decision.REFUSED, "advanced_index", False)

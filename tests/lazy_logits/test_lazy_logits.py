@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass import LazyLogits, StaleLogitsError
-from compile_pass.graph.report import LEFT, NO_GRAD_LOGITS_READ
+from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision
 from compile_pass.graph.returned_logits import STAND_IN
 from compile_pass.memory import PeakMemory
 
@@ -283,7 +283,7 @@ def test_no_grad_graph_that_reads_its_logits_is_left_as_stock_with_the_reason(ch
     assert (stats["sites_found"], stats["sites_left"], stats["sites_rewritten"], stats["sites_refused"]) == (
         1, 1, 0, 0)
     (record,) = compile_pass.last_report().records
-    assert (record.decision, record.reason, record.reason_key) == (LEFT, NO_GRAD_LOGITS_READ, "no_grad_logits_read")
+    assert (record.decision, record.reason, record.reason_key) == (Decision.LEFT, NO_GRAD_LOGITS_READ, "no_grad_logits_read")
     assert not [r for r in chunkce_logs.records if r.levelno >= logging.WARNING and r.name.startswith("compile_pass")]
     assert any("left" in r.getMessage() and r.levelno == logging.INFO for r in chunkce_logs.records)
     with torch.no_grad():
@@ -403,5 +403,5 @@ def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stoc
     if grad:
         assert (record.decision, len(ops)) == ("rewritten", 1)
     else:
-        assert (record.decision, record.reason_key, ops) == (LEFT, "no_grad_logits_read", [])
+        assert (record.decision, record.reason_key, ops) == (Decision.LEFT, "no_grad_logits_read", [])
     torch.testing.assert_close(tuple(got), tuple(expected))
