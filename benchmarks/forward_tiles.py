@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from compile_pass.op import linear_cross_entropy
-from compile_pass.op.chunking import MiB, resolve_tiles
+from compile_pass.op.tiling import MiB, resolve_tiles
 
 
 def main(argv: list[str] | None = None) -> None:

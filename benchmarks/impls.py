@@ -262,7 +262,7 @@ class LMHeadLoss(nn.Module):
 def chunkce_chunk_size(inputs: OpInputs) -> int:
     """Tokens per chunk chunkce uses for these inputs.
 
-    Asks the op's own rule (``compile_pass.op.chunking.resolve_tiles``: its ``n``), so an
+    Asks the op's own rule (``compile_pass.op.tiling.resolve_tiles``: its ``n``), so an
     explicit ``chunk_size`` and ``CHUNKCE_CHUNK_SIZE`` count as they do in the op;
     raises whatever the rule raises (ours: a changed signature must fail loudly).
     """
@@ -270,9 +270,9 @@ def chunkce_chunk_size(inputs: OpInputs) -> int:
 
 
 def chunkce_tiles(inputs: OpInputs, whole_rows: bool = False):
-    """The tiles chunkce uses for these inputs (``compile_pass.op.chunking.resolve_tiles``:
+    """The tiles chunkce uses for these inputs (``compile_pass.op.tiling.resolve_tiles``:
     the op's own rule; ``whole_rows`` for its grads-in-forward op)."""
-    from compile_pass.op.chunking import resolve_tiles
+    from compile_pass.op.tiling import resolve_tiles
 
     n, v = inputs.hidden.shape[0], inputs.weight.shape[0]
     return resolve_tiles(inputs.chunk_size, n, v, inputs.hidden.element_size(), inputs.hidden.device.type,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compile_pass.op.function import linear_cross_entropy
+from compile_pass.op.loss import linear_cross_entropy
 
 N, H, V = 96, 32, 509  # tokens (several chunks of 32), hidden size, vocabulary (odd)
 CHUNK = 32

@@ -11,12 +11,11 @@ from importlib.metadata import EntryPoint
 from typing import Any
 
 from compile_pass import dynamo_scope
-from compile_pass.op import RowStatistics, linear_cross_entropy, linear_statistics
 from compile_pass.explain import explain  # imported, not lazy: the submodule of that name would shadow it
 from compile_pass.graph import fuse_linear_cross_entropy
-from compile_pass.graph.publish import last_report
-from compile_pass.graph.report import PassReport, SiteRecord, UnmatchedRecord
+from compile_pass.graph.report import PassReport, SiteRecord, UnmatchedRecord, last_report
 from compile_pass.lazy_logits import DroppedLogits, LazyLogits, StaleLogitsError
+from compile_pass.op import RowStatistics, linear_cross_entropy, linear_statistics
 from compile_pass.options import Options
 from compile_pass.pre_grad import ChunkcePreGradPass
 

@@ -14,7 +14,7 @@ from torch._dynamo.backends import registry
 
 from compile_pass import cache_key, dynamo_scope
 from compile_pass.graph.pipeline import run_pass
-from compile_pass.graph.publish import publish
+from compile_pass.graph.report import publish
 from compile_pass.lazy_logits import wrap_compiled
 from compile_pass.options import Options
 

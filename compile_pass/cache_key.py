@@ -1,4 +1,6 @@
-"""The tag that ties torch.compile's caches to chunkce's source and options:
+"""The tag that ties torch.compile's caches to chunkce's source and options.
+
+The tag that ties torch.compile's caches to chunkce's source and options:
 ``tag(options) -> "chunkce:<source hash>:<options.cache_key()>"``, appended to
 ``torch.compiler.config.cache_key_tag`` by the backend and the pre-grad pass's ``uuid()``.
 """

@@ -1,4 +1,6 @@
-"""While Dynamo traces a frame for chunkce (or :func:`compile_pass.explain`), it skips
+"""How Dynamo traces for chunkce: transformers' one-shot logging skipped, for chunkce only.
+
+While Dynamo traces a frame for chunkce (or :func:`compile_pass.explain`), it skips
 transformers' ``warning_once`` / ``info_once``, which would break the graph between the lm_head
 and the loss (GPT-2); every other backend sees ``ignore_logging_functions`` as stock.
 Installed on first use, never on import, for every thread. Why and how: docs/models.md,

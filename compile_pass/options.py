@@ -25,7 +25,7 @@ class Options:
     Attributes:
         chunk_size: tokens a tile (``n`` of the op's ``[n, Vb]`` tiles) at every rewritten site;
             chunk_bytes: a tile's byte budget (sets ``Vb``). None: the op's
-            (:func:`compile_pass.op.chunking.resolve_tiles`).
+            (:func:`compile_pass.op.tiling.resolve_tiles`).
         grads_in_forward: ``"mean"`` / ``"sum"`` sites compute their gradients during forward
             and hold ``[N, H] + [V, H]`` until backward (docs/op.md, "Grads-in-forward mode").
         strict: raise ``NotImplementedError`` with the reason where a site cannot be rewritten.
@@ -96,7 +96,7 @@ class Options:
         return ";".join(f"{f.name}={_key_text(getattr(self, f.name))}" for f in fields(self))
 
     def op_options(self) -> dict[str, Any]:
-        """The keywords of :func:`compile_pass.op.function.chunked_cross_entropy` every rewritten
+        """The keywords of :func:`compile_pass.op.loss.chunked_cross_entropy` every rewritten
         site passes from these options (the one conversion)."""
         return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes}
 

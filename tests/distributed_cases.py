@@ -219,7 +219,7 @@ def pass_outcome(recorder: GraphRecorder) -> dict[str, Any]:
     """This rank's chunkce counters, the reasons it logged, and its recorded graphs."""
     from torch._dynamo.utils import counters
 
-    from compile_pass.graph.publish import last_report
+    from compile_pass.graph.report import last_report
 
     report = last_report()
     return {

@@ -58,7 +58,7 @@ def _problem(dtype=torch.float64, vocab_size=VOCAB, bias=True, seed=0):
 
 
 def _sweep(shard: Shard, dtype: torch.dtype, tiles: dict) -> dict[str, Any]:
-    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.kernels import HeadTransform
 
     temperature = torch.rand(14, generator=torch.Generator().manual_seed(4), dtype=dtype) + 0.5
     configurations = {

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.statistics import RowStatistics, linear_statistics
-from compile_pass.op.transform import HeadTransform
+from compile_pass.op.kernels import HeadTransform
 
 OUTPUTS = ("selected", "lse", "entropy", "max")  # the differentiable outputs (argmax is an index)
 

@@ -10,12 +10,14 @@ Read from the docs' text, no network, no compile:
 - every ``CHUNKCE_*`` variable is read somewhere in the package or the tests;
 - a ``python -m benchmarks.x --flag`` / ``python examples/x.py --flag`` command's script
   exists and declares each ``--flag`` it is given;
-- docs/design.md's module map lists exactly the modules of ``compile_pass/`` (no more, no less);
+- docs/design.md's module map lists exactly the modules of ``compile_pass/``, each with its
+  docstring's first line (generated: ``python tests/test_docs_names.py``);
 - ``compile_pass.__all__`` (what docs/api.md calls importable from ``compile_pass``) resolves.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import re
 from pathlib import Path
@@ -129,25 +131,35 @@ def test_documented_commands_have_their_flags():
     assert wrong == []
 
 
-def _design_module_map() -> set[str]:
+def _summary(path: Path) -> str:
+    """The first line of a module's docstring."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def module_map(folder: Path = PACKAGE, depth: int = 0) -> list[str]:
+    """docs/design.md's module map of ``folder``: each module with its docstring's first line, then
+    each sub-package, indented two spaces a level (``python tests/test_docs_names.py`` prints it)."""
+    lines = [f"{'  ' * depth}{folder.name}/"]
+    modules = sorted(folder.glob("*.py"))
+    width = max(len(path.name) for path in modules) + 2
+    lines += [f"{'  ' * (depth + 1)}{path.name:<{width}}{_summary(path)}".rstrip() for path in modules]
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        lines += module_map(sub, depth + 1)
+    return lines
+
+
+def _design_module_map() -> list[str]:
     text = (ROOT / "docs" / "design.md").read_text()
-    block = text.split("## Layout", 1)[1].split("```", 2)[1]
-    modules, folder = set(), ""
-    for line in block.splitlines():
-        entry = re.match(r"(\s*)(\S+)", line)
-        if not entry or entry.group(2) == "compile_pass/":
-            continue
-        name, depth = entry.group(2), len(entry.group(1))
-        if name.endswith("/") and depth == 2:
-            folder = name
-        elif name.endswith(".py"):
-            modules.add(name if depth == 2 else folder + name)
-    return modules
+    return text.split("## Module map", 1)[1].split("```", 2)[1].strip("\n").splitlines()
 
 
 def test_design_module_map_is_the_tree():
-    tree = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
-    assert _design_module_map() == tree
+    """The map lists every module of ``compile_pass/`` with its docstring's first line: it is
+    generated (``python tests/test_docs_names.py``), and cannot go stale."""
+    expected = module_map()
+    assert any(line.strip().startswith("apply.py") for line in expected)  # the check reads the tree
+    assert _design_module_map() == expected, "docs/design.md's module map is stale:\n" + "\n".join(expected)
 
 
 @pytest.mark.parametrize("name", importlib.import_module("compile_pass").__all__)
@@ -155,3 +167,7 @@ def test_everything_in_all_is_importable(name):
     import compile_pass
 
     assert getattr(compile_pass, name) is not None
+
+
+if __name__ == "__main__":
+    print("\n".join(module_map()))

@@ -76,8 +76,8 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
              projection_dtype=None, loss_fn=None, seed: int = 1, **overrides) -> dict[str, tuple]:
     """The vocabulary-parallel loss on this rank's shard and the reference on the whole head; a random
     upstream gradient; returns ``(got, expected)`` of the loss and every gradient."""
-    from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.loss import chunked_cross_entropy
 
     transform = transform or HeadTransform()
     start, size = shard.rows(*weight.shape)
@@ -115,7 +115,7 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
 
 
 def _sweep(shard: Shard, dtype: torch.dtype) -> dict[str, Any]:
-    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.kernels import HeadTransform
 
     weight, bias, hidden, target, class_weight = problem(1001, dtype=dtype)
     pairs = {}
@@ -135,7 +135,7 @@ def case_exact_fp64(shard: Shard) -> dict[str, Any]:
     """Every reduction, smoothing, class weights, a scale and a divisor, with bias; fp64. And once
     under ``torch.no_grad()`` (no gradient attaches, the loss is the same)."""
     result = _sweep(shard, torch.float64)
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.loss import chunked_cross_entropy
 
     weight, bias, hidden, target, class_weight = problem(1001)
     start, size = shard.rows(*weight.shape)
@@ -180,8 +180,8 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
 
-    from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.loss import chunked_cross_entropy
 
     graphs: dict[str, list[str]] = {"dynamo": [], "forward": [], "backward": []}
 
@@ -218,7 +218,7 @@ def traced_loss(group_name: str, fakes: list, **kwargs) -> torch.fx.GraphModule:
     (:func:`compile_pass.graph.nodes.trace_into`: FX proxies, placeholders carrying fake values):
     ``(hidden_states, weight, target, bias, class_weight) -> loss``."""
     from compile_pass.graph.nodes import trace_into
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.loss import chunked_cross_entropy
 
     graph = torch.fx.Graph()
     placeholders = []
@@ -235,7 +235,7 @@ def case_fx_traced(shard: Shard) -> dict[str, Any]:
     """Emitted into an FX graph with proxies, as the graph pass emits it, then run: exact."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.kernels import HeadTransform
 
     weight, bias, hidden, target, class_weight = problem(1001)
     start, size = shard.rows(*weight.shape)
@@ -257,7 +257,7 @@ def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from compile_pass import linear_cross_entropy
-    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.kernels import HeadTransform
 
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
     head = nn.Linear(8, 1001)
@@ -305,10 +305,10 @@ def case_inductor(shard: Shard) -> dict[str, Any]:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from compile_pass.op.transform import HeadTransform
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.loss import chunked_cross_entropy
 
-    os.environ["CHUNKCE_EAGER_KERNELS"] = "0"  # read at each call (compile_pass.op.settings)
+    os.environ["CHUNKCE_EAGER_KERNELS"] = "0"  # read at each call (compile_pass.op.tiling)
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
     start, _ = shard.rows(*weight.shape)
     op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
@@ -333,7 +333,7 @@ def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
     rank) and under saved-tensor hooks that pack every saved tensor into a copy."""
     from torch.utils.checkpoint import checkpoint
 
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.loss import chunked_cross_entropy
 
     weight, bias, hidden, target, class_weight = problem(1001)
     start, _ = shard.rows(*weight.shape)
@@ -358,7 +358,7 @@ def case_checkpoint_and_hooks(shard: Shard) -> dict[str, Any]:
 def case_memory(shard: Shard) -> dict[str, Any]:
     """Peak bytes of this rank's forward and backward above their inputs, against a tile and ``[N, V_local]``."""
     from compile_pass.memory import measure_peak_bytes
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.loss import chunked_cross_entropy
 
     tokens, hidden_size, vocab_size, chunk_size, block = 512, 16, 8192, 32, 256
     weight, _, hidden, target, _ = problem(vocab_size, hidden_size=hidden_size, shape=(tokens,), dtype=torch.float32)
@@ -383,7 +383,7 @@ def case_empty_shard(shard: Shard) -> dict[str, Any]:
 
 def case_bad_target(shard: Shard) -> dict[str, Any]:
     """A target of V (outside the vocabulary, not ignored) raises on every rank, naming the range."""
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.loss import chunked_cross_entropy
 
     weight, _, hidden, target, _ = problem(1001)
     target.view(-1)[0] = 1001

@@ -7,16 +7,45 @@ Each ``REWRITE`` plan is one :class:`compile_pass.graph.nodes.Edit` (the rewrite
 a failure undoes it and the site is refused as ``internal_error``. Then the logits planned
 ``LAZY`` / ``DROPPED`` are taken out (``take_out``), each projection in an edit of its own: a
 failure leaves them computed (``LOGITS_KEPT``). The records are the plans' with what was done.
+
+Replace one accepted cross-entropy site with a call of the chunked op.
+
+    logits = linear(h, W, b)            # kept only if something else uses it
+    x = (logits * s).float()[..., :-1, :].contiguous().view(-1, V)   # s: a number or a 0-d tensor
+    loss = cross_entropy(x, labels, ...)
+becomes
+    h2 = h[..., :-1, :]                 # token-dim indexing replayed on the hidden states
+    loss, lse = torch.ops.chunkce.linear_cross_entropy(h2.flatten(0, -2), W, labels.reshape(-1), b, ...,
+                                                       torch.float32, chunk_size, None, s, ...)
+    loss = (loss.sum() / (labels.reshape(-1) != ignore_index).sum()).to(torch.float32)   # "mean"
+
+The scaling is passed to the op as its head transform (``transform=``: what
+:meth:`compile_pass.graph.projection.Scale.head_transform` read) and its node erased with the
+casts when nothing else uses it.
+Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone. What is
+traced in place of the loss node is the spelling's replacement (:mod:`compile_pass.graph.spellings`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
-from compile_pass.graph import guard
-from compile_pass.graph.logits_fate import Fate
-from compile_pass.graph.nodes import Edit, example_value, size_hint
+import torch
+from torch.fx import Graph, Node
+
+from compile_pass.graph import guard, tensor_parallel
+from compile_pass.graph.guard import cast_chains
+from compile_pass.graph.nodes import (
+    Edit,
+    create_node,
+    example_value,
+    is_tensor_node,
+    size_hint,
+    trace_into,
+)
 from compile_pass.graph.plan import Action, LogitsPlan, SitePlan
 from compile_pass.graph.report import (
     DROP_LOGITS_FIX,
@@ -29,9 +58,15 @@ from compile_pass.graph.report import (
     module_of,
     source_of,
 )
+from compile_pass.graph.returned_logits import Fate
 from compile_pass.graph.returned_logits import take_out as take_out_logits
-from compile_pass.graph.rewrite import rewrite_site
+from compile_pass.graph.sites import Reshape, Site, StepKind
+from compile_pass.graph.spellings.call import LossCall
 from compile_pass.graph.stages import attempt, reached
+from compile_pass.op.grads_in_forward import grads_wanted
+from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.loss import planned_tiles
+from compile_pass.op.tiling import Tiles
 from compile_pass.options import Options
 
 
@@ -115,3 +150,118 @@ def _note(plans: list[SitePlan], fate: Fate | None, droppable: bool, saved: int)
                                               logits_bytes_avoided=record.logits_bytes_avoided + saved)
         elif fate is not None:
             plan.record = dataclasses.replace(record, reason="", fix="")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rewritten:
+    """What the rewrite of one site did."""
+
+    # bytes no longer materialized: cross_entropy's own [N, V] buffers (the log-softmax it
+    # saves for backward and the logits' gradient), plus the forward logits and their
+    # casts where nothing else needs them
+    logits_bytes_avoided: int
+    tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.function.planned_tiles)
+    statistics: tuple[Node, ...] = ()  # a replacement's row statistics beside the loss (graph/plan.py)
+
+
+def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options) -> Rewritten:
+    """Replace an accepted ``site``'s loss node by ``replacement`` traced in (the spelling's:
+    token-dim indexing replayed on the hidden states, then the op's nodes), as part of ``edit``,
+    with the op's options from ``options`` (``grads_in_forward`` picks the grads-in-forward op
+    where the site's loss wants gradients). A replacement returning a tuple gives the loss and
+    row statistics (:attr:`Rewritten.statistics`)."""
+    graph: Graph = site.node.graph
+    projection, call, scale = site.projection, site.call, site.scale
+    meta = site.node.meta
+    sharded = projection.sharded  # a vocabulary-sharded head (graph/tensor_parallel.py), or None
+    with graph.inserting_before(site.node):
+        hidden = _hidden_states(site, meta)  # [..., H]
+        weight, bias = projection.weight, projection.bias
+        if sharded is not None:  # this rank's shards, [V_local, H] and [V_local]
+            _, weight, bias = tensor_parallel.local_operands(projection, graph, meta, hidden=False)
+        elif bias is not None and example_value(bias).dim() > 1:  # an added [1, ..., 1, V]: the op's [V]
+            bias = create_node(graph, "call_method", "reshape", (bias, -1), meta=meta)
+        if projection.weight_is_hv:
+            weight = create_node(graph, "call_method", "t", (weight,), meta=meta)  # [H, V] -> [V, H]
+        projection_dtype = example_value(projection.node).dtype
+        casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
+                           for arg in (hidden, weight) if is_tensor_node(arg))
+        wanted = None  # the grads-in-forward op's output_mask, from the fake values; None: recompute
+        if options.grads_in_forward and sharded is None:
+            wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
+                                    for node in (hidden, weight, bias)),
+                                  grad_enabled=example_value(site.node).requires_grad)
+        loss = call if isinstance(call, LossCall) else None  # a row statistic reads no target or argument
+        new = trace_into(
+            graph, replacement, hidden, weight, loss and loss.target, bias, loss and loss.weight,
+            reduction=loss.reduction if loss else "none", ignore_index=loss.ignore_index if loss else -100,
+            label_smoothing=float(loss.label_smoothing) if loss else 0.0, logits_dtype=cast_chains(site)[-1][-1],
+            projection_dtype=projection_dtype if casts_inputs else None,
+            transform=HeadTransform() if scale is None else scale.head_transform(meta),
+            grads_in_forward=wanted, meta=meta, **options.op_options(),
+        )
+        statistics = ()
+        if isinstance(new, tuple):
+            new, *statistics = new
+        if sharded is not None and sharded.loss_parallel:  # the loss a replicated DTensor, as loss_parallel's
+            new = tensor_parallel.as_dtensor_loss(sharded, new, graph, meta)
+    reached("traced", site)
+    logits = example_value(projection.node)  # [..., V]
+    vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
+    rows = loss.target if loss else site.node  # a row statistic's value: one per row
+    tiles = planned_tiles(size_hint(example_value(rows).numel()), vocab, projection_dtype, logits.device.type,
+                          reduction=loss.reduction if loss else "none", grads_in_forward=wanted,
+                          **options.op_options())
+    # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
+    loss_input = tensor_parallel.local_value(example_value(call.input))
+    loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
+    edit.replace_all_uses_with(site.node, new)
+    edit.erase(site.node)
+    bytes_avoided = loss_buffers + _erase_dead(site, edit)
+    reached("erased", site)
+    if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
+        scaled = tensor_parallel.local_value(example_value(scale.node))
+        bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
+    return Rewritten(bytes_avoided, tiles, tuple(statistics))
+
+
+def _hidden_states(site: Site, meta: dict) -> Node:
+    """The hidden states, indexed as the logits were on the way to the loss: ``[N, H]``,
+    or ``[B, T, H]`` when the loss took ``[B, V, T]`` logits."""
+    graph: Graph = site.node.graph
+    hidden = site.projection.hidden
+    if site.projection.sharded is not None:  # the replicated DTensor's local tensor
+        hidden, _, _ = tensor_parallel.local_operands(site.projection, graph, meta, weight=False)
+    hidden_size = example_value(hidden).shape[-1]
+    for step in site.hidden_plan:
+        if isinstance(step, Reshape):
+            hidden = create_node(graph, "call_method", "reshape", (hidden, *step.shape, hidden_size), meta=meta)
+        else:  # replay the token-dim indexing of the logits on the hidden states
+            node = step.node
+            hidden = create_node(graph, node.op, node.target, (hidden, *node.args[1:]), node.kwargs, meta=meta)
+    if site.class_dim_moved is None and example_value(hidden).dim() == 1:
+        hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
+    return hidden
+
+
+def _erase_dead(site: Site, edit: Edit) -> int:
+    """Erase the site's nodes nothing uses any more; bytes of logits no longer materialized.
+
+    Counted: the projection's output (and the matmul under a bias add) and every
+    dtype-changing cast of the logits that is gone.
+    """
+    projection = site.projection
+    materialized = {projection.node}
+    if projection.bias is not None and projection.inner:
+        materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
+    materialized.update(step.node for step in site.steps if step.kind is StepKind.CAST
+                        and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
+    bytes_avoided = 0
+    for node in site.erasable():
+        if node.users:
+            continue
+        value = tensor_parallel.local_value(example_value(node))  # a DTensor: this rank's bytes
+        if node in materialized and isinstance(value, torch.Tensor):
+            bytes_avoided += size_hint(value.numel()) * value.element_size()
+        edit.erase(node)
+    return bytes_avoided

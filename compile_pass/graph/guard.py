@@ -1,30 +1,33 @@
-"""Whether a matched cross-entropy site may be rewritten: None, or a :class:`Reason`.
+"""The guard: whether a matched site may be rewritten (None), or a :class:`Reason` why not.
 
-Refusing is normal: the site is left as it is. The rewrite must reproduce the
-captured graph exactly, so everything between the projection and the loss has to
-be shape- or dtype-only or one scaling by a constant the op takes (``logits * s``,
-``logits / s``: :func:`compile_pass.graph.scale.read_scale`), the head has to be a
-plain floating tensor, and the targets have to be class indices the op can take.
-Every reason is worded from :mod:`compile_pass.graph.refusals`' table; what it says
-beyond the site (the op upstream of a stop, DDP / FSDP2 state) comes from
-:mod:`compile_pass.graph.diagnostics`.
+Refusing is normal: the site is left as it is. The rewrite must reproduce the captured graph
+exactly, so everything between the projection and the loss has to be shape- or dtype-only or one
+scaling by a constant the op takes (:func:`compile_pass.graph.projection.read_scale`), the head
+a plain floating tensor, the dtypes the logits pass through (:func:`cast_chains`, which the
+rewrite reads too) widening only, and the targets class indices the op can take. Every reason
+is worded from :mod:`compile_pass.graph.refusals`' table; what it says beyond the site (its cause
+and fix) comes from :func:`name_opaque` (the op that stopped the walk, named by what lies upstream
+of it: a soft cap, a projection the op cannot take, LoRA on the head under PEFT, a DTensor gather)
+and :func:`graph_break_cause` (why the logits arrive as a graph input: DDP's graph split, an FSDP2
+unit). Only the wording depends on those two, never whether a site is refused.
 """
 
 from __future__ import annotations
 
 import operator
+import re
+from collections import deque
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from compile_pass.graph import diagnostics
-from compile_pass.graph.calls import LossCall
-from compile_pass.graph.dtype_chains import cast_chains
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
+from compile_pass.graph.projection import as_projection
 from compile_pass.graph.refusals import Reason, Refusal
-from compile_pass.graph.sites import Site
+from compile_pass.graph.sites import Site, StepKind
+from compile_pass.graph.spellings.call import LossCall
 from compile_pass.graph.tensor_parallel import local_value, loss_parallel_problem
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -103,12 +106,12 @@ def stop_reason(site: Site) -> Reason | None:
     if kind is None:
         return None
     if kind is Refusal.OPAQUE:
-        return diagnostics.name_opaque(stop)
+        return name_opaque(stop)
     fields = {"op": op_name(stop) if stop is not None else "?", "detail": site.stop_detail, "error": site.error}
     if kind in (Refusal.GRAPH_INPUT, Refusal.SUBGRAPH_INPUT):
         fields["input"] = stop.target
     if kind is Refusal.GRAPH_INPUT:
-        fields["cause"] = diagnostics.graph_break_cause(stop)
+        fields["cause"] = graph_break_cause(stop)
     if kind is Refusal.CLASS_DIM_1:
         fields["shape"] = tuple(example_value(stop).shape)
     return Reason(kind, **fields)
@@ -218,3 +221,127 @@ def _fresh_and_unread(node: Node, read: set[Node]) -> bool:
         value = example_value(storage)
         return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
     return op_name(storage) in _ALLOCATIONS
+
+
+def logits_dtypes(site: Site) -> list[torch.dtype]:
+    """The dtypes the logits pass through: the projection's, each cast's, the scaling's,
+    and the dtype the loss is computed in (the cross-entropy output's: fp32 under
+    autocast). Consecutive repeats are dropped."""
+    chain = [example_value(site.projection.node).dtype]
+    chain += [example_value(step.node).dtype for step in site.steps if step.kind in (StepKind.CAST, StepKind.SCALE)]
+    chain.append(example_value(site.node).dtype)
+    return _dedupe(chain)
+
+
+def cast_chains(site: Site) -> list[list[torch.dtype]]:
+    """The dtype chains between the points where the op rounds the logits: :func:`logits_dtypes`,
+    split at the scaling's dtype when there is one."""
+    if site.scale is None:
+        return [logits_dtypes(site)]
+    chains: list[list[torch.dtype]] = [[example_value(site.projection.node).dtype]]
+    for step in site.steps:
+        if step.kind is StepKind.CAST:
+            chains[-1].append(example_value(step.node).dtype)
+        elif step.kind is StepKind.SCALE:
+            chains[-1].append(site.scale.dtype)
+            chains.append([site.scale.dtype])
+    chains[-1].append(example_value(site.node).dtype)
+    return [_dedupe(chain) for chain in chains]
+
+
+def _dedupe(chain: list[torch.dtype]) -> list[torch.dtype]:
+    """``chain`` without consecutive repeats."""
+    return [dtype for i, dtype in enumerate(chain) if i == 0 or dtype != chain[i - 1]]
+
+
+_SOFT_CAPS = {"tanh", "tanh_", "softcap"}
+_HINTS = {  # " (<hint>)" after an op between projection and loss
+    "add": "an added tensor, e.g. LoRA on the head (the op has no low-rank branch); with PEFT, leave lm_head "
+           "out of target_modules (modules_to_save=['lm_head'] trains the head itself and is rewritten) or merge "
+           "the adapter first (merge_and_unload)",
+    "sub": "an added tensor",
+    "detach": "it cuts the gradient", "clamp": "logit clipping",
+    **dict.fromkeys(("to_local", "redistribute", "full_tensor"),
+                    "DTensor logits, gathered on the way, that are not a vocabulary-sharded linear head's "
+                    "(graph/tensor_parallel.py takes ColwiseParallel heads: docs/distributed.md)"),
+}
+_PROJECTION_LIKE = ("mm", "linear", "matmul", "einsum", "conv", "tensordot", "module ")
+_UPSTREAM_DEPTH = 8  # nodes upstream of the stop searched for a projection or a soft cap
+
+_DYNAMO_INPUT = re.compile(r"[LG]_")  # Dynamo names its inputs by source: L_logits_, L_stack0_, G_...
+_CALL_RESULT = re.compile(r"L_stack\d+_")  # a resume function's stack value: the result of the breaking call
+
+
+def name_opaque(stop: Node) -> Reason:
+    """The reason for a walk stopped at ``stop`` (``Refusal.OPAQUE``): ``PRODUCER`` when
+    ``stop`` looks like a projection, ``SOFT_CAP`` when a ``tanh`` lies between it and a
+    projection upstream, ``OPAQUE`` (``op_<name>``) when a projection lies upstream,
+    else ``NO_PROJECTION``."""
+    name = op_name(stop)
+    if any(word in name for word in _PROJECTION_LIKE):
+        return Reason(Refusal.PRODUCER, what=f"producer `{name}`", expected="a plain linear/matmul with a 2-D weight")
+    found_projection, found_cap = False, None
+    queue, seen = deque([(stop, 0)]), {stop}
+    while queue:
+        node, depth = queue.popleft()
+        if op_name(node) in _SOFT_CAPS:
+            found_cap = node
+        if as_projection(node) is not None:
+            found_projection = True
+            continue
+        if depth == _UPSTREAM_DEPTH or node.op == "placeholder":
+            continue
+        for arg in node.all_input_nodes:
+            if arg not in seen and is_tensor_node(arg):
+                seen.add(arg)
+                queue.append((arg, depth + 1))
+    if found_cap is not None and found_projection:
+        return Reason(Refusal.SOFT_CAP, op=op_name(found_cap))
+    if found_projection:
+        hint = _HINTS.get(name)
+        return Reason(Refusal.OPAQUE, op=name, hint=f" ({hint})" if hint else "")
+    return Reason(Refusal.NO_PROJECTION, op=name)
+
+
+def graph_break_cause(stop: Node) -> str:
+    """What broke the graph before the logits input ``stop``, where the distributed
+    wrappers make it knowable: "" or "; <cause and fix>"."""
+    name = str(stop.target)
+    if not _DYNAMO_INPUT.match(name) and _in_ddp_optimizer():
+        return ("; DDP's graph split (torch._dynamo.config.optimize_ddp) put a bucket boundary there, at a "
+                "parameter used between the projection and the loss. Fix: compute that before the lm_head or "
+                "after the loss, raise DDP's bucket_cap_mb, or set torch._dynamo.config.optimize_ddp = False")
+    if not _CALL_RESULT.fullmatch(name):
+        return ""
+    if _fsdp2_in_use():
+        return ("; the lm_head call itself broke it, and FSDP2 is in use: an lm_head that is its own "
+                "fully_shard unit always does (FSDP2's hooks run under torch._dynamo.disable, so each unit's "
+                "call is a graph break). Fix: keep lm_head in the root group (the final fully_shard(model) "
+                "covers it; tied embeddings stay in one group with it), or make the head's unit also compute "
+                "the loss (one module whose forward runs lm_head and the loss, passed to fully_shard)")
+    return ("; the call that returned the logits broke it (e.g. an lm_head that is its own FSDP2 fully_shard "
+            "unit, or a module whose hooks Dynamo does not trace)")
+
+
+def _in_ddp_optimizer() -> bool:
+    """This compile runs inside a DDP forward whose graphs DDPOptimizer splits at bucket boundaries."""
+    try:
+        from torch._dynamo.utils import get_optimize_ddp_mode
+        from torch.nn.parallel import DistributedDataParallel
+
+        return (get_optimize_ddp_mode() == "ddp_optimizer"
+                and DistributedDataParallel._get_active_ddp_module() is not None)
+    except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
+        return False
+
+
+def _fsdp2_in_use() -> bool:
+    """Some module of this process has FSDP2 (``fully_shard``) applied (read from the composable-API
+    registry of every module with such state, ``_module_state_mapping``)."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(module, FSDPModule) for module in list(_module_state_mapping.keys()))
+    except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
+        return False

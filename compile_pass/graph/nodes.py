@@ -1,4 +1,6 @@
-"""Reading and writing nodes of a torch-level FX graph: op names, fake values
+"""Reading nodes of a torch-level FX graph (op names, fake values, sizes) and writing them (Edit).
+
+Reading and writing nodes of a torch-level FX graph: op names, fake values
 (``meta["example_value"]``), sizes; nodes created or traced in with their ``example_value``;
 an :class:`Edit` makes a site's changes all or nothing.
 """

@@ -19,12 +19,12 @@ from compile_pass.graph.apply import apply_plans, take_out_returned
 from compile_pass.graph.find import find_sites
 from compile_pass.graph.nodes import module_attr
 from compile_pass.graph.plan import plan_returned, plan_sites
-from compile_pass.graph.publish import publish as publish_report
 from compile_pass.graph.report import PassReport, SiteRecord, failed, unmatched
+from compile_pass.graph.report import publish as publish_report
 from compile_pass.graph.returned_logits import add_outputs
 from compile_pass.graph.stages import attempt
 from compile_pass.lazy_logits import Plan
-from compile_pass.op.settings import settings
+from compile_pass.op.tiling import settings
 from compile_pass.options import Options
 
 

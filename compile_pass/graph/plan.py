@@ -1,23 +1,37 @@
-"""Plan: what the pass will do at every site of a graph, decided before any edit (pure queries).
+"""Plan: per site rewrite / refuse / leave, per projection its logits' fate, before any edit.
+
+Plan: what the pass will do at every site of a graph and with the logits the sites read,
+decided before any edit (pure queries).
 
     plans, logits = plan_sites(sites, options, in_subgraph, take_out)
     returned = plan_returned(graph, options)   # a top-level graph with no site: its returned logits
 
 A :class:`SitePlan` per site: ``REWRITE`` (with its spelling's replacement), ``REFUSE`` (a
 :class:`compile_pass.graph.refusals.Reason`) or ``LEAVE``; a :class:`LogitsPlan` per projection
-the rewritten sites read: what becomes of its logits (:func:`compile_pass.graph.logits_fate.logits_fate`).
-The two are decided together: a site without grad whose logits stay computed (``KEPT``) is left
-as stock, since without grad Inductor fuses the upcast and the log-softmax into reductions over
-the logits, and the rewrite would only add a second projection; where they leave the graph
-lazy, the first such site that can is replaced by one walk that also returns the row statistics
-their reads need (:mod:`compile_pass.graph.one_walk`).
+the rewritten sites read, with its logits' :class:`compile_pass.graph.returned_logits.Fate`
+(:func:`logits_fate`): ``GONE``, nothing reads them any more (the rewrites erase the
+projection); ``LAZY`` / ``DROPPED``, only the graph output reads them, directly or through
+dtype casts, copies and a scale the pass absorbs, and ``returned_logits`` takes them out;
+``KEPT``, computed in the step (another reader, ``"keep"``, a higher-order op's body, inputs a
+recipe cannot take, a ``loss_parallel`` head's ``Shard(-1)`` logits). The two are decided
+together: a site without grad whose logits stay ``KEPT`` is left as stock, since without grad
+Inductor fuses the upcast and the log-softmax into reductions over the logits, and the rewrite
+would only add a second projection.
+
+One walk: a loss site without grad whose logits the step returns ``LAZY`` would walk the
+vocabulary twice, once for the loss and once more when the caller reads the returned logits (an
+``argmax`` for a metric). When the loss is the row statistics' (its spelling's ``one_walk``: no
+class weight, no label smoothing) and those statistics are exactly what the lazy logits' first
+read would compute (:func:`compile_pass.graph.returned_logits.returned_head`), the site is
+replaced by one ``chunkce::linear_statistics`` walk that gives the loss and returns the
+statistics, which the lazy logits keep (:func:`compile_pass.lazy_logits.wrap.wrap_compiled`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import partial
@@ -26,15 +40,17 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from compile_pass.graph import guard, no_site
-from compile_pass.graph.forms import Projection, as_projection
-from compile_pass.graph.logits_fate import Fate, dead_after, logits_fate
+from compile_pass.graph import find, guard
+from compile_pass.graph.guard import cast_chains
 from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
-from compile_pass.graph.one_walk import one_walk_replacement
+from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord, failed, module_of, source_of
-from compile_pass.graph.sites import Site
+from compile_pass.graph.returned_logits import Fate, recipe_nodes, returned_chain, returned_head
+from compile_pass.graph.sites import Reshape, Site
 from compile_pass.graph.stages import attempt, reached
+from compile_pass.lazy_logits.keys import holds
+from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -57,7 +73,7 @@ class SitePlan:
     action: Action
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
-    statistics: tuple[Node, ...] = ()  # rewritten by one walk (one_walk.py): its lse, entropy, max, argmax nodes
+    statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax nodes
 
 
 @dataclass
@@ -139,7 +155,7 @@ def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
 
 def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
     """The first site without grad among ``logits.sites`` (``LAZY``) that can, replaced by one
-    walk returning the row statistics of the returned logits (:mod:`compile_pass.graph.one_walk`)."""
+    walk returning the row statistics of the returned logits (:mod:`compile_pass.graph.plan`)."""
     dead = dead_after(plan.site for plan in logits.sites)
     for plan in logits.sites:
         if _requires_grad(plan.site.node):
@@ -158,7 +174,7 @@ def _requires_grad(loss: Node) -> bool:
 
 def _saves_memory(site: Site) -> bool:
     """Whether rewriting ``site`` would have saved memory: its classes (the class dim of its loss's
-    input) are a vocabulary's (:func:`compile_pass.graph.no_site.is_vocabulary`) against the hidden
+    input) are a vocabulary's (:func:`compile_pass.graph.find.is_vocabulary`) against the hidden
     size of the projection reached, or right under the stop; True when not known."""
     try:
         logits = site.call.input if site.call is not None else None
@@ -171,7 +187,7 @@ def _saves_memory(site: Site) -> bool:
             projection = as_projection(site.stop.args[0])
         hidden = projection.hidden if projection is not None else None
         hidden_size = size_hint(example_value(hidden).shape[-1]) if is_tensor_node(hidden) else None
-        return no_site.is_vocabulary(vocab, hidden_size)
+        return find.is_vocabulary(vocab, hidden_size)
     except Exception:  # noqa: BLE001 - only a log level depends on it: warn
         log.debug("chunkce: could not tell the width of a refused site's logits", exc_info=True)
         return True
@@ -180,17 +196,75 @@ def _saves_memory(site: Site) -> bool:
 def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
     """The returned logits of ``graph`` (a top-level graph with no cross-entropy site: a forward
     without labels) to take out lazy: each projection to the vocabulary
-    (:func:`compile_pass.graph.no_site.unmatched_projections`, with or without grad) that only the
-    graph output reads, through the steps of :func:`compile_pass.graph.logits_fate.returned_chain`,
+    (:func:`compile_pass.graph.find.unmatched_projections`, with or without grad) that only the
+    graph output reads, through the steps of :func:`compile_pass.graph.returned_logits.returned_chain`,
     under ``returned_logits="lazy"``, with more than one row per sequence (a decode step's
     ``[B, 1, V]`` stays computed: it is small, and the next token reads it at once)."""
     if options.returned_logits != "lazy":
         return []
     plans = []
-    for found in no_site.unmatched_projections(graph, training=False):
-        if not found.returned or no_site.decode_sized(found.projection):
+    for found in find.unmatched_projections(graph, training=False):
+        if not found.returned or find.decode_sized(found.projection):
             continue
         reached("fate", found.projection.node)
         if logits_fate(found.projection, [], options.returned_logits, False)[0] is Fate.LAZY:
             plans.append(LogitsPlan(found.projection, fate=Fate.LAZY, droppable=True))
     return plans
+
+
+def one_walk_replacement(site: Site, dead: set[Node],
+                         tiles: tuple[int | None, int | None]) -> Callable[..., Any] | None:
+    """``site``'s replacement that also returns the row statistics of its returned logits'
+    head, once the ``dead`` nodes are erased; None where the loss's walk cannot serve the reads:
+    a spelling without ``one_walk`` (or its refusal), token rows other than the head's (indexing
+    replayed on the hidden states), another scale than the returned logits', or logits that
+    the loss and the reads see as different values or accumulate in different dtypes."""
+    spelling = site.call.spelling.one_walk
+    replacement = spelling(site.call, site.projection) if spelling is not None else None
+    found = returned_head(site.projection, dead, tiles)
+    if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
+        return None
+    head, chain = found
+    if not all(isinstance(step, Reshape) for step in site.hidden_plan):
+        return None
+    if (site.scale is None) != (head.scale is None) or (site.scale is not None and site.scale.node not in chain):
+        return None
+    loss_dtype, returned_dtype = cast_chains(site)[-1][-1], head.logits_dtype
+    same_values = loss_dtype == returned_dtype or (holds(loss_dtype, head.computed_dtype)
+                                                   and holds(returned_dtype, head.computed_dtype))
+    if not same_values or accumulate_dtype(loss_dtype) != accumulate_dtype(returned_dtype):
+        return None
+    return partial(replacement, statistics_dtype=returned_dtype)
+
+
+def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[Fate, bool]:
+    """``(fate, droppable)`` of ``projection``'s logits after ``rewritten`` (the sites reading
+    them that will be rewritten) under ``returned_logits=mode``."""
+    dead = dead_after(rewritten)
+    if projection.node in dead:
+        return Fate.GONE, False
+    chain = returned_chain(projection.node, dead)
+    loss_parallel = projection.sharded is not None and projection.sharded.loss_parallel
+    droppable = chain is not None and not in_subgraph and not loss_parallel
+    (output,) = projection.node.graph.find_nodes(op="output")
+    if not droppable or mode not in ("lazy", "drop") or not isinstance(output.args[0], (tuple, list)):
+        return Fate.KEPT, droppable
+    if mode == "drop" and example_value(chain[-1]).requires_grad:
+        return Fate.DROPPED, True
+    return (Fate.LAZY if recipe_nodes(projection, chain) is not None else Fate.KEPT), True
+
+
+def dead_after(sites: Iterable[Site]) -> set[Node]:
+    """The nodes the rewrites of ``sites`` leave unread (each site's loss node, and what of
+    :meth:`compile_pass.graph.sites.Site.erasable` only dead nodes read), as the rewrites erase them."""
+    sites = list(sites)
+    dead = {site.node for site in sites}
+    candidates = [node for site in sites for node in site.erasable()]
+    grew = True
+    while grew:
+        grew = False
+        for node in candidates:
+            if node not in dead and all(user in dead for user in node.users):
+                dead.add(node)
+                grew = True
+    return dead

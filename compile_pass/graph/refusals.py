@@ -1,4 +1,6 @@
-"""Why a site is refused: every kind of refusal, and for each its counter key
+"""Why a site is refused: every kind of refusal with its counter key, message and fix (one table).
+
+Why a site is refused: every kind of refusal, and for each its counter key
 (``counters["chunkce"]["refused_<key>"]``: the kind's name unless the table says otherwise),
 message (a ``str.format`` template of the guard's fields) and fix. The keys are documented
 (docs/api.md, docs/design.md): a key changes only with the docs.

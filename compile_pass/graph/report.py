@@ -1,9 +1,28 @@
-"""What the pass did at each cross-entropy site: the records and their table.
+"""The report: a record per site, the table, and how a report is logged, counted and kept.
 
-One :class:`SiteRecord` per site; a :class:`PassReport` per graph, with an
-:class:`UnmatchedRecord` per projection to the vocabulary of a training graph that has
-no site (:mod:`compile_pass.graph.no_site`). How a report is logged, counted and kept:
-:mod:`compile_pass.graph.publish`.
+The report: what the pass did at each site (the records and their table), and how a report is
+published (logged, counted, kept).
+
+One :class:`SiteRecord` per site; a :class:`PassReport` per graph, with a :class:`ReturnedRecord`
+per returned logits taken out of a graph with no site and an :class:`UnmatchedRecord` per
+projection to the vocabulary of a training graph that has no site (:mod:`compile_pass.graph.find`).
+
+:func:`publish`: every report the backend or the pre-grad pass publishes is logged through
+``logging.getLogger("compile_pass.graph.report")``, counted in
+``torch._dynamo.utils.counters["chunkce"]``, and kept (:func:`last_report`). A rewritten site is
+logged at INFO. A refused site whose rewrite would have saved memory (``SiteRecord.warns``: its
+logits are a vocabulary's), and a projection to the vocabulary with no site, at WARNING with the
+reason and the fix, once per process for each (source line, reason key); a repeat (a graph
+compiled again: a new sequence length, DDP's pieces) at DEBUG. A refused site with a few classes
+(a classifier's score layer) and a site left as stock (``Decision.LEFT``) at INFO. A soft-capped
+head says that it is refused by design. :func:`compile_pass.explain` does not publish.
+
+Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``, ``sites_left``,
+``refused_<reason key>`` (e.g. ``refused_soft_cap``), ``logits_kept`` (rewritten sites whose
+logits other users still need), ``logits_lazy`` (returned logits computed only when read, the
+default ``returned_logits="lazy"``, of a loss's graph or of a forward without labels),
+``logits_dropped`` (returned logits not computed, ``returned_logits="drop"``),
+``logits_bytes_avoided`` and ``unmatched_projections``.
 """
 
 from __future__ import annotations
@@ -12,13 +31,16 @@ import logging
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 
+from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
-from compile_pass.graph import no_site
-from compile_pass.graph.logits_fate import Fate
+from compile_pass.graph import find
 from compile_pass.graph.refusals import Reason, fix_for
-from compile_pass.op.chunking import Tiles
+from compile_pass.graph.returned_logits import Fate
+from compile_pass.graph.stages import attempt, reached
+from compile_pass.op.tiling import Tiles
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +120,7 @@ NO_SITE_FIX = (
 @dataclass(frozen=True)
 class UnmatchedRecord:
     """A projection to the vocabulary in a training graph with no cross-entropy site
-    (:mod:`compile_pass.graph.no_site`): its logits, and their gradient, are computed in full."""
+    (:mod:`compile_pass.graph.find`): its logits, and their gradient, are computed in full."""
 
     source: str  # of the projection: "modeling_llama.py:512 in forward: logits = self.lm_head(...)"
     module: str  # "lm_head"; "" when unknown
@@ -120,7 +142,7 @@ def unmatched(graph: Graph) -> list[UnmatchedRecord]:
     try:
         return [UnmatchedRecord(source_of(found.projection.node), module_of(found.projection.node), found.vocab,
                                 found.use)
-                for found in no_site.unmatched_projections(graph) if not no_site.decode_sized(found.projection)]
+                for found in find.unmatched_projections(graph) if not find.decode_sized(found.projection)]
     except Exception:  # noqa: BLE001 - a diagnostic never fails the compile
         log.debug("chunkce: could not look for logits without a loss", exc_info=True)
         return []
@@ -228,3 +250,73 @@ def module_of(node: Node | None) -> str:
     path = re.sub(r"^[LG]\[[^\]]*\](\[[^\]]*\])*\.?", "", str(path))  # L['self'], L['args'][0], G['model']
     path = re.sub(r"(__dict__\['_modules'\]\[|_modules\[)'([^']*)'\]", r"\2", path)  # PEFT's wrappers: __dict__
     return path or getattr(module_type, "__name__", str(module_type))  # the root module: its class
+
+
+log = logging.getLogger(__name__)
+
+_last: PassReport | None = None
+_warned: set[tuple[str, str]] = set()  # (source, reason key) of every warning this process logged
+
+
+def publish(report: PassReport, strict: bool = False) -> None:
+    """Log each record (the module docstring says at which level), count it, and keep the
+    report for :func:`last_report` if it has any site; a failure is logged, not raised, unless
+    ``strict`` (:func:`compile_pass.graph.stages.attempt`)."""
+    attempt(strict, partial(_publish, report), lambda exc: None,
+            "could not report the pass's decisions; the graph is rewritten")
+
+
+def forget_warnings() -> None:
+    """Forget which (source, reason key) pairs were warned of: the next of each warns again."""
+    _warned.clear()
+
+
+def _publish(report: PassReport) -> None:
+    global _last
+    reached("report", report)
+    if report.records:
+        _last = report
+    stats = counters["chunkce"]
+    for record in report.records:
+        stats["sites_found"] += 1
+        if record.decision is Decision.REWRITTEN:
+            stats["sites_rewritten"] += 1
+            stats["logits_bytes_avoided"] += record.logits_bytes_avoided
+            stats["logits_kept"] += record.fate is Fate.KEPT
+            stats["logits_dropped"] += record.fate is Fate.DROPPED
+            stats["logits_lazy"] += record.fate is Fate.LAZY
+            log.info("chunkce: rewrote %s (%s, module %s, tiles %s, logits bytes avoided %s)%s",
+                     record.source, record.form or "loss", record.module or "?", tiles_text(record.tiles),
+                     record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
+        elif record.decision is Decision.LEFT:  # nothing is lost: no warning
+            stats["sites_left"] += 1
+            log.info("chunkce: left %s as stock compiles it: %s", record.source, record.reason)
+        else:
+            stats["sites_refused"] += 1
+            stats[f"refused_{record.reason_key}"] += 1
+            module = f" (module {record.module})" if record.module else ""
+            advice = SOFT_CAP_BY_DESIGN if record.reason_key == "soft_cap" else record.fix
+            level = _once(record.source, record.reason_key) if record.warns else logging.INFO
+            log.log(level, "chunkce: left %s unfused%s: %s; %s",
+                    record.source, module, record.reason, advice)
+    for returned in report.returned:
+        stats["logits_lazy"] += 1
+        stats["logits_bytes_avoided"] += returned.logits_bytes_avoided
+        log.info("chunkce: %s", returned)
+    for unmatched_record in report.unmatched:
+        stats["unmatched_projections"] += 1
+        log.log(_once(unmatched_record.source, "unmatched"), "chunkce: %s; %s", unmatched_record,
+                unmatched_record.fix)
+
+
+def _once(source: str, reason_key: str) -> int:
+    """WARNING the first time this process reports ``(source, reason_key)``, DEBUG after."""
+    if (source, reason_key) in _warned:
+        return logging.DEBUG
+    _warned.add((source, reason_key))
+    return logging.WARNING
+
+
+def last_report() -> PassReport | None:
+    """The report of the pass's latest run in this process that found a cross-entropy site."""
+    return _last

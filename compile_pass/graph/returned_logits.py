@@ -1,27 +1,56 @@
-"""Take out returned logits: a stand-in in their graph output slot (a NaN scalar expanded to their
-shape), and a recipe to compute them on read (``"lazy"``: the graph's chain from the projection,
-the graph returning the tensors it reads instead) or the refusing one (``"drop"``).
+"""Returned logits taken out of the graph: their fate, a stand-in in their slot, a recipe to make them.
+
+Returned logits taken out of the graph: what becomes of a projection's logits (:class:`Fate`),
+the chain of casts, copies and a scale from the projection to the graph output that only it
+reads (:func:`returned_chain`), and a stand-in in the output slot (a NaN scalar expanded to
+their shape) with a recipe to compute them on read (``LAZY``: the graph's chain, the graph
+returning the tensors it reads instead) or the refusing one (``DROPPED``).
 
     saved = take_out(projection, edit, Fate.LAZY)   # inside the edit of the logits (graph/apply.py)
-    plan = add_outputs(graph)                     # the recipes' inputs (and row statistics) appended: a Plan
-    compiled = wrap_compiled(inner(gm), plan)     # compile_pass.lazy_logits.wrap (the backend)
+    outputs = add_outputs(graph)                  # the recipes' inputs (and row statistics) appended
+    compiled = wrap_compiled(inner(gm), outputs)  # compile_pass.lazy_logits.wrap (the backend)
+
+The recipe's head as the row-statistics op takes it (:func:`head_of`: a
+:class:`compile_pass.lazy_logits.head.Head`), so that reads of the lazy logits that need only row
+statistics go through the op (:mod:`compile_pass.lazy_logits.reads`); None when the op cannot
+round as the chain does (casts before or after the scale that are not one rounding) or an
+operand is not among the recipe's inputs: reads then compute the logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from compile_pass.graph import tensor_parallel
-from compile_pass.graph.forms import Projection
-from compile_pass.graph.lazy_head import head_of
-from compile_pass.graph.logits_fate import Fate, recipe_nodes, returned_chain
-from compile_pass.graph.nodes import Edit, create_node, example_value, is_tensor_node, size_hint, tensor_op_name
+from compile_pass.graph.nodes import (
+    CASTS,
+    COPIES,
+    Edit,
+    create_node,
+    example_value,
+    is_tensor_node,
+    size_hint,
+    tensor_op_name,
+)
+from compile_pass.graph.projection import Projection, read_scale
 from compile_pass.graph.tensor_parallel import local_value
 from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
 from compile_pass.lazy_logits.head import Head
+from compile_pass.lazy_logits.keys import holds
+
+
+class Fate(Enum):
+    """What becomes of a projection's logits (the module docstring says when each)."""
+
+    GONE = "gone"
+    KEPT = "kept"
+    LAZY = "lazy"
+    DROPPED = "dropped"
+
 
 STAND_IN = "chunkce_returned_logits"  # meta key of the stand-in node in the graph output: its TakenOut
 
@@ -167,3 +196,85 @@ def add_outputs(graph: Graph) -> Plan | None:
     if extras:
         output.args = (type(values)([*values, *extras]),)
     return Plan(len(values), tuple(slots))
+
+
+def head_of(projection: Projection, chain: list[Node], inputs: list[Node], hidden: Node,
+            autocast_dtype: torch.dtype | None, tiles: tuple[int | None, int | None] = (None, None)) -> Head | None:
+    """The head of a recipe over ``inputs`` running ``chain`` (``[projection, step, ...,
+    returned]``), whose hidden states are the input ``hidden``, read in ``tiles`` (``(chunk_size,
+    chunk_bytes)``, None: the op's rule); None when the op cannot take it."""
+    position = {node: i for i, node in enumerate(inputs)}
+    operands = (hidden, projection.weight, projection.bias)
+    if any(node is not None and node not in position for node in operands):
+        return None
+    segments: list[list[torch.dtype]] = [[example_value(projection.node).dtype]]  # dtypes before / after the scale
+    scale = None
+    for node in chain[1:]:
+        read = read_scale(node)
+        if read is not None and read.scale is not None:
+            if scale is not None:
+                return None
+            scale = read.scale
+            segments.append([scale.dtype])
+        else:
+            segments[-1].append(example_value(node).dtype)
+    if not all(_one_rounding(dtypes) for dtypes in segments):
+        return None
+    bias = None if projection.bias is None else position[projection.bias]
+    common = dict(hidden=position[hidden], weight=position[projection.weight], bias=bias,
+                  logits_dtype=segments[-1][-1], weight_is_hv=projection.weight_is_hv,
+                  projection_dtype=autocast_dtype, sharded=projection.sharded is not None,
+                  chunk_size=tiles[0], chunk_bytes=tiles[1])
+    if scale is None:
+        return Head(computed_dtype=segments[0][0], **common)
+    value = scale.item if scale.item is not None else scale.value
+    if isinstance(value, Node) and value not in position:
+        return None
+    return Head(computed_dtype=scale.dtype, scale=position[value] if isinstance(value, Node) else value,
+                scale_is_input=isinstance(value, Node), divides=scale.divides, scale_dtype=scale.dtype, **common)
+
+
+def _one_rounding(dtypes: list[torch.dtype]) -> bool:
+    """Whether casting through ``dtypes`` rounds as one cast from the first to the last does."""
+    return all(holds(dtype, dtypes[0]) for dtype in dtypes[1:-1])
+
+
+def returned_chain(node: Node, dead: set[Node] = frozenset()) -> list[Node] | None:
+    """``[node, step, ..., returned]``: the projection and the steps of :func:`_is_step_of` (each
+    read by nothing but the next, ``dead`` nodes aside) up to a tensor the graph returns; None
+    when anything else reads them, or nothing does."""
+    chain = [node]
+    while True:
+        users = [user for user in chain[-1].users if user not in dead]
+        if users and all(user.op == "output" for user in users):
+            return chain if isinstance(example_value(chain[-1]), torch.Tensor) else None
+        if len(users) != 1 or not _is_step_of(users[0], chain[-1]):
+            return None
+        chain.append(users[0])
+
+
+def _is_step_of(node: Node, source: Node) -> bool:
+    """Whether ``node`` gives logits of ``source``'s shape and device, floating, from
+    ``source`` by a dtype cast (``.type_as(other)`` reads only ``other``'s dtype), a copy
+    or a scale the pass absorbs (:func:`compile_pass.graph.projection.read_scale`)."""
+    before, after = example_value(source), example_value(node)
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and after.is_floating_point()
+            and after.shape == before.shape and after.device == before.device):
+        return False
+    name = tensor_op_name(node)
+    if name in CASTS or name in COPIES:
+        return bool(node.args) and node.args[0] is source
+    read = read_scale(node)
+    return read is not None and read.scale is not None and read.scale.logits is source
+
+
+def recipe_nodes(projection: Projection, chain: list[Node]) -> tuple[list[Node], list[Node]] | None:
+    """The nodes a recipe of ``chain`` runs (in graph order) and their inputs; None when an
+    input is not a tensor or a number (a recipe cannot take it)."""
+    order = {node: i for i, node in enumerate(projection.node.graph.nodes)}
+    made = sorted({*projection.inner, *chain}, key=order.__getitem__)
+    inputs = list(dict.fromkeys(arg for node in made for arg in node.all_input_nodes if arg not in made))
+    if not all(isinstance(example_value(node), (torch.Tensor, torch.SymInt, torch.SymFloat, int, float))
+               for node in inputs):
+        return None
+    return made, inputs

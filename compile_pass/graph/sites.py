@@ -10,9 +10,9 @@ copy, cast or index the token dims of the logits, as Dynamo emits them:
     logits.transpose(1, 2)      call_method transpose (class dim moved to 1 for the loss)
 
 and through one scaling of the logits by a constant, which the op reproduces (its
-``logit_scale``; read by :mod:`compile_pass.graph.scale`),
+``logit_scale``; read by :mod:`compile_pass.graph.projection`),
 
-until it reaches a projection (:mod:`compile_pass.graph.forms`). The matcher only
+until it reaches a projection (:mod:`compile_pass.graph.projection`). The matcher only
 states facts (what each node on the path is, and where and why the walk stopped: a
 kind of :data:`compile_pass.graph.refusals.STOPS`); the guard decides.
 """
@@ -25,8 +25,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.fx import Node
 
-from compile_pass.graph.calls import Call, StepKind
-from compile_pass.graph.forms import Projection, as_projection
 from compile_pass.graph.nodes import (
     CASTS,
     COPIES,
@@ -36,8 +34,9 @@ from compile_pass.graph.nodes import (
     same_size,
     tensor_op_name,
 )
+from compile_pass.graph.projection import Projection, Scale, ScaleRead, as_projection, read_scale
 from compile_pass.graph.refusals import Refusal
-from compile_pass.graph.scale import Scale, ScaleRead, read_scale
+from compile_pass.graph.spellings.call import Call, StepKind
 from compile_pass.graph.stages import reached
 from compile_pass.graph.tensor_parallel import read_sharded
 

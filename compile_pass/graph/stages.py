@@ -1,4 +1,6 @@
-"""The pass's stages as named points a caller can hook (to look, or to inject a fault), and its one
+"""The pass's stages as named points a caller can hook, and its one rule for a failure.
+
+The pass's stages as named points a caller can hook (to look, or to inject a fault), and its one
 rule for a failure (:func:`attempt`: logged at WARNING and tolerated, raised under ``strict``).
 
     with stages.hooked("rewrite", fail):   # fail(site) runs each time the pass reaches "rewrite"

@@ -1,4 +1,6 @@
-"""Tensor-parallel heads: an lm_head sharded over the vocabulary (a ``DTensor`` weight,
+"""Tensor-parallel heads: an lm_head sharded over the vocabulary read as one projection.
+
+Tensor-parallel heads: an lm_head sharded over the vocabulary (a ``DTensor`` weight,
 ``Shard(0)`` on a 1-D mesh) read as one projection, for the vocabulary-parallel op. Gathered
 (colwise_rep) or ``Shard(-1)`` logits under ``loss_parallel()`` are taken; a head sharded any
 other way is refused as ``tensor_parallel``. What Dynamo captures: docs/distributed.md.
@@ -14,8 +16,8 @@ from typing import Any
 from torch import Tensor
 from torch.fx import Graph, Node
 
-from compile_pass.graph.forms import Projection, as_projection
 from compile_pass.graph.nodes import create_node, example_value, tensor_op_name
+from compile_pass.graph.projection import Projection, as_projection
 
 _GATHERS = ("to_local", "full_tensor")  # the replicated logits' local tensor: [..., V] on every rank
 
@@ -175,7 +177,7 @@ def loss_function(shard: VocabShard) -> Any:
 def _vocab_parallel_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                          class_weight: Tensor | None, *, grads_in_forward: Any = None, **options: Any) -> Tensor:
     """The op's call; ``grads_in_forward`` is not an option of the sharded op (the pass passes None)."""
-    from compile_pass.op.function import chunked_cross_entropy
+    from compile_pass.op.loss import chunked_cross_entropy
 
     return chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, **options)
 

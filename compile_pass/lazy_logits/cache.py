@@ -1,4 +1,6 @@
-"""One forward pass serves many reads: the row statistics of a :class:`compile_pass.lazy_logits.keys.Key`,
+"""One walk serves many reads: a key's row statistics, kept for later reads.
+
+One forward pass serves many reads: the row statistics of a :class:`compile_pass.lazy_logits.keys.Key`,
 computed once per head row and kept.
 
 The first read of a key computes every statistic (``lse``, ``entropy``, ``max``, ``argmax``) for the

@@ -1,6 +1,9 @@
-"""What the row-statistics op needs of a recipe's head: :class:`Head`, read by the graph pass where
-it builds the recipe (:mod:`compile_pass.graph.lazy_head`); :meth:`Head.statistics` calls
-:func:`compile_pass.op.statistics.linear_statistics` on rows of it."""
+"""A recipe's head as the row-statistics op takes it (Head), and its call of the op.
+
+What the row-statistics op needs of a recipe's head: :class:`Head`, read by the graph pass where
+it builds the recipe (:mod:`compile_pass.graph.returned_logits`); :meth:`Head.statistics` calls
+:func:`compile_pass.op.statistics.linear_statistics` on rows of it.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from compile_pass.op.kernels import HeadTransform
 from compile_pass.op.statistics import RowStatistics, linear_statistics
-from compile_pass.op.transform import HeadTransform
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""The tensor a compiled step returns for logits it did not compute: :class:`LazyLogits`, and
+"""The tensor a compiled step returns for logits it did not compute: LazyLogits, DroppedLogits.
+
+The tensor a compiled step returns for logits it did not compute: :class:`LazyLogits`, and
 :class:`DroppedLogits` (``returned_logits="drop"``). Behaviour in full: docs/models.md,
 "``LazyLogits`` (the default)".
 """

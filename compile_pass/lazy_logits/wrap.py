@@ -1,4 +1,6 @@
-"""The compiled step handing out lazy logits: :class:`Plan` (where they go),
+"""The compiled step handing out lazy logits in the slots the pass emptied.
+
+The compiled step handing out lazy logits: :class:`Plan` (where they go),
 :func:`wrap_compiled`.
 
 The returned-logits pass (:mod:`compile_pass.graph.returned_logits`) took returned logits
@@ -6,7 +8,7 @@ out of the graph, put a stand-in (an expanded scalar of the logits' shape, dtype
 device) in their output slot, and appended the tensors their recipe reads to the graph's
 output; :func:`wrap_compiled` takes those extra outputs off and puts a :class:`LazyLogits` (or a
 :class:`DroppedLogits`) in each slot. Row statistics the step computed of a slot's head (an
-evaluation step's loss walk, :mod:`compile_pass.graph.one_walk`) are kept for its reads.
+evaluation step's loss walk, :mod:`compile_pass.graph.plan`) are kept for its reads.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ from typing import Any
 import torch
 
 from compile_pass.lazy_logits.cache import cache_of
-from compile_pass.lazy_logits.recipe import Recipe, Refusing
-from compile_pass.lazy_logits.staleness import Inputs
-from compile_pass.lazy_logits.tensor import DroppedLogits, LazyLogits, Layout
+from compile_pass.lazy_logits.staleness import Inputs, Recipe, Refusing
+from compile_pass.lazy_logits.tensor import DroppedLogits, Layout, LazyLogits
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
-"""The checks of the op's arguments, and the one validation of the options the graph pass's
+"""The checks of the op's arguments, and the one validation of the chunking options.
+
+The checks of the op's arguments, and the one validation of the options the graph pass's
 :class:`compile_pass.options.Options` shares with the op (``chunk_size``, ``chunk_bytes``,
 ``grads_in_forward``: :func:`check_chunking`, which ``Options`` calls).
 
 Every message names where the argument was given (``chunkce.linear_cross_entropy:`` for
 the public function, ``chunkce:`` for an option), what was expected and what was got.
-:func:`compile_pass.op.function.linear_cross_entropy` runs them all before any work.
+:func:`compile_pass.op.loss.linear_cross_entropy` runs them all before any work.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def check_tensors(input, linear_weight, target, linear_bias, weight, logits_dtyp
     """Types, dtypes, shapes and devices of the tensor arguments.
 
     Raises:
-        TypeError / ValueError / NotImplementedError: as :func:`compile_pass.op.function.linear_cross_entropy` documents.
+        TypeError / ValueError / NotImplementedError: as :func:`compile_pass.op.loss.linear_cross_entropy` documents.
     """
     for name, value in (("input", input), ("linear_weight", linear_weight), ("target", target)):
         if not isinstance(value, Tensor):
@@ -111,7 +113,7 @@ def check_loss_options(reduction, ignore_index, label_smoothing, logits_dtype) -
     ``logits_dtype``.
 
     Raises:
-        TypeError / ValueError: as :func:`compile_pass.op.function.linear_cross_entropy` documents.
+        TypeError / ValueError: as :func:`compile_pass.op.loss.linear_cross_entropy` documents.
     """
     if reduction not in _REDUCTIONS:
         _fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from compile_pass.op import loops
-from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.schema import DEFAULTS, INPUTS, NAME, op_schema
+from compile_pass.op.tiling import accumulate_dtype
 
 FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
 BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
@@ -49,7 +49,7 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``, from
     ``grad_loss [N]`` (the forward's accumulate dtype), the forward op's tensors and row
     statistics, ``output_mask`` and its options; a gradient not asked for is empty and costs no
-    work. Walk and accumulators: :func:`compile_pass.op.chunking.plan_backward`."""
+    work. Walk and accumulators: :func:`compile_pass.op.tiling.plan_backward`."""
     with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
         return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
                                       class_weight, row_max, row_log_sum, output_mask)

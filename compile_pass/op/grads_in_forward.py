@@ -1,9 +1,12 @@
-"""Opt-in grads-in-forward mode: ``chunkce::linear_cross_entropy_grads_in_forward`` computes,
+"""Opt-in grads-in-forward mode: the gradients computed during forward, by their own op.
+
+Opt-in grads-in-forward mode: ``chunkce::linear_cross_entropy_grads_in_forward`` computes,
 in one walk over the token chunks, the summed loss (0-d, fp32; fp64 for fp64 logits) and its
 gradients (three matmuls a chunk where the recompute op runs four); backward scales the saved
 gradients in place by the upstream gradient, so a second backward through the same graph raises
 ``NotImplementedError``; ``torch.func`` and double backward are refused. Scalar reductions only.
-Design, what it holds and when to use it: docs/op.md, "Grads-in-forward mode"."""
+Design, what it holds and when to use it: docs/op.md, "Grads-in-forward mode".
+"""
 
 from __future__ import annotations
 
@@ -13,16 +16,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compile_pass.op.dtypes import accumulate_dtype
-from compile_pass.op.chunking import spans
-from compile_pass.op.gradient_products import (
+from compile_pass.op.loops import (
+    TileBuffer,
     _add_vocabulary_products,
+    _backward_kernel,
+    _dense,
     _gradient_buffer,
     _matmul_into,
     _product_scratch,
+    op_body,
+    row_statistics,
 )
-from compile_pass.op.loops import TileBuffer, _backward_kernel, _dense, op_body, row_statistics
 from compile_pass.op.schema import INPUTS, NAME, op_schema
+from compile_pass.op.tiling import accumulate_dtype, spans
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
 SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own="bool[] output_mask")
@@ -222,7 +228,7 @@ def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
     gradients computed now, through ``chunkce::linear_cross_entropy_grads_in_forward``.
 
     Traceable (reads no tensor value or metadata):
-    :func:`compile_pass.op.function.chunked_cross_entropy` calls it in place of the
+    :func:`compile_pass.op.loss.chunked_cross_entropy` calls it in place of the
     recompute op for ``"mean"`` / ``"sum"``.
 
     Args:

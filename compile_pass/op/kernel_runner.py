@@ -1,4 +1,6 @@
-"""How the per-chunk kernels run: compiled by Inductor for the input's device once per variant
+"""How the per-chunk kernels run: compiled by Inductor once per variant, or eagerly.
+
+How the per-chunk kernels run: compiled by Inductor for the input's device once per variant
 (dynamic shapes, ``emulate_precision_casts``), or eagerly where Inductor cannot compile for the
 device (:func:`inductor_compiles_for`), under ``CHUNKCE_EAGER_KERNELS=1``, a dispatch mode or a
 functorch transform. Why each setting: docs/op.md, "Per-chunk kernels".
@@ -18,10 +20,10 @@ import torch.fx.experimental._config as fx_config
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from compile_pass.op import kernels, statistics_kernels
+from compile_pass.op import kernels
 
-_MODULES = (kernels, statistics_kernels)  # the kernels' modules, searched by function name
-_RECORDS = (kernels.KernelArgs, statistics_kernels.StatisticsArgs)  # their constants' records
+_MODULES = (kernels,)  # the kernels' modules, searched by function name
+_RECORDS = (kernels.KernelArgs, kernels.StatisticsArgs)  # their constants' records
 _HOOKS: list[Callable[[str, tuple], None]] = []
 
 
@@ -100,7 +102,7 @@ def _symbolic(args: tuple) -> list:
 
 def run(fn_name: str, variant: tuple, eager: bool, *args):
     """Run the kernel ``fn_name`` of :mod:`compile_pass.op.kernels` or
-    :mod:`compile_pass.op.statistics_kernels` on ``args``; ``variant`` is its compile key
+    :mod:`compile_pass.op.kernels` on ``args``; ``variant`` is its compile key
     (device type first). Errors propagate unchanged and leave no state behind.
     """
     if eager or not inductor_compiles_for(variant[0]) or not _plain_context():

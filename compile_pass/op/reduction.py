@@ -1,13 +1,16 @@
-"""The reduction of per-token losses as ``F.cross_entropy`` reduces them: one function, shared by
-the single-device loss (:mod:`compile_pass.op.function`) and the vocabulary-parallel one
-(:mod:`compile_pass.op.vocab_parallel`)."""
+"""Per-token losses reduced as F.cross_entropy reduces them (the loss and the vocabulary-parallel loss).
+
+The reduction of per-token losses as ``F.cross_entropy`` reduces them: one function, shared by
+the single-device loss (:mod:`compile_pass.op.loss`) and the vocabulary-parallel one
+(:mod:`compile_pass.op.vocab_parallel`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from compile_pass.op.dtypes import accumulate_dtype
+from compile_pass.op.tiling import accumulate_dtype
 
 
 def reduce_total(total: Tensor, flat_target: Tensor, class_weight: Tensor | None, reduction: str,

@@ -1,9 +1,11 @@
-"""The recompute op's options as its schemas hold them, and :class:`ChunkPlan`, the options of
+"""The ops' keyword-only options as their schemas hold them, and the options of one call resolved.
+
+The recompute op's options as its schemas hold them, and :class:`ChunkPlan`, the options of
 one op call resolved.
 
 Every custom op takes its tensors positionally and its options keyword-only (:data:`OPTIONS`),
 under the same names from the public function to the kernels. The head's
-:class:`~compile_pass.op.transform.HeadTransform` is several schema arguments:
+:class:`~compile_pass.op.kernels.HeadTransform` is several schema arguments:
 :func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. ``tests/op/test_op.py``
 pins the schema strings (they are hashed into cache keys).
 """
@@ -18,10 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compile_pass.op.chunking import Tiles, resolve_tiles
-from compile_pass.op.kernels import KernelArgs
-from compile_pass.op.settings import settings
-from compile_pass.op.transform import HeadTransform
+from compile_pass.op.kernels import HeadTransform, KernelArgs
+from compile_pass.op.tiling import Tiles, resolve_tiles, settings
 
 NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
 # the leading arguments of the forward ops (the backward ops', between grad_loss and the row statistics)
@@ -97,7 +97,7 @@ class ChunkPlan:
                 *, option_defaults: Mapping[str, Any] = DEFAULTS, whole_rows: bool = False,
                 vocab_offset: int = 0, vocab_size: int | None = None) -> ChunkPlan:
         """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
-        ``options``: the tiles (:func:`~compile_pass.op.chunking.resolve_tiles`), the
+        ``options``: the tiles (:func:`~compile_pass.op.tiling.resolve_tiles`), the
         environment's flags, the transform's dtype resolved; ``vocab_offset`` / ``vocab_size``
         place a shard (default: the whole head).
 

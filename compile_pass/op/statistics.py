@@ -1,26 +1,44 @@
 """Per-row statistics of a linear head's logits, without materializing them.
 
 :func:`linear_statistics` (checked, eager) and :func:`chunked_statistics` (the traceable entry,
-every decision made by the caller) call ``chunkce::linear_statistics``
-(:mod:`compile_pass.op.statistics_ops`), or, for a vocabulary-sharded weight, the combination of
-:mod:`compile_pass.op.statistics_parallel`.
+every decision made by the caller) call ``chunkce::linear_statistics``, or, for a
+vocabulary-sharded weight, each rank's shard combined across ranks.
+
+The custom ops and their autograd:
+``chunkce::linear_statistics`` walks the ``[n, Vb]`` tiles once
+(:func:`compile_pass.op.statistics_loops.statistics_walk`), or with ``row_statistics=False``
+gathers the selected logits only (:func:`~compile_pass.op.statistics_loops.selected_forward`).
+Its outputs: ``selected [N, K]``, ``lse``, ``entropy``, ``max``, ``argmax`` and the two ``[N]``
+parts backward takes, ``row_log_sum = log s`` and ``row_mean = t / s``
+(:mod:`compile_pass.op.kernels`); with ``maximum_only=True`` the walk computes ``max``
+and ``argmax`` (and ``selected``) only, no exponential, and the other four are empty ``[0]``. Autograd saves its tensor inputs and the ``[N]``
+statistics; ``chunkce::linear_statistics_backward`` recomputes (its own autograd refuses double
+backward). A gradient not given (None: ``ctx.set_materialize_grads(False)``) costs no term.
+
+The tensors are positional (torch refuses keyword-only tensors in a custom op), the options
+keyword-only; ``vocab_start`` / ``vocab_size`` place a shard of the vocabulary: its columns' global indices, and the range the
+indices are checked against.
+
+A vocabulary-sharded (tensor-parallel) head: each rank walks its shard and
+the statistics are combined by one all-reduce max and one sum (every rank gets the global
+values); the combination and its gradient: docs/op.md, "Row statistics".
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from compile_pass.op import statistics_parallel
+from compile_pass.op import kernels, loops, statistics_loops
 from compile_pass.op.checks import check_bool, check_positive_int
-from compile_pass.op.dtypes import accumulate_dtype
-from compile_pass.op.schema import op_arguments
-from compile_pass.op.statistics_ops import NAME
-from compile_pass.op.transform import HeadTransform
-from compile_pass.op.vocab_parallel import is_dtensor, shard_of, vocabulary_mesh_dim
+from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
+from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.schema import defaults, op_arguments
+from compile_pass.op.tiling import accumulate_dtype
+from compile_pass.op.vocab_parallel import all_reduce, is_dtensor, shard_of, vocabulary_mesh_dim
 
 
 class RowStatistics(NamedTuple):
@@ -73,7 +91,7 @@ def linear_statistics(
         indices: ``[N, K]`` int64 in ``[0, V)``, or None.
         logits_dtype: the head's output dtype (None = the projection's); projection_dtype:
             autocast's, the operands cast to it first (None = no cast).
-        transform: the head's own scale (:class:`compile_pass.op.transform.HeadTransform`).
+        transform: the head's own scale (:class:`compile_pass.op.kernels.HeadTransform`).
         temperature: a number or a ``[N]`` / 0-d floating tensor, never differentiated (None =
             none); ``temperature_multiplies``: multiply instead of divide.
         statistics_dtype: the dtype of ``z``; None = ``logits_dtype``.
@@ -81,7 +99,7 @@ def linear_statistics(
             walk); the others empty ``[0]``.
         maximum_only: only ``max`` / ``argmax`` (and ``selected``), no exponential; ``lse`` and
             ``entropy`` empty ``[0]`` (a sharded head computes them all).
-        chunk_size, chunk_bytes: the tiles, as :func:`compile_pass.op.function.linear_cross_entropy`.
+        chunk_size, chunk_bytes: the tiles, as :func:`compile_pass.op.loss.linear_cross_entropy`.
 
     Returns:
         :class:`RowStatistics`. Gradients flow to ``hidden_states``, ``weight`` and ``bias`` from
@@ -135,7 +153,7 @@ def chunked_statistics(
     vocab_parallel: tuple[int, str, int] | None = None,
 ) -> RowStatistics:
     """:func:`linear_statistics` after its checks, traceable with FX proxies (as
-    :func:`compile_pass.op.function.chunked_cross_entropy`): ``temperature`` a number, a ``[N]``
+    :func:`compile_pass.op.loss.chunked_cross_entropy`): ``temperature`` a number, a ``[N]``
     tensor or None; ``logits_dtype`` / ``statistics_dtype`` resolved; ``vocab_parallel``:
     ``(vocab_start, group_name, V)`` of a vocabulary shard (``weight`` / ``bias`` this rank's),
     None = the whole head; the others as :func:`linear_statistics` takes them."""
@@ -156,7 +174,7 @@ def chunked_statistics(
         selected, lse, entropy, row_max, argmax, _, _ = torch.ops.chunkce.linear_statistics.default(*inputs, **arguments)
     else:
         vocab_start, group_name, vocab_size = vocab_parallel
-        selected, lse, entropy, row_max, argmax = statistics_parallel.vocab_parallel_statistics(
+        selected, lse, entropy, row_max, argmax = vocab_parallel_statistics(
             inputs, {**arguments, "vocab_start": vocab_start, "vocab_size": vocab_size}, group_name)
     return RowStatistics(None if indices is None else selected, lse, entropy, row_max, argmax)
 
@@ -206,3 +224,190 @@ def _check_arguments(hidden_states, weight, bias, indices, temperature, projecti
     for name, value in (("weight", weight), ("bias", bias), ("indices", indices), ("temperature", temperature)):
         if isinstance(value, Tensor) and value.device != device:
             _fail(ValueError, f"expected {name} on {device} (the hidden states' device), got {value.device}")
+
+
+NAME = "chunkce.linear_statistics"  # how the op names itself in messages
+UNFUSED = "the unfused F.linear and torch's logsumexp / softmax / gather"
+TENSORS = "Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices, Tensor? temperature, " \
+          "Tensor? logit_scale_tensor"
+STATISTICS = "Tensor row_max, Tensor row_log_sum, Tensor row_mean, Tensor argmax"
+OPTIONS = ("ScalarType logits_dtype, ScalarType statistics_dtype, float? logit_scale=None, bool scale_divides=False, "
+           "ScalarType? scale_dtype=None, float? temperature_value=None, bool temperature_multiplies=False, "
+           "bool row_statistics=True, bool maximum_only=False, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
+           "SymInt vocab_start=0, SymInt? vocab_size=None")
+GRADS = "Tensor? grad_selected, Tensor? grad_lse, Tensor? grad_entropy, Tensor? grad_max"
+FORWARD_SCHEMA = f"({TENSORS}, *, {OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+BACKWARD_SCHEMA = f"({GRADS}, {TENSORS}, {STATISTICS}, *, bool[] output_mask, {OPTIONS}) -> (Tensor, Tensor, Tensor)"
+
+
+DEFAULTS = defaults(OPTIONS)
+
+
+def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
+    """Raise (CPU) or device-assert (no host sync) on an index outside ``[0, V)``."""
+    if indices is not None and indices.numel():
+        in_range = (indices >= 0) & (indices < vocab_size)
+        torch._assert_async(in_range.all(), f"{NAME}: expected every index in [0, {vocab_size})")
+
+
+@torch.library.custom_op("chunkce::linear_statistics", mutates_args=(), schema=FORWARD_SCHEMA)
+def _forward_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, indices: Tensor | None,
+                temperature: Tensor | None, logit_scale_tensor: Tensor | None, **arguments) -> tuple[Tensor, ...]:
+    """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (module docstring);
+    with ``row_statistics=False`` the last six are empty ``[0]``."""
+    arguments = {**DEFAULTS, **arguments}
+    vocab_start, vocab_size = arguments["vocab_start"], arguments["vocab_size"]
+    _check_indices(indices, weight.shape[0] if vocab_size is None else vocab_size)
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
+        if arguments["row_statistics"]:
+            return statistics_loops.statistics_walk(plan, hidden_states, weight, bias, indices, temperature,
+                                                    vocab_start)
+        selected = statistics_loops.selected_forward(plan, hidden_states, weight, bias, indices, temperature,
+                                                     vocab_start)
+        return (selected, *_empty_statistics(selected))
+
+
+def _empty_statistics(like: Tensor) -> tuple[Tensor, ...]:
+    empty = like.new_empty(0)
+    return empty, empty.clone(), empty.clone(), empty.long(), empty.clone(), empty.clone()
+
+
+@_forward_op.register_fake
+def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **arguments):
+    arguments = {**DEFAULTS, **arguments}
+    accumulate = accumulate_dtype(arguments["statistics_dtype"])
+    num_tokens = hidden_states.shape[0]
+    num_indices = 0 if indices is None else indices.shape[1]
+    selected = hidden_states.new_empty(num_tokens, num_indices, dtype=accumulate)
+    if not arguments["row_statistics"]:
+        return (selected, *_empty_statistics(selected))
+    lse, entropy, row_max, row_log_sum, row_mean = (
+        hidden_states.new_empty(0 if arguments["maximum_only"] and k != 2 else num_tokens, dtype=accumulate)
+        for k in range(5))
+    return selected, lse, entropy, row_max, hidden_states.new_empty(num_tokens, dtype=torch.int64), row_log_sum, row_mean
+
+
+@torch.library.custom_op("chunkce::linear_statistics_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+def _backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None, grad_entropy: Tensor | None,
+                 grad_max: Tensor | None, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                 indices: Tensor | None, temperature: Tensor | None, logit_scale_tensor: Tensor | None,
+                 row_max: Tensor, row_log_sum: Tensor, row_mean: Tensor, argmax: Tensor,
+                 **arguments) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V_local, H]``, bias ``[V_local]`` (each in
+    its parameter's dtype; empty where ``output_mask`` does not ask) of the given output gradients
+    (accumulate dtype; None: no term), from the forward's ``[N]`` statistics."""
+    output_mask = arguments.pop("output_mask")
+    arguments = {**DEFAULTS, **arguments}
+    vocab_start = arguments["vocab_start"]
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
+        return statistics_loops.statistics_gradients(
+            plan, (grad_selected, grad_lse, grad_entropy, grad_max), hidden_states, weight, bias, indices,
+            temperature, (row_max, row_log_sum, row_mean, argmax), output_mask, vocab_start)
+
+
+@_backward_op.register_fake
+def _(grad_selected, grad_lse, grad_entropy, grad_max, hidden_states, weight, bias, *rest, **arguments):
+    return fake_gradients(hidden_states, weight, bias, arguments["output_mask"])
+
+
+def backward(grads: tuple, saved: tuple[Tensor, ...], arguments: dict[str, Any],
+             needs_input_grad: tuple[bool, ...]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The backward op's gradients of ``hidden_states``, ``weight``, ``bias`` (None where not
+    needed, or where no output gradient is given): ``saved`` are the forward op's six tensors and
+    its ``(row_max, row_log_sum, row_mean, argmax)``; shared with the vocabulary-parallel op."""
+    want = list(needs_input_grad[:3])
+    if not arguments.get("row_statistics", True):  # lse, entropy, max, argmax are empty
+        grads = (grads[0], None, None, None)
+    elif arguments.get("maximum_only", False):  # lse and entropy were not computed (empty): no term
+        grads = (grads[0], None, None, grads[3])
+    if all(grad is None for grad in grads) or not any(want):
+        return None, None, None
+    gradients = torch.ops.chunkce.linear_statistics_backward(*grads, *saved, output_mask=want, **arguments)
+    return tuple(grad if wanted else None for grad, wanted in zip(gradients, want))
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    _, _, _, row_max, argmax, row_log_sum, row_mean = output
+    ctx.mark_non_differentiable(argmax, row_log_sum, row_mean)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs, row_max, row_log_sum, row_mean, argmax)
+    ctx.arguments = keyword_only_inputs
+    ctx.num_inputs = len(inputs)
+
+
+def _backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, *_non_differentiable):
+    grads = (grad_selected, grad_lse, grad_entropy, grad_max)
+    grad_hidden, grad_weight, grad_bias = backward(grads, ctx.saved_tensors, ctx.arguments, ctx.needs_input_grad)
+    return input_grads(ctx, {0: grad_hidden, 1: grad_weight, 2: grad_bias})
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_backward_op.register_autograd(refuse_double_backward(NAME, UNFUSED),
+                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
+
+
+PARALLEL_NAME = "chunkce.vocab_parallel_row_statistics"
+ROW_STATISTICS_SCHEMA = (f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, {TENSORS}, {STATISTICS}, *, "
+                         f"str group_name, {OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_name: str) -> tuple[Tensor, ...]:
+    """``(selected [N, K], lse, entropy, max, argmax)`` of the whole vocabulary on every rank;
+    ``inputs`` / ``arguments`` as ``chunkce::linear_statistics`` takes them (this rank's shard,
+    ``vocab_start``, the global ``vocab_size``). Traceable."""
+    hidden_states, weight, bias, indices, temperature, scale_tensor = inputs
+    selected, lse, entropy, local_max, local_argmax, local_log_sum, local_mean = torch.ops.chunkce.linear_statistics.default(
+        hidden_states.detach(), weight.detach(), None if bias is None else bias.detach(), indices, temperature,
+        scale_tensor, **arguments)
+    if not arguments["row_statistics"]:
+        selected = all_reduce(selected, "sum", group_name)
+        statistics = (local_max, local_log_sum, local_mean, local_argmax)  # empty
+    else:
+        row_max = all_reduce(local_max, "max", group_name)  # [N]
+        shift, local_shift = kernels.row_shift(row_max), kernels.row_shift(local_max)
+        share = torch.exp(local_log_sum + local_shift - shift)  # [N] w_r
+        shifted = torch.where(share > 0.0, share * (local_mean + local_shift - shift), 0.0)  # [N]
+        sums = all_reduce(torch.cat([share.unsqueeze(1), shifted.unsqueeze(1), selected], dim=1), "sum", group_name)
+        lse, entropy, row_log_sum, row_mean = kernels.finish(row_max, sums[:, 0], sums[:, 1])
+        selected = sums[:, 2:]  # [N, K]
+        candidates = torch.where(local_max == row_max, local_argmax, arguments["vocab_size"])
+        argmax = all_reduce(candidates, "min", group_name)  # [N] the first column of the maximum
+        statistics, local_max = (row_max, row_log_sum, row_mean, argmax), row_max
+    selected, lse, entropy, row_max = torch.ops.chunkce.vocab_parallel_row_statistics.default(
+        selected, lse, entropy, local_max, *inputs, *statistics, group_name=group_name, **arguments)
+    return selected, lse, entropy, row_max, statistics[3]
+
+
+@torch.library.custom_op("chunkce::vocab_parallel_row_statistics", mutates_args=(), schema=ROW_STATISTICS_SCHEMA)
+def _row_statistics_op(selected: Tensor, lse: Tensor, entropy: Tensor, max: Tensor, *tensors,
+                       **arguments) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The global ``selected``, ``lse``, ``entropy`` and ``max`` copied; then
+    ``chunkce::linear_statistics``' tensors (this rank's shard), the global ``row_max``,
+    ``row_log_sum``, ``row_mean`` and ``argmax``, the group, and the options."""
+    return selected.clone(), lse.clone(), entropy.clone(), max.clone()
+
+
+@_row_statistics_op.register_fake
+def _(selected, lse, entropy, max, *tensors, **arguments):
+    return tuple(torch.empty_like(value) for value in (selected, lse, entropy, max))
+
+
+def _parallel_setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*inputs[4:])  # the six tensors, then the four statistics
+    arguments = dict(keyword_only_inputs)
+    ctx.group_name = arguments.pop("group_name")
+    ctx.arguments = arguments
+    ctx.num_inputs = len(inputs)
+
+
+def _parallel_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max):
+    grad_hidden, grad_weight, grad_bias = backward(
+        (grad_selected, grad_lse, grad_entropy, grad_max), ctx.saved_tensors, ctx.arguments,
+        ctx.needs_input_grad[4:7])
+    if grad_hidden is not None:
+        grad_hidden = all_reduce(grad_hidden, "sum", ctx.group_name)  # every shard's terms
+    return input_grads(ctx, {4: grad_hidden, 5: grad_weight, 6: grad_bias})
+
+
+_row_statistics_op.register_autograd(_parallel_backward, setup_context=_parallel_setup_context)

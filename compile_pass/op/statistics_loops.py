@@ -1,4 +1,6 @@
-"""The row-statistics op's loops: the walk over ``[n, Vb]`` tiles (forward, and the recompute
+"""The row-statistics op's loops: the walk over the tiles and the selected logits.
+
+The row-statistics op's loops: the walk over ``[n, Vb]`` tiles (forward, and the recompute
 backward of the dense terms), and the selected logits from the gathered weight rows
 ``weight[indices] [N, K, H]`` (no walk). A vocabulary shard walks its own columns; an index
 outside it selects 0 and has no gradient.
@@ -9,16 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from compile_pass.op import kernel_runner, loops, statistics_kernels
-from compile_pass.op.chunking import spans
-from compile_pass.op.dtypes import accumulate_dtype
+from compile_pass.op import kernel_runner, kernels, loops
+from compile_pass.op.kernels import StatisticsArgs
 from compile_pass.op.schema import ChunkPlan
-from compile_pass.op.statistics_kernels import StatisticsArgs
+from compile_pass.op.tiling import accumulate_dtype, spans
 
 
 def kernel_args(plan: ChunkPlan, vocab_start: int) -> StatisticsArgs:
     """The kernels' constants for columns from ``vocab_start`` (``plan.options``: the keywords of
-    ``chunkce::linear_statistics``, :data:`compile_pass.op.statistics_ops.OPTIONS`)."""
+    ``chunkce::linear_statistics``, :data:`compile_pass.op.statistics.OPTIONS`)."""
     options = plan.options
     return StatisticsArgs(options["logits_dtype"], options["statistics_dtype"], plan.transform,
                           options["temperature_value"], options["temperature_multiplies"], vocab_start)
@@ -56,7 +57,7 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
         rows = slice(start, end)
         index_rows = None if indices is None else indices[rows]
         temperature_rows = None if temperature is None else temperature[rows]
-        state = statistics_kernels.initial_statistics(end - start, num_indices, selected)
+        state = kernels.initial_statistics(end - start, num_indices, selected)
         if maximum_only:
             state = (state[0], state[3], state[4])  # row_max, argmax, selected
         for block_start, block_end in vocab_blocks:
@@ -70,7 +71,7 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
             row_max[rows], argmax[rows], picked = state
         else:
             row_max[rows], _, _, argmax[rows], picked = state
-            lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = statistics_kernels.finish(*state[:3])
+            lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = kernels.finish(*state[:3])
         if picked is not None:
             selected[rows] = picked
     return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean
@@ -149,7 +150,7 @@ def selected_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bia
     if weight.shape[0] == 0:  # a shard of no rows
         return hidden_states.new_zeros(indices.shape, dtype=accumulate)
     rows, bias_rows, owned, _ = _gathered(weight, bias, indices, vocab_start)
-    z = statistics_kernels.values(_project(hidden_states, rows, bias_rows), temperature,
+    z = kernels.values(_project(hidden_states, rows, bias_rows), temperature,
                                   kernel_args(plan, vocab_start))
     return torch.where(owned, z, 0.0)
 
@@ -166,7 +167,7 @@ def selected_backward(plan: ChunkPlan, grad_selected: Tensor, hidden_states: Ten
     rows, bias_rows, owned, local = _gathered(weight, bias, indices, vocab_start)
     logits = _project(hidden_states, rows, bias_rows)  # [N, K]
     grad = torch.where(owned, grad_selected.to(accumulate_dtype(plan.options["statistics_dtype"])), 0.0)
-    grad_logits = statistics_kernels.values_backward(grad, logits, temperature,
+    grad_logits = kernels.values_backward(grad, logits, temperature,
                                                      kernel_args(plan, vocab_start)).to(logits.dtype)  # [N, K]
     if grad_hidden.numel():
         grad_hidden += torch.bmm(grad_logits.unsqueeze(1), rows).squeeze(1)  # [N, H]

@@ -1,7 +1,33 @@
-"""Cross-entropy of a vocabulary-sharded (tensor-parallel) head, exact, with no ``[N, V]`` or
+"""Cross-entropy of a vocabulary-sharded (tensor-parallel) head: the loss and its custom ops.
+
+Cross-entropy of a vocabulary-sharded (tensor-parallel) head, exact, with no ``[N, V]`` or
 ``[N, V_local]`` tensor on any rank: each rank walks its shard for its row statistics, all-reduces
 them over ``[N]`` vectors, and backward recomputes each tile against the global ones. The
 formula, step by step: docs/op.md, "A vocabulary-sharded head".
+
+The custom ops:
+Each rank of a tensor-parallel group holds one shard of the head, ``weight [V_local, H]``:
+the classes ``[vocab_start, vocab_start + V_local)`` of the ``V``. Three ops, each on this
+rank's shard only (the collectives between them are plain ``_c10d_functional`` calls in
+:func:`compile_pass.op.vocab_parallel.sharded_loss` and in the loss op's
+autograd, so Dynamo, AOTAutograd and the graph pass see them):
+
+* ``chunkce::vocab_parallel_statistics`` walks the shard in the op's ``[n, Vb]`` tiles with
+  the forward kernel (:func:`compile_pass.op.kernels.chunk_forward`, in the shard's own
+  columns) and returns, per token, the shard's ``row_max``, ``sum_exp = sum_c exp(z_c -
+  shift)`` (``shift``: ``row_max``, or 0 when that is ``-inf``), the target's logit when
+  the target is in the shard (else 0), the smoothing sum ``sum_c w_c (z_c - shift)`` over
+  the shard, and the shard's class-weight sum (0-d). Not differentiable (called on detached
+  tensors).
+* ``chunkce::vocab_parallel_loss`` returns a copy of the loss rows it is given (computed
+  from the global statistics in plain torch); its autograd attaches the gradient: it saves
+  the global ``row_max`` and ``row_log_sum`` and its backward runs
+* ``chunkce::vocab_parallel_backward``: the single-device backward walk
+  (:func:`compile_pass.op.loops.chunked_backward`) over the shard against the global row
+  statistics, the kernel seeing each tile at its GLOBAL columns (``ChunkPlan.vocab_offset``), with
+  the full ``class_weight [V]`` and the global target: a target outside the shard has no
+  one-hot term here and is not ignored. It returns this rank's part of the hidden-state
+  gradient (all-reduced by the loss op's autograd) and the shard's weight and bias gradients.
 """
 
 from __future__ import annotations
@@ -11,16 +37,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compile_pass.op.dtypes import accumulate_dtype
+from compile_pass.op import kernel_runner, kernels, loops
+from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.reduction import reduce_total
+from compile_pass.op.schema import INPUTS, ChunkPlan, op_schema
 from compile_pass.op.schema import NAME as PUBLIC_NAME
-from compile_pass.op.vocab_parallel_ops import NAME, all_reduce
+from compile_pass.op.tiling import accumulate_dtype, spans
 
 
 def sharded_loss(tensors: tuple[Tensor | None, ...], options: dict[str, Any], target_shape: torch.Size, *,
                  reduction: str, vocab_start: int, vocab_size: int, group_name: str) -> Tensor:
     """The global loss of a vocabulary-sharded head, the same on every rank of the group: the body
-    of :func:`compile_pass.op.function.chunked_cross_entropy` given a ``group_name``.
+    of :func:`compile_pass.op.loss.chunked_cross_entropy` given a ``group_name``.
 
     Exactly (up to floating-point summation order), ``full_weight`` / ``full_bias`` the ranks'
     shards concatenated in rank order::
@@ -142,3 +170,161 @@ def replicated(name: str, value: Tensor | None) -> Tensor | None:
         raise ValueError(f"{PUBLIC_NAME}: expected {name} replicated on every mesh dimension (the same on every "
                          f"rank), got placements {tuple(value.placements)}; pass value.full_tensor()")
     return value.to_local()
+
+
+NAME = "chunkce.vocab_parallel_cross_entropy"  # how these ops name themselves in messages
+SHARD = "SymInt vocab_start, SymInt vocab_size"  # the ops' own arguments: the shard's place in V
+_OUTSIDE = -1  # a target outside the shard (or ignored), as the forward kernel takes it: its ignore_index
+
+STATISTICS_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own=SHARD)
+LOSS_SCHEMA = op_schema(f"Tensor loss, {INPUTS}, Tensor row_max, Tensor row_log_sum", "Tensor",
+                        own=f"{SHARD}, str group_name")
+BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
+                            "(Tensor, Tensor, Tensor)", own=f"bool[] output_mask, {SHARD}")
+
+
+def check_global_targets(target: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raise (CPU) or device-assert on a target outside ``[0, V)`` that is not ``ignore_index``."""
+    in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
+    torch._assert_async(in_range.all(),
+                        f"{NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
+
+
+def _in_shard(target: Tensor, vocab_start: int, shard_size: int, ignore_index: int) -> Tensor:
+    """``[N]`` bool: the target is one of this shard's classes (and not ignored)."""
+    return (target >= vocab_start) & (target < vocab_start + shard_size) & (target != ignore_index)
+
+
+@torch.library.custom_op("chunkce::vocab_parallel_statistics", mutates_args=(), schema=STATISTICS_SCHEMA)
+def _statistics_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                   class_weight: Tensor | None, logit_scale_tensor: Tensor | None, *, vocab_start: int,
+                   vocab_size: int, **options) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The shard's row statistics: ``row_max [N]``, ``sum_exp [N]``, ``z_target [N]``, ``smooth [N]``
+    (``[0]`` without label smoothing) and ``weight_sum`` (0-d: the shard's class weights summed, or
+    ``V_local``), in ``accumulate_dtype(logits_dtype)``.
+
+    ``hidden_states [N, H]``, ``weight [V_local, H]`` (this rank's shard), ``target [N]`` GLOBAL
+    class indices, ``bias [V_local]`` or None, ``class_weight [V]`` (full) or None, the head's
+    scale tensor or None; keywords ``vocab_start`` (the shard's first class), ``vocab_size`` (V)
+    and the options.
+    """
+    check_global_targets(target, vocab_size, options["ignore_index"])
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
+        return shard_statistics(plan, hidden_states, weight, target, bias, class_weight, vocab_start)
+
+
+@_statistics_op.register_fake
+def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **options):
+    accumulate = accumulate_dtype(options["logits_dtype"])
+    num_tokens = hidden_states.shape[0]
+    smooth = num_tokens if options["label_smoothing"] > 0.0 else 0
+    return (*(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3)),
+            hidden_states.new_empty(smooth, dtype=accumulate), hidden_states.new_empty((), dtype=accumulate))
+
+
+def shard_statistics(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                     bias: Tensor | None, class_weight: Tensor | None,
+                     vocab_start: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The statistics op's walk (see it for the tensors): for each token chunk, the forward
+    kernel over the shard's vocabulary blocks, in the shard's own columns (a target outside
+    the shard, or ignored, is the kernel's ``ignore_index``; its picked logit is discarded).
+    Holds one ``[n, Vb]`` tile."""
+    num_tokens, shard_size = hidden_states.shape[0], weight.shape[0]
+    accumulate = accumulate_dtype(plan.options["logits_dtype"])
+    smoothing = plan.kernel_label_smoothing is not None
+    in_shard = _in_shard(target, vocab_start, shard_size, plan.options["ignore_index"])  # [N]
+    local_target = torch.where(in_shard, target - vocab_start, _OUTSIDE)  # [N] in the shard's columns
+    local_weight = None if class_weight is None else class_weight.narrow(0, vocab_start, shard_size)  # [V_local]
+    row_max, sum_exp, z_target = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
+    smooth = hidden_states.new_empty(num_tokens if smoothing else 0, dtype=accumulate)
+    vocab_blocks, token_chunks = spans(shard_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
+    buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
+    for start, end in token_chunks:
+        hidden_chunk = hidden_states[start:end]  # [n, H]
+        state = kernels.initial_state(end - start, hidden_states.new_empty(0, dtype=accumulate), smoothing)
+        for block_start, block_end in vocab_blocks:
+            bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
+            logits = buffer.project(hidden_chunk, weight[block_start:block_end], bias_block)  # [n, Vb]
+            _, block_max, _, *rest = kernel_runner.run(
+                "chunk_forward", plan.variant(logits, local_weight), plan.eager_kernels,
+                logits, local_target[start:end], local_weight, *state,
+                plan.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
+            state = (block_max, *rest)
+        row_max[start:end], sum_exp[start:end], z_target[start:end] = state[:3]
+        if smoothing:
+            smooth[start:end] = state[3]
+    z_target = torch.where(in_shard, z_target, 0.0)  # the kernel picked column 0 for the others
+    if local_weight is None:
+        weight_sum = hidden_states.new_full((), float(shard_size), dtype=accumulate)
+    else:
+        weight_sum = local_weight.to(accumulate).sum()
+    return row_max, sum_exp, z_target, smooth, weight_sum
+
+
+@torch.library.custom_op("chunkce::vocab_parallel_loss", mutates_args=(), schema=LOSS_SCHEMA)
+def _loss_op(loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+             class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
+             **keywords) -> Tensor:
+    """``loss [N]`` copied: the op is where the loss rows' gradient w.r.t. ``hidden_states``,
+    ``weight`` and ``bias`` (this rank's shard) attaches; ``row_max`` and ``row_log_sum`` are the
+    GLOBAL row statistics; keywords ``vocab_start``, ``vocab_size``, ``group_name`` (the
+    tensor-parallel group, which backward all-reduces the hidden-state gradient over) and the options."""
+    return loss.clone()
+
+
+@_loss_op.register_fake
+def _(loss, *tensors, **keywords):
+    return torch.empty_like(loss)
+
+
+@torch.library.custom_op("chunkce::vocab_parallel_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                 class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
+                 row_log_sum: Tensor, *, output_mask: list[bool], vocab_start: int, vocab_size: int,
+                 **options) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's part of the gradient w.r.t. ``hidden_states [N, H]`` (its shard's classes' terms;
+    the sum over ranks is the gradient), and the gradients w.r.t. its ``weight [V_local, H]`` and
+    ``bias [V_local]``: :func:`compile_pass.op.loops.chunked_backward` over the shard with the global
+    ``row_max [N]`` and ``row_log_sum [N]``, GLOBAL ``target [N]`` and full ``class_weight [V]``."""
+    if weight.shape[0] == 0:  # a rank DTensor gave no rows (V < ranks * ceil(V / ranks)): no terms
+        return (torch.zeros_like(hidden_states, memory_format=torch.contiguous_format)
+                if output_mask[0] else hidden_states.new_empty(0),
+                torch.empty_like(weight) if output_mask[1] else weight.new_empty(0),
+                weight.new_empty(0))  # the bias gradient of no rows: [0] either way
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options, vocab_offset=vocab_start,
+                       vocab_size=vocab_size) as plan:  # the kernels see each tile at its global columns
+        return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias, class_weight,
+                                      row_max, row_log_sum, output_mask)
+
+
+@_backward_op.register_fake
+def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_tensor, row_max, row_log_sum,
+      *, output_mask, **keywords):
+    return fake_gradients(hidden_states, weight, bias, output_mask)
+
+
+def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
+    """``tensor`` reduced (``"sum"``, ``"max"``) over the group, waited for: the functional
+    collective's two ops, which eager, FX proxies, Dynamo and AOTAutograd all take as they are."""
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(tensor, op, group_name))
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs[1:])  # the six tensors, row_max, row_log_sum
+    keywords = dict(keyword_only_inputs)
+    ctx.group_name = keywords.pop("group_name")
+    ctx.keywords = keywords  # vocab_start, vocab_size and the options
+    ctx.num_inputs = len(inputs)
+
+
+def _backward(ctx, grad_loss):
+    want_hidden, want_weight, want_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[4]
+    grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.vocab_parallel_backward(
+        grad_loss, *ctx.saved_tensors, output_mask=[want_hidden, want_weight, want_bias], **ctx.keywords)
+    return input_grads(ctx, {1: all_reduce(grad_hidden, "sum", ctx.group_name) if want_hidden else None,  # every shard's
+                             2: grad_weight if want_weight else None, 4: grad_bias if want_bias else None})
+
+
+_loss_op.register_autograd(_backward, setup_context=_setup_context)
+_backward_op.register_autograd(refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
+                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)

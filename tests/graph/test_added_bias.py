@@ -1,6 +1,6 @@
 """A ``[V]`` / ``[1, ..., 1, V]`` tensor added to the projection's output (HF's
 ``final_logits_bias``, a ``[1, V]`` buffer, in BART, mBART, Marian, Pegasus...) is the op's
-bias (compile_pass/graph/forms.py): rewritten, equal to stock compile in loss, every
+bias (compile_pass/graph/projection.py): rewritten, equal to stock compile in loss, every
 gradient and the returned logits. An added tensor that varies per token or per row, one
 that widens the logits' shape or dtype, and a second bias on a linear that has one stay
 refused, bit for bit stock.

@@ -1,7 +1,7 @@
 """Row statistics of the logits inside a compiled graph: the z-loss's ``logsumexp(z, -1)`` and an
 entropy (``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``),
 beside a cross-entropy or per-token log-probabilities of the same projection, are rewritten to
-``chunkce::linear_statistics`` (compile_pass/graph/logsumexp.py, entropy.py): loss and every
+``chunkce::linear_statistics`` (compile_pass/graph/spellings/statistics.py, entropy.py): loss and every
 gradient equal to eager's and stock compile's (fullgraph, static and dynamic shapes), the graph
 holds the ops and no ``[N, V]`` node, and a step's measured peak stays under a quarter of one ``[N, V]``.
 Labels edited in place between the projection and the loss (a clone's or the graph input's own,
@@ -27,7 +27,7 @@ from compile_pass.memory import PeakMemory
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
-B, T, H, V = 2, 5, 16, 1031  # V: a vocabulary's (graph/no_site.py: is_vocabulary), odd
+B, T, H, V = 2, 5, 16, 1031  # V: a vocabulary's (graph/find.py: is_vocabulary), odd
 STATISTICS_OP = torch.ops.chunkce.linear_statistics.default
 PAD = 3
 

@@ -1,5 +1,5 @@
 """An in-place bias, ``logits = h @ W.T; logits += bias`` (Cut Cross-Entropy's reference
-spelling), is a projection with a bias (compile_pass/graph/forms.py): rewritten, and equal
+spelling), is a projection with a bias (compile_pass/graph/projection.py): rewritten, and equal
 to stock compile in loss and every gradient. Other in-place ops between the projection and
 the loss stay refused, bit for bit stock: an added tensor that is not a ``[V]`` bias, a bias
 added in place to logits that something else also reads, and a change of what the projection

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass import linear_cross_entropy
-from compile_pass.op.transform import HeadTransform
+from compile_pass.op.kernels import HeadTransform
 
 B, T, H, V = 2, 5, 16, 23
 

@@ -1,4 +1,4 @@
-"""The older loss spellings (compile_pass/graph/spellings.py): rewritten exactly, or refused with a reason.
+"""The older loss spellings (compile_pass/graph/spellings/__init__.py): rewritten exactly, or refused with a reason.
 
     F.nll_loss(F.log_softmax(logits, -1), labels, ...)      nn.NLLLoss()(nn.LogSoftmax(-1)(logits), labels)
     -log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1), reduced by mean / sum / a mask
@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass.graph.report import LOGITS_KEPT
-from compile_pass.graph.gather import NO_IGNORE_INDEX
+from compile_pass.graph.spellings.losses import NO_IGNORE_INDEX
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 

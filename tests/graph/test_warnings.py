@@ -6,11 +6,11 @@ reason and its fix; a soft-capped head says it is refused by design. A graph tha
 its logits and has no cross-entropy site (a forward without labels) returns them lazy by
 default, and a loss computed outside reads them fused; with ``returned_logits="keep"``, or
 logits a loss the pass does not read consumes in the graph, it is logged once at WARNING
-with the fix (``compile_pass.graph.no_site``). A rewritten site, an eval graph
+with the fix (``compile_pass.graph.find``). A rewritten site, an eval graph
 (no grad) and ``compile_pass.explain`` log no warning. A repeat is logged at DEBUG.
 
 Only where a rewrite would have saved memory: a refused site of a few
-classes (a classifier's score layer, ``no_site.is_vocabulary`` false) is logged at INFO and
+classes (a classifier's score layer, ``find.is_vocabulary`` false) is logged at INFO and
 stays in the report; the refused sites above are a vocabulary's (``WIDE``).
 """
 
@@ -21,18 +21,18 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from builders import H, V, Head
+from builders import H, Head, V
 from builders import hidden_states as hidden
 from builders import labels_of as labels
 from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
-from compile_pass.graph import no_site, publish, report
+from compile_pass.graph import find, report
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
-WIDE = 2 * no_site.VOCAB_MIN  # a vocabulary the no-site rule calls one; conftest's V (23) is below it
+WIDE = 2 * find.VOCAB_MIN  # a vocabulary the no-site rule calls one; conftest's V (23) is below it
 OPTIONS = {"inner_backend": "aot_eager"}
 KEEP = {**OPTIONS, "returned_logits": "keep"}  # returned logits computed in the step, as stock's
 
@@ -40,7 +40,7 @@ KEEP = {**OPTIONS, "returned_logits": "keep"}  # returned logits computed in the
 @pytest.fixture(autouse=True)
 def logs(caplog):
     """Every ``compile_pass`` record from DEBUG up, in a process that has warned of nothing yet."""
-    publish.forget_warnings()
+    report.forget_warnings()
     caplog.set_level(logging.DEBUG, logger="compile_pass")
     return caplog
 
@@ -305,7 +305,7 @@ def test_explain_reports_every_site_and_logs_no_warning(logs):
 
 
 def test_a_refused_site_with_few_classes_logs_no_warning_and_stays_in_the_report(logs):
-    """Refused logits of a few classes (conftest's V, 23: below ``no_site.VOCAB_MIN``) cost about
+    """Refused logits of a few classes (conftest's V, 23: below ``find.VOCAB_MIN``) cost about
     what the hidden states do: a rewrite would save nothing, so no WARNING; INFO, and the report."""
     train(Head(clamped))
     assert counters["chunkce"]["refused_op_clamp"] == 3

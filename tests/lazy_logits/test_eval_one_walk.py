@@ -1,7 +1,7 @@
 """An evaluation step (no grad, labels given) walks the vocabulary once for its loss and the reads
 of the logits it returns.
 
-The loss site is replaced by one ``chunkce::linear_statistics`` walk (graph/one_walk.py) whose row
+The loss site is replaced by one ``chunkce::linear_statistics`` walk (graph/plan.py) whose row
 statistics the returned ``LazyLogits`` keeps: ``argmax(-1)``, ``logsumexp``, the entropy and a
 log-prob gather afterwards walk no more (a gather is one op call without a walk). Proven on the graph
 the inner backend got (the statistics op, no cross-entropy op, no ``[N, V]`` node), by the walks

@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 from lazy_reads import counting, leaves, make_lazy
-from benchmarks.rl_steps import dpo_loss, eval_argmax, grpo_loss, token_log_probs
 from test_lazy_logits import LM, B, T, assert_same_grads, batch, compiled_pair
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
+from benchmarks.rl_steps import dpo_loss, eval_argmax, grpo_loss, token_log_probs
 from compile_pass import LazyLogits
 from compile_pass.graph.returned_logits import STAND_IN
 from compile_pass.memory import PeakMemory
@@ -120,7 +120,7 @@ HEADS = {
 
 @pytest.mark.parametrize("head", HEADS)
 def test_every_head_the_pass_reads_is_fused(head):
-    """The pass's description of each head (graph/lazy_head.py): reads go through the op, equal to stock's."""
+    """The pass's description of each head (graph/returned_logits.py): reads go through the op, equal to stock's."""
     model = HEADS[head]()
     compiled, stock, model, reference = compiled_pair(model)
     h, labels = batch()

@@ -14,8 +14,8 @@ from builders import Head
 
 from compile_pass import Options, last_report, linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
-from compile_pass.op import chunking, kernel_runner
-from compile_pass.op.chunking import (
+from compile_pass.op import tiling, kernel_runner
+from compile_pass.op.tiling import (
     ALIGN,
     DEFAULT_CHUNK_BYTES,
     MIN_VOCAB_BLOCK,
@@ -192,7 +192,7 @@ def test_report_shows_the_tiles_the_op_walks(monkeypatch, grads_in_forward, expe
     (site,) = last_report().records
     assert site.tiles == expected and site.chunk_size == expected.tokens
     assert f"{expected.tokens} x {expected.vocab_block}" in str(last_report())
-    tiles_walked = len(chunking.spans(80, expected.tokens)) * len(chunking.spans(4096, expected.vocab_block))
+    tiles_walked = len(tiling.spans(80, expected.tokens)) * len(tiling.spans(4096, expected.vocab_block))
     assert calls.count("chunk_forward") == tiles_walked  # what the op walked: those tiles
     torch.testing.assert_close(loss, model(hidden, labels))
 

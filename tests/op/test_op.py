@@ -191,7 +191,7 @@ def test_options_are_keywords_and_the_transform_round_trips():
     transform is flattened into the schema's arguments (a tensor scale positional, a number the
     float ``logit_scale``) and rebuilt."""
     from compile_pass.op.schema import DEFAULTS, head_transform, op_arguments
-    from compile_pass.op.transform import HeadTransform
+    from compile_pass.op.kernels import HeadTransform
 
     scale = torch.tensor(2.0)
     tensor, keywords = op_arguments(HeadTransform(scale, divides=True), ignore_index=-1, label_smoothing=0.1,

@@ -17,7 +17,7 @@ from test_op import CLASS_WEIGHT, TOL, chunked, loss_and_grads, make_inputs, unf
 from torch._dynamo.utils import counters
 
 from compile_pass import linear_cross_entropy
-from compile_pass.op import gradient_products, kernel_runner
+from compile_pass.op import kernel_runner, loops
 
 
 def _assert_all_close(ours, theirs, **tolerances):
@@ -137,12 +137,12 @@ def test_downcast_to_half_precision_logits_is_reproduced(logits_dtype, reduction
 
 
 def test_mixed_precision_addmm_is_a_capability_rule():
-    assert not gradient_products.has_mixed_addmm("cpu", torch.bfloat16, torch.float32)
-    assert not gradient_products.has_mixed_addmm("meta", torch.bfloat16, torch.float32)
-    assert not gradient_products.has_mixed_addmm("no_such_device", torch.bfloat16, torch.float32)
-    assert not gradient_products.has_mixed_addmm("cuda", torch.float32, torch.float32)
-    assert not gradient_products.has_mixed_addmm("cuda", torch.bfloat16, torch.float16)
-    assert gradient_products.has_mixed_addmm("cuda", torch.bfloat16, torch.float32) == (
+    assert not loops.has_mixed_addmm("cpu", torch.bfloat16, torch.float32)
+    assert not loops.has_mixed_addmm("meta", torch.bfloat16, torch.float32)
+    assert not loops.has_mixed_addmm("no_such_device", torch.bfloat16, torch.float32)
+    assert not loops.has_mixed_addmm("cuda", torch.float32, torch.float32)
+    assert not loops.has_mixed_addmm("cuda", torch.bfloat16, torch.float16)
+    assert loops.has_mixed_addmm("cuda", torch.bfloat16, torch.float32) == (
         torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CUDA"))
 
 
@@ -166,7 +166,7 @@ def test_out_of_memory_in_mixed_addmm_propagates_and_changes_nothing(monkeypatch
             raise torch.OutOfMemoryError("injected: out of memory")
         return real_upcast(out, a.to(dtype), b.to(dtype))
 
-    monkeypatch.setattr(gradient_products, "has_mixed_addmm", lambda *args: True)
+    monkeypatch.setattr(loops, "has_mixed_addmm", lambda *args: True)
     monkeypatch.setattr(torch.ops.aten.addmm, "dtype_out", flaky_dtype_out)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         loss_and_grads(chunked, *inputs, chunk_size=8)

@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from compile_pass import linear_statistics
 from compile_pass.op.schema import op_arguments
-from compile_pass.op.transform import HeadTransform
+from compile_pass.op.kernels import HeadTransform
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile")]
 TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 4}

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from compile_pass import RowStatistics, linear_statistics
 from compile_pass.op import kernel_runner
-from compile_pass.op.transform import HeadTransform
+from compile_pass.op.kernels import HeadTransform
 
 TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 4}  # [8, 128] fp32 tiles: 5 token chunks x 4 blocks
 FP64_TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 8}

@@ -17,8 +17,8 @@ import vocab_parallel_cases as cases
 from test_distributed import Spawned
 from test_distributed import spawn_ranks as spawn
 
-from compile_pass.op.transform import HeadTransform
-from compile_pass.op.function import chunked_cross_entropy
+from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.loss import chunked_cross_entropy
 
 TIMEOUT_S = 420
 FP32 = {"rtol": 1e-5, "atol": 1e-6}

@@ -1,4 +1,6 @@
-"""A consumer of the logits as the pass reads it (a :class:`LossCall` or a :class:`StatisticCall`),
+"""A consumer of the logits as the pass reads it (LossCall, StatisticCall) and a Spelling of one.
+
+A consumer of the logits as the pass reads it (a :class:`LossCall` or a :class:`StatisticCall`),
 and how a :class:`Spelling` of one is read and replaced; every spelling is registered in
 :data:`compile_pass.graph.spellings.SPELLINGS`.
 """
@@ -12,7 +14,7 @@ from typing import Any
 
 from torch.fx import Node
 
-from compile_pass.graph.forms import Projection
+from compile_pass.graph.projection import Projection
 from compile_pass.graph.refusals import Reason
 
 
@@ -78,13 +80,13 @@ class Spelling:
     """One spelling: ``read(node) -> Call | None`` and ``replace(call, projection)``.
 
     ``replace`` gives the function whose traced nodes replace the consuming node, with
-    :func:`compile_pass.op.function.chunked_cross_entropy`'s signature, or the
+    :func:`compile_pass.op.loss.chunked_cross_entropy`'s signature, or the
     :class:`Reason` it has none for this head. ``kind``: what its calls are (a
     :class:`LossCall` or a :class:`StatisticCall`).
     ``one_walk`` (a loss's, optional) gives the replacement that also returns the row statistics of
     its logits (``statistics_dtype=`` added to the signature; it returns ``(loss, lse, entropy,
     max, argmax)``), or None when the loss cannot be computed from them
-    (:mod:`compile_pass.graph.one_walk`).
+    (:mod:`compile_pass.graph.plan`).
     """
 
     name: str  # SiteRecord.form

@@ -1,5 +1,8 @@
-"""The op's public function, :func:`linear_cross_entropy`, and its traceable body,
-:func:`chunked_cross_entropy`, which the graph pass traces into a rewritten site."""
+"""The loss op's public function, linear_cross_entropy, and its traceable body.
+
+The op's public function, :func:`linear_cross_entropy`, and its traceable body,
+:func:`chunked_cross_entropy`, which the graph pass traces into a rewritten site.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +13,13 @@ from torch import Tensor
 
 from compile_pass.op import vocab_parallel
 from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
-from compile_pass.op.chunking import Tiles, resolve_tiles
 from compile_pass.op.custom_ops import FunctorchForward
 from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
+from compile_pass.op.kernels import HeadTransform
 from compile_pass.op.loops import autocast_enabled
 from compile_pass.op.reduction import reduce_total
 from compile_pass.op.schema import loss_inputs
-from compile_pass.op.transform import HeadTransform
+from compile_pass.op.tiling import Tiles, resolve_tiles
 
 
 def linear_cross_entropy(
@@ -67,7 +70,7 @@ def linear_cross_entropy(
             projection's. Under ``torch.autocast`` the projection runs in the autocast dtype, the loss in fp32.
         chunk_size: tokens per tile (``n`` of the ``[n, Vb]`` tiles); chunk_bytes: a tile's byte
             budget (sets ``Vb``). None = ``CHUNKCE_*``, else automatic
-            (:func:`compile_pass.op.chunking.resolve_tiles`).
+            (:func:`compile_pass.op.tiling.resolve_tiles`).
         logit_scale / logit_divisor: multiply / divide the logits by a Python number or a 0-d
             tensor that does not require grad (at most one); scale_dtype: the dtype the scaling
             happens in (None = the projection's).
@@ -144,7 +147,7 @@ def chunked_cross_entropy(
         hidden_states ``[..., H]``, weight ``[V, H]``, target ``hidden_states.shape[:-1]`` int64,
         bias / class_weight ``[V]`` or None; the options as :func:`linear_cross_entropy`'s,
         resolved: ``logits_dtype`` not None, ``transform`` a
-        :class:`compile_pass.op.transform.HeadTransform` or None, ``projection_dtype`` the
+        :class:`compile_pass.op.kernels.HeadTransform` or None, ``projection_dtype`` the
         autocast dtype or None, ``grads_in_forward`` None or the ``[hidden_states, weight, bias]``
         mask of gradients wanted. vocab_start, vocab_size, group_name: a vocabulary shard's
         place over a c10d group (:func:`compile_pass.op.vocab_parallel.sharded_loss`).
@@ -189,7 +192,7 @@ def _gradients_now(grads_in_forward: list[bool] | None, reduction: str) -> bool:
 def planned_tiles(num_tokens: int, vocab_size: int, projection_dtype: torch.dtype, device_type: str, *,
                   reduction: str, grads_in_forward: list[bool] | None = None, **options: Any) -> Tiles:
     """The tiles a :func:`chunked_cross_entropy` call with these arguments runs, with the
-    environment as it is now (:func:`compile_pass.op.chunking.resolve_tiles`, whole rows for the
+    environment as it is now (:func:`compile_pass.op.tiling.resolve_tiles`, whole rows for the
     grads-in-forward op); the pass's report shows them per site. ``num_tokens``: N;
     ``vocab_size``: V; ``projection_dtype``: a tile's logits' dtype.
 

@@ -1,19 +1,24 @@
-"""How the op cuts a call into tiles of ``n`` tokens by ``Vb`` vocabulary columns, one rule
+"""How the op cuts a call into tiles of n tokens by Vb vocabulary columns, and its environment.
+
+How the op cuts a call into tiles of ``n`` tokens by ``Vb`` vocabulary columns, one rule
 (:func:`choose_tiles`) for forward, backward and the grads-in-forward op; :func:`resolve_tiles`
 applies the precedence (argument, else ``CHUNKCE_*``, else default); :func:`plan_backward`
 is the backward's walk. The rule, its floors and budgets and their measurements:
 docs/op.md, "Tiles".
+
+Every ``CHUNKCE_*`` environment variable is read here, in this one place, at each call of
+:func:`settings` (nothing cached; what each does: docs/api.md, "Environment variables");
+:func:`accumulate_dtype` is the dtype the op computes a floating dtype's arithmetic in (its
+"opmath" dtype, as torch's kernels).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
-
-from compile_pass.op.dtypes import accumulate_dtype
-from compile_pass.op.settings import settings
 
 MiB = 1024 * 1024
 DEFAULT_CHUNK_BYTES = 7 * MiB  # bytes of one tile of logits: the default budget on CPU
@@ -186,3 +191,50 @@ def plan_backward(num_tokens: int, vocab_size: int, tiles: Tiles, hidden_dtype: 
         weight_sums=weight_sums,
         weight_block_accumulator=want_weight and weight_sums and accumulate != weight_dtype,
     )
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Process-wide defaults from the environment; ``None``: the variable is unset."""
+
+    chunk_size: int | None = None
+    chunk_bytes: int | None = None
+    eager_kernels: bool = False
+    release_cache: bool = False
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+def _positive_int(name: str) -> int | None:
+    """``name`` as a positive int, None when unset or blank; ValueError when set otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise ValueError(f"chunkce: expected {name} to be a positive integer, got {raw!r}")
+    return value
+
+
+def settings() -> Settings:
+    """The ``CHUNKCE_*`` variables now. Raises ValueError: ``CHUNKCE_CHUNK_SIZE`` or
+    ``CHUNKCE_CHUNK_BYTES`` set but not a positive integer."""
+    return Settings(
+        chunk_size=_positive_int("CHUNKCE_CHUNK_SIZE"),
+        chunk_bytes=_positive_int("CHUNKCE_CHUNK_BYTES"),
+        eager_kernels=_flag("CHUNKCE_EAGER_KERNELS"),
+        release_cache=_flag("CHUNKCE_RELEASE_CACHE"),
+    )
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision logits, else the logits' own dtype (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
