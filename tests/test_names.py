@@ -3,9 +3,14 @@
 - No module-level string constant of ``compile_pass/`` (``NAME = "..."``) is compared with
   ``==``, ``!=``, ``in`` or ``not in`` anywhere in the package: a state is an ``Enum`` member or a
   field, never a string compared with another string.
+- No public name is defined with two meanings: a class, function or module-level name (no
+  leading underscore) defined in two modules of the package is the same object (one imports it
+  from the other).
 """
 
 import ast
+import importlib
+from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "compile_pass"
@@ -62,3 +67,29 @@ def test_no_string_constant_is_a_state():
     compared = set().union(*(_compared_names(tree) for tree in trees.values()))
     states = {f"{constants[name]}.{name}" for name in constants.keys() & compared}
     assert states == set(), f"string constants compared as states (make them an Enum's members): {sorted(states)}"
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """Names a module defines at its top level: classes, functions, assigned names (imports excluded)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(t.id for t in ast.walk(target) if isinstance(t, ast.Name))
+    return {name for name in names if not name.startswith("_")} - {"log"}  # each module's logger is its own
+
+
+def test_no_name_has_two_meanings():
+    where = defaultdict(list)
+    for module, tree in _modules().items():
+        for name in _defined(tree):
+            where[name].append(module)
+    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
+    clashes = {}
+    for name, modules in twice.items():
+        values = [getattr(importlib.import_module(module), name) for module in modules]
+        if any(value is not values[0] for value in values[1:]):
+            clashes[name] = modules
+    assert clashes == {}, f"names defined with two meanings (rename one): {clashes}"

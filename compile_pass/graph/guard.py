@@ -1,6 +1,6 @@
 """The guard: whether a matched site may be rewritten (None), or a :class:`Reason` why not.
 
-Refusing is normal: the site is left as it is. The rewrite must reproduce the captured graph
+DroppedRecipe is normal: the site is left as it is. The rewrite must reproduce the captured graph
 exactly, so everything between the projection and the loss has to be shape- or dtype-only or one
 scaling by a constant the op takes (:func:`compile_pass.graph.projection.read_scale`), the head
 a plain floating tensor, the dtypes the logits pass through (:func:`cast_chains`, which the

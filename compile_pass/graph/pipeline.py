@@ -23,7 +23,7 @@ from compile_pass.graph.report import PassReport, SiteRecord, failed, unmatched
 from compile_pass.graph.report import publish as publish_report
 from compile_pass.graph.returned_logits import add_outputs
 from compile_pass.graph.stages import attempt
-from compile_pass.lazy_logits import Plan
+from compile_pass.lazy_logits import LazyOutputs
 from compile_pass.op.tiling import settings
 from compile_pass.options import Options
 
@@ -33,7 +33,7 @@ class PassResult:
     """What :func:`run_pass` did: its report, and the returned logits it took out (None: none)."""
 
     report: PassReport
-    returned: Plan | None = None  # for compile_pass.lazy_logits.wrap_compiled
+    returned: LazyOutputs | None = None  # for compile_pass.lazy_logits.wrap_compiled
 
 
 def run_pass(graph: Graph, options: Options | None = None, *, subgraphs: bool = True, take_out: bool = False,

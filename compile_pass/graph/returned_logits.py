@@ -4,7 +4,7 @@ Returned logits taken out of the graph: what becomes of a projection's logits (:
 the chain of casts, copies and a scale from the projection to the graph output that only it
 reads (:func:`returned_chain`), and a stand-in in the output slot (a NaN scalar expanded to
 their shape) with a recipe to compute them on read (``LAZY``: the graph's chain, the graph
-returning the tensors it reads instead) or the refusing one (``DROPPED``).
+returning the tensors it reads instead) or the refusing one (``DROPPED_RECIPE``).
 
     saved = take_out(projection, edit, Fate.LAZY)   # inside the edit of the logits (graph/apply.py)
     outputs = add_outputs(graph)                  # the recipes' inputs (and row statistics) appended
@@ -38,7 +38,7 @@ from compile_pass.graph.nodes import (
 )
 from compile_pass.graph.projection import Projection, read_scale
 from compile_pass.graph.tensor_parallel import local_value
-from compile_pass.lazy_logits import DROPPED, Plan, Recipe, Refusing, Slot
+from compile_pass.lazy_logits import DROPPED_RECIPE, DroppedRecipe, LazyOutputs, Recipe, Slot
 from compile_pass.lazy_logits.head import Head
 from compile_pass.lazy_logits.keys import holds
 
@@ -59,7 +59,7 @@ STAND_IN = "chunkce_returned_logits"  # meta key of the stand-in node in the gra
 class TakenOut:
     """What a stand-in of the graph output carries (``node.meta[STAND_IN]``)."""
 
-    recipe: Recipe | Refusing
+    recipe: Recipe | DroppedRecipe
     inputs: tuple[Node, ...]  # the recipe's inputs, nodes of the graph
     statistics: tuple[Node, ...] = ()  # lse, entropy, max, argmax [N] of the head's rows, computed in the step
 
@@ -72,7 +72,7 @@ def take_out(projection: Projection, edit: Edit, fate: Fate,
     the lazy logits' fused reads take; ``statistics``: nodes of the row statistics of the recipe's
     head (:func:`returned_head`) the graph computes, handed to the lazy logits."""
     chain = returned_chain(projection.node)
-    taken = TakenOut(DROPPED, ()) if fate is Fate.DROPPED else _recipe(projection, chain, tiles)
+    taken = TakenOut(DROPPED_RECIPE, ()) if fate is Fate.DROPPED else _recipe(projection, chain, tiles)
     if statistics and isinstance(taken.recipe, Recipe) and taken.recipe.head is not None:
         taken = replace(taken, statistics=statistics)
     stand_in = _stand_in_for(projection, example_value(chain[-1]))
@@ -167,9 +167,9 @@ def _stand_in_for(projection: Projection, returned: torch.Tensor) -> Node:
         return create_node(graph, "call_method", "expand", (nan, *sizes, returned.shape[-1]))
 
 
-def add_outputs(graph: Graph) -> Plan | None:
+def add_outputs(graph: Graph) -> LazyOutputs | None:
     """Append every stand-in's recipe inputs (scalars as 0-d CPU tensors), then its row
-    statistics, to ``graph``'s (tuple) output; the :class:`compile_pass.lazy_logits.Plan` of the
+    statistics, to ``graph``'s (tuple) output; the :class:`compile_pass.lazy_logits.LazyOutputs` of the
     slots, or None when the output holds no stand-in."""
     (output,) = graph.find_nodes(op="output")
     values = output.args[0]
@@ -195,7 +195,7 @@ def add_outputs(graph: Graph) -> Plan | None:
         return None
     if extras:
         output.args = (type(values)([*values, *extras]),)
-    return Plan(len(values), tuple(slots))
+    return LazyOutputs(len(values), tuple(slots))
 
 
 def head_of(projection: Projection, chain: list[Node], inputs: list[Node], hidden: Node,

@@ -8,7 +8,6 @@ other way is refused as ``tensor_parallel``. What Dynamo captures: docs/distribu
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,15 +17,9 @@ from torch.fx import Graph, Node
 
 from compile_pass.graph.nodes import create_node, example_value, tensor_op_name
 from compile_pass.graph.projection import Projection, as_projection
+from compile_pass.op.vocab_parallel import is_dtensor
 
 _GATHERS = ("to_local", "full_tensor")  # the replicated logits' local tensor: [..., V] on every rank
-
-
-def is_dtensor(value: Any) -> bool:
-    """Whether ``value`` (a node's example value) is a ``DTensor`` (never imports DTensor's package:
-    no DTensor exists before it is imported)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ and one :class:`RowValues` for all rows: the values the key says (``z``), their 
 (``lp``), softmax (``p``), ``p * lp`` or ``p * z``. Every tensor has ``_rows``: which rows of its
 root's values its rows are (CPU int64, ``shape[:-1]``), or None when its last dim is not the
 vocabulary. Views read their root's storage as it is now (an in-place temperature changes the keys of
-the rows it wrote: :func:`edit`); copies and derived tensors take the keys of the moment they are
+the rows it wrote: :func:`record_edit`); copies and derived tensors take the keys of the moment they are
 made. Anything else written to a root's rows takes their form away (:func:`break_rows`).
 """
 
@@ -172,7 +172,7 @@ def scaled(tensor: Tensor, other: object, multiplies: bool, dtype: torch.dtype) 
     return _new_storage(storage, rows, lambda k, head_rows: k.scaled(temperature, dtype, compute, head_rows))
 
 
-def edit(tensor: Tensor, other: object, multiplies: bool) -> bool:
+def record_edit(tensor: Tensor, other: object, multiplies: bool) -> bool:
     """Record ``tensor.mul_(other)`` / ``div_`` on its root's rows (their keys change), or take
     the form of those rows away; whether they keep one."""
     storage = getattr(tensor._root(), "_storage", None)

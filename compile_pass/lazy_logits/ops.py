@@ -35,7 +35,7 @@ METADATA_OPS = {
     _aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int,
 }
 _MULTI = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int}  # views returning a list
-COPIES = {_aten.clone.default, _aten._to_copy.default}  # of METADATA_OPS, those that copy; the rest are views
+COPY_OPS = {_aten.clone.default, _aten._to_copy.default}  # of METADATA_OPS, those that copy; the rest are views
 _SCALES = {_aten.div.Tensor: False, _aten.div.Scalar: False, _aten.mul.Tensor: True, _aten.mul.Scalar: True}
 _DERIVED = {*_SCALES, _aten._log_softmax.default, _aten._softmax.default, _aten.exp.default}
 EDITS = {_aten.div_.Tensor: False, _aten.div_.Scalar: False, _aten.mul_.Tensor: True, _aten.mul_.Scalar: True}
@@ -82,7 +82,7 @@ def metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
     meta_kwargs = {**kwargs, "device": "meta"} if "device" in kwargs else kwargs
     out = func(on_meta(base), *args[1:], **meta_kwargs)
     device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
-    if func in COPIES:
+    if func in COPY_OPS:
         layout = Layout(out.shape, out.stride(), out.dtype, device)
         return _copy(base, func, args, kwargs, layout, forms.copied(base, out.dtype))
     if func in _MULTI:
@@ -148,7 +148,7 @@ def edit(func: Any, args: tuple, kwargs: dict) -> Any:
     tensor, other = args[0], args[1]
     func(on_meta(tensor), *on_meta(args[1:]), **kwargs)  # torch's checks (shapes, dtypes)
     overlaps = torch._debug_has_internal_overlap(on_meta(tensor)) == 1  # torch refuses: the values' op raises
-    kept = not overlaps and forms.edit(tensor, other, EDITS[func])
+    kept = not overlaps and forms.record_edit(tensor, other, EDITS[func])
     root = tensor._root()
     if kept and root._value is None:
         other = other.detach().clone() if isinstance(other, torch.Tensor) else other

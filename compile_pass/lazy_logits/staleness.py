@@ -6,7 +6,7 @@ version counter and storage of every tensor the recipe reads (and an FSDP2 unsha
 sharded parameter), compared on host metadata only; any optimizer step of one marks it stale
 (fused optimizers bump no versions). Raises :class:`StaleLogitsError`; docs/models.md.
 
-:data:`DROPPED`: the recipe of logits that must never be made (``returned_logits="drop"``).
+:data:`DROPPED_RECIPE`: the recipe of logits that must never be made (``returned_logits="drop"``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class StaleLogitsError(RuntimeError):
 class Inputs:
     """The recipe's inputs as the step returned them, with what must not change before a read."""
 
-    def __init__(self, recipe: Recipe | Refusing, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, recipe: Recipe | DroppedRecipe, tensors: Sequence[torch.Tensor]) -> None:
         self.recipe = recipe
         self.tensors = tuple(tensors)
         watched = [(role, t) for role, t in zip(recipe.roles, tensors)]
@@ -206,7 +206,7 @@ class Recipe:
 
 
 @dataclass(frozen=True)
-class Refusing:
+class DroppedRecipe:
     """The recipe of logits a training step dropped (``returned_logits="drop"``): no inputs,
     and making them raises ``RuntimeError`` naming the option."""
 
@@ -221,4 +221,4 @@ class Refusing:
         )
 
 
-DROPPED = Refusing()
+DROPPED_RECIPE = DroppedRecipe()

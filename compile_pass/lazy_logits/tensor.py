@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from compile_pass.lazy_logits import forms, ops, reads
-from compile_pass.lazy_logits.ops import COPIES, EDITS, METADATA_OPS, Layout
+from compile_pass.lazy_logits.ops import COPY_OPS, EDITS, METADATA_OPS, Layout
 from compile_pass.lazy_logits.staleness import Inputs, StaleLogitsError
 
 _aten = torch.ops.aten
@@ -127,7 +127,7 @@ class LazyLogits(torch.Tensor):
         with torch.no_grad():
             lazy = [a for a in args if ops.is_lazy(a)]
             fresh = len(lazy) == 1 and lazy[0]._root()._value is None  # computed for this copy alone
-            if fresh and func in COPIES and _same_layout(values[0], self) and _owns_storage(values[0]):
+            if fresh and func in COPY_OPS and _same_layout(values[0], self) and _owns_storage(values[0]):
                 return values[0]  # already a copy: no second [N, V]
             return func(*values, **kwargs)
 

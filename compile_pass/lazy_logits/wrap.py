@@ -1,6 +1,6 @@
 """The compiled step handing out lazy logits in the slots the pass emptied.
 
-The compiled step handing out lazy logits: :class:`Plan` (where they go),
+The compiled step handing out lazy logits: :class:`LazyOutputs` (where they go),
 :func:`wrap_compiled`.
 
 The returned-logits pass (:mod:`compile_pass.graph.returned_logits`) took returned logits
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from compile_pass.lazy_logits.cache import cache_of
-from compile_pass.lazy_logits.staleness import Inputs, Recipe, Refusing
+from compile_pass.lazy_logits.staleness import Inputs, Recipe, DroppedRecipe
 from compile_pass.lazy_logits.tensor import DroppedLogits, Layout, LazyLogits
 
 
@@ -32,20 +32,20 @@ class Slot:
     ``entropy``, ``max``, ``argmax`` (``[N]`` each, every head row; none: ``()``)."""
 
     position: int
-    recipe: Recipe | Refusing
+    recipe: Recipe | DroppedRecipe
     inputs: tuple[int, ...]
     statistics: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
-class Plan:
+class LazyOutputs:
     """Where :func:`wrap_compiled` finds what it hands back: the graph's original output count, and its slots."""
 
     num_outputs: int
     slots: tuple[Slot, ...]
 
 
-def wrap_compiled(compiled: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
+def wrap_compiled(compiled: Callable[..., Any], plan: LazyOutputs) -> Callable[..., Any]:
     """``compiled`` handing out a :class:`LazyLogits` at each slot of ``plan`` (a
     :class:`DroppedLogits` where the recipe refuses), with the extra outputs taken off."""
     @functools.wraps(compiled)  # keeps its attributes (e.g. _boxed_call): called as it would be
@@ -61,7 +61,7 @@ def wrap_compiled(compiled: Callable[..., Any], plan: Plan) -> Callable[..., Any
     return run
 
 
-def lazy_logits(recipe: Recipe | Refusing, tensors: Sequence[torch.Tensor], stand_in: torch.Tensor,
+def lazy_logits(recipe: Recipe | DroppedRecipe, tensors: Sequence[torch.Tensor], stand_in: torch.Tensor,
                 statistics: Sequence[torch.Tensor] = ()) -> LazyLogits:
     """The :class:`LazyLogits` of ``recipe`` over ``tensors`` (as the step returned them;
     a :class:`DroppedLogits` for a refusing recipe), shaped as ``stand_in`` (the graph's
@@ -70,7 +70,7 @@ def lazy_logits(recipe: Recipe | Refusing, tensors: Sequence[torch.Tensor], stan
     row as the recipe's head computes them without grad (:meth:`compile_pass.lazy_logits.cache.RowCache.keep`), or empty."""
     source = Inputs(recipe, tensors)
     layout = Layout(stand_in.shape, _contiguous_strides(stand_in.shape), stand_in.dtype, stand_in.device)
-    if isinstance(recipe, Refusing):
+    if isinstance(recipe, DroppedRecipe):
         return DroppedLogits(layout, source=source)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         logits = _Recompute.apply(source, layout, *tensors)

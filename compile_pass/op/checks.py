@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 
 from compile_pass.op.loops import autocast_enabled
-from compile_pass.op.schema import NAME
+from compile_pass.op.schema import LOSS_NAME
 
 _REDUCTIONS = ("mean", "sum", "none")
 _TARGET_DTYPES = (torch.int64, torch.uint8)  # what F.cross_entropy accepts for class indices
 
 
-def _fail(kind: type[Exception], message: str, where: str = NAME) -> None:
+def _fail(kind: type[Exception], message: str, where: str = LOSS_NAME) -> None:
     raise kind(f"{where}: {message}")
 
 
@@ -128,7 +128,7 @@ def check_loss_options(reduction, ignore_index, label_smoothing, logits_dtype) -
         _fail(TypeError, f"expected logits_dtype to be a floating torch.dtype, got {logits_dtype!r}")
 
 
-def check_positive_int(name: str, value, where: str = NAME) -> None:
+def check_positive_int(name: str, value, where: str = LOSS_NAME) -> None:
     """``value`` is a positive int (not a bool) or None (automatic).
 
     Raises:
@@ -139,7 +139,7 @@ def check_positive_int(name: str, value, where: str = NAME) -> None:
         _fail(ValueError, f"expected {name} to be a positive int or None, got {value!r}", where)
 
 
-def check_bool(name: str, value, where: str = NAME) -> None:
+def check_bool(name: str, value, where: str = LOSS_NAME) -> None:
     """``value`` is a bool.
 
     Raises:
@@ -149,7 +149,7 @@ def check_bool(name: str, value, where: str = NAME) -> None:
         _fail(TypeError, f"expected {name} to be a bool, got {type(value).__name__}", where)
 
 
-def check_chunking(chunk_size, chunk_bytes, grads_in_forward, where: str = NAME, prefix: str = "") -> None:
+def check_chunking(chunk_size, chunk_bytes, grads_in_forward, where: str = LOSS_NAME, prefix: str = "") -> None:
     """How a call is chunked, as the public function's keywords and the pass's ``Options``
     fields of the same names give it: ``chunk_size`` (tokens a tile) and ``chunk_bytes`` (a
     tile's byte budget) positive ints or None (automatic), ``grads_in_forward`` a bool.

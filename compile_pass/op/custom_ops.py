@@ -4,7 +4,7 @@
 and returns ``loss [N]``, ``row_max [N]``, ``row_log_sum [N]``; autograd saves its tensor inputs and
 those two. ``chunkce::linear_cross_entropy_backward`` recomputes each tile
 (:func:`compile_pass.op.loops.chunked_backward`) and refuses double backward. Tensors are
-positional, options keyword-only (:data:`compile_pass.op.schema.OPTIONS`). Under a ``torch.func``
+positional, options keyword-only (:data:`compile_pass.op.schema.LOSS_OPTIONS`). Under a ``torch.func``
 transform both run through ``autograd.Function`` adapters. Structure: docs/op.md.
 """
 
@@ -14,15 +14,15 @@ import torch
 from torch import Tensor
 
 from compile_pass.op import loops
-from compile_pass.op.schema import DEFAULTS, INPUTS, NAME, op_schema
+from compile_pass.op.schema import LOSS_DEFAULTS, INPUTS, LOSS_NAME, op_schema
 from compile_pass.op.tiling import accumulate_dtype
 
-FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
-BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
+LOSS_FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
+LOSS_BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
                             "(Tensor, Tensor, Tensor)", own="bool[] output_mask")
 
 
-@torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=(), schema=FORWARD_SCHEMA)
+@torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=(), schema=LOSS_FORWARD_SCHEMA)
 def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                 class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
                 **options) -> tuple[Tensor, Tensor, Tensor]:
@@ -41,7 +41,7 @@ def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **o
     return tuple(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
 
 
-@torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+@torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=(), schema=LOSS_BACKWARD_SCHEMA)
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
                  bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
                  row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool],
@@ -116,7 +116,7 @@ def refuse_double_backward(op_name: str, unfused: str):
     return refuse
 
 
-_refuse_double_backward = refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy")
+_refuse_double_backward = refuse_double_backward(LOSS_NAME, "the unfused F.linear + F.cross_entropy")
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 _backward_op.register_autograd(_refuse_double_backward,
                                setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
@@ -137,7 +137,7 @@ class FunctorchForward(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs[1:], {**DEFAULTS, **inputs[0]}, output)
+        _setup_context(ctx, inputs[1:], {**LOSS_DEFAULTS, **inputs[0]}, output)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -27,7 +27,7 @@ from compile_pass.op.loops import (
     op_body,
     row_statistics,
 )
-from compile_pass.op.schema import INPUTS, NAME, op_schema
+from compile_pass.op.schema import INPUTS, LOSS_NAME, ResolvedCall, op_schema
 from compile_pass.op.tiling import accumulate_dtype, spans
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
@@ -37,7 +37,7 @@ SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own="bool
 def _refuse_under_transforms() -> None:
     if torch._C._are_functorch_transforms_active():
         raise NotImplementedError(
-            f"{NAME}: grads_in_forward=True is not supported under torch.func transforms "
+            f"{LOSS_NAME}: grads_in_forward=True is not supported under torch.func transforms "
             "(grad, vjp, vmap, ...); pass grads_in_forward=False (the recompute op supports "
             "first-order torch.func)"
         )
@@ -56,7 +56,7 @@ def grads_wanted(hidden_states: Tensor | None, weight: Tensor | None, bias: Tens
     return mask if any(mask) else None
 
 
-def chunked_grads_in_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                              bias: Tensor | None, class_weight: Tensor | None,
                              output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The chunk loop over whole rows (``plan.tiles`` of ``Vb = V``: a row's gradient needs the
@@ -166,7 +166,7 @@ def _versions(tensors) -> tuple[int, ...] | None:
 
 
 _SECOND_BACKWARD = (
-    f"{NAME}: expected one backward through a grads_in_forward=True loss, got a second one "
+    f"{LOSS_NAME}: expected one backward through a grads_in_forward=True loss, got a second one "
     "(retain_graph=True): the first backward scaled the gradients computed in forward in place "
     "and handed them over, with no copy; pass grads_in_forward=False (the recompute op supports "
     "retain_graph=True) or compute the loss again for each backward"
@@ -192,7 +192,7 @@ def _backward(ctx, grad_total, *_grads_of_grads):
     """
     if torch.is_grad_enabled():
         raise NotImplementedError(
-            f"{NAME}: double backward (create_graph=True through the op) is not supported with "
+            f"{LOSS_NAME}: double backward (create_graph=True through the op) is not supported with "
             "grads_in_forward=True; compute higher-order gradients with the unfused F.linear + F.cross_entropy"
         )
     try:

@@ -32,7 +32,7 @@ def _kernel(fn_name: str):
 
 
 @contextlib.contextmanager
-def hooked(hook: Callable[[str, tuple], None]) -> Iterator[None]:
+def hooked_runs(hook: Callable[[str, tuple], None]) -> Iterator[None]:
     """Call ``hook(fn_name, variant)`` each time :func:`run` is about to run a compiled kernel,
     while the block runs (to look, or to inject a fault: what the hook raises, ``run`` raises)."""
     _HOOKS.append(hook)

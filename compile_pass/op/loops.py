@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from compile_pass.op import kernel_runner, kernels
-from compile_pass.op.schema import NAME, ChunkPlan
+from compile_pass.op.schema import LOSS_NAME, ResolvedCall
 from compile_pass.op.tiling import Tiles, accumulate_dtype, plan_backward, spans
 
 
@@ -41,21 +41,21 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
     ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
     # (int64's minimum: no target is ignored, the graph pass's gather spelling)
-    torch._assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}){ignored}")
+    torch._assert_async(in_range.all(), f"{LOSS_NAME}: expected every target in [0, {vocab_size}){ignored}")
 
 
 @contextlib.contextmanager
 def op_body(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
-            target: Tensor | None = None, **placement: Any) -> Iterator[ChunkPlan]:
-    """Around an op body's chunk loop: yields the call's :class:`ChunkPlan` (``placement``: the
-    keywords of :meth:`ChunkPlan.resolve`), after checking ``target [N]`` when given; runs the loop
+            target: Tensor | None = None, **placement: Any) -> Iterator[ResolvedCall]:
+    """Around an op body's chunk loop: yields the call's :class:`ResolvedCall` (``placement``: the
+    keywords of :meth:`ResolvedCall.resolve`), after checking ``target [N]`` when given; runs the loop
     with autocast off; then applies ``CHUNKCE_RELEASE_CACHE`` (:func:`release_cache`).
 
     Raises:
         ValueError: a ``CHUNKCE_*`` variable holds a bad value.
         RuntimeError: (CPU) a target outside ``[0, V)`` that is not ``ignore_index``.
     """
-    plan = ChunkPlan.resolve(hidden_states, weight, scale_tensor, options, **placement)
+    plan = ResolvedCall.resolve(hidden_states, weight, scale_tensor, options, **placement)
     if target is not None:
         _assert_targets_in_range(target, weight.shape[0], plan.options["ignore_index"])
     device = hidden_states.device
@@ -94,7 +94,7 @@ class TileBuffer:
         return torch.addmm(bias_block, hidden_chunk, weight_block.t(), out=logits)
 
 
-def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
+def _forward_kernel(plan: ResolvedCall, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
                     state: tuple, vocab_start: int) -> tuple[Tensor, ...]:
     """``kernels.chunk_forward`` of one tile ``logits_chunk [n, Vb]`` (columns from
     ``vocab_start``): ``(loss, row_max, row_log_sum, *state)``, ``[n]`` each in the accumulate
@@ -106,7 +106,7 @@ def _forward_kernel(plan: ChunkPlan, logits_chunk: Tensor, target: Tensor, class
     return loss, row_max, row_log_sum, (row_max, *state)
 
 
-def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
+def _backward_kernel(plan: ResolvedCall, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
                      target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int) -> Tensor:
     """``kernels.chunk_backward`` of one tile: the gradient w.r.t. ``logits_chunk [n, Vb]``,
     written into it (returned), from ``grad_loss [n]`` and the whole rows' statistics."""
@@ -117,7 +117,7 @@ def _backward_kernel(plan: ChunkPlan, logits_chunk: Tensor, row_max: Tensor, row
     return logits_chunk
 
 
-def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, weight: Tensor,
+def row_statistics(plan: ResolvedCall, buffer: TileBuffer, hidden_chunk: Tensor, weight: Tensor,
                    target: Tensor, bias: Tensor | None, class_weight: Tensor | None,
                    vocab_blocks: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One token chunk's walk over its vocabulary blocks: ``loss [n]``, ``row_max [n]``,
@@ -133,7 +133,7 @@ def row_statistics(plan: ChunkPlan, buffer: TileBuffer, hidden_chunk: Tensor, we
     return loss, row_max, row_log_sum, logits
 
 
-def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+def chunked_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` in the accumulate dtype,
     from the op's tensors (``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
@@ -151,7 +151,7 @@ def chunked_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, targ
     return loss, row_max, row_log_sum
 
 
-def chunked_backward(plan: ChunkPlan, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
+def chunked_backward(plan: ResolvedCall, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
                      target: Tensor, bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor,
                      row_log_sum: Tensor, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` in their

@@ -160,7 +160,7 @@ def chunked_cross_entropy(
     """
     if group_name is not None and grads_in_forward is not None:
         raise NotImplementedError(
-            f"{vocab_parallel.NAME}: grads_in_forward is not supported for a vocabulary-sharded head; "
+            f"{vocab_parallel.VOCAB_PARALLEL_NAME}: grads_in_forward is not supported for a vocabulary-sharded head; "
             "leave it off (the recompute path is exact and holds no [V_local, H] gradient in forward)")
     hidden_states, weight, bias, scale_tensor, options = loss_inputs(
         hidden_states, weight, bias, ignore_index=ignore_index, label_smoothing=label_smoothing,

@@ -1,9 +1,9 @@
 """The ops' keyword-only options as their schemas hold them, and the options of one call resolved.
 
-The recompute op's options as its schemas hold them, and :class:`ChunkPlan`, the options of
+The recompute op's options as its schemas hold them, and :class:`ResolvedCall`, the options of
 one op call resolved.
 
-Every custom op takes its tensors positionally and its options keyword-only (:data:`OPTIONS`),
+Every custom op takes its tensors positionally and its options keyword-only (:data:`LOSS_OPTIONS`),
 under the same names from the public function to the kernels. The head's
 :class:`~compile_pass.op.kernels.HeadTransform` is several schema arguments:
 :func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. ``tests/op/test_op.py``
@@ -23,18 +23,18 @@ from torch import Tensor
 from compile_pass.op.kernels import HeadTransform, KernelArgs
 from compile_pass.op.tiling import Tiles, resolve_tiles, settings
 
-NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
+LOSS_NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
 # the leading arguments of the forward ops (the backward ops', between grad_loss and the row statistics)
 INPUTS = ("Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
           "Tensor? logit_scale_tensor")
 # the keyword-only options of every recompute-family op (torch refuses keyword-only tensors: the
 # scale's 0-d tensor is the positional logit_scale_tensor)
-OPTIONS = ("SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size=None, "
+LOSS_OPTIONS = ("SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size=None, "
            "SymInt? chunk_bytes=None, float? logit_scale=None, bool scale_divides=False, "
            "ScalarType? scale_dtype=None")
 
 
-def op_schema(tensors: str, returns: str, own: str = "", options: str = OPTIONS) -> str:
+def op_schema(tensors: str, returns: str, own: str = "", options: str = LOSS_OPTIONS) -> str:
     """A custom op's schema string: the positional ``tensors``, then keyword-only the op's
     ``own`` arguments and the ``options``, ``-> returns`` (schema syntax each)."""
     keywords = f"{own}, {options}" if own else options
@@ -47,7 +47,7 @@ def defaults(options: str) -> dict[str, Any]:
     return {argument.name: argument.default_value for argument in arguments if argument.has_default_value()}
 
 
-DEFAULTS = defaults(OPTIONS)
+LOSS_DEFAULTS = defaults(LOSS_OPTIONS)
 
 
 def op_arguments(transform: HeadTransform = HeadTransform(), **options: Any) -> tuple[Tensor | None, dict[str, Any]]:
@@ -81,7 +81,7 @@ def head_transform(scale_tensor: Tensor | None, options: Mapping[str, Any]) -> H
 
 
 @dataclass(frozen=True, eq=False)
-class ChunkPlan:
+class ResolvedCall:
     """The options of one op call, resolved for its tensors and the environment."""
 
     options: Mapping[str, Any]  # the op's keyword arguments, every default filled in
@@ -94,8 +94,8 @@ class ChunkPlan:
 
     @staticmethod
     def resolve(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
-                *, option_defaults: Mapping[str, Any] = DEFAULTS, whole_rows: bool = False,
-                vocab_offset: int = 0, vocab_size: int | None = None) -> ChunkPlan:
+                *, option_defaults: Mapping[str, Any] = LOSS_DEFAULTS, whole_rows: bool = False,
+                vocab_offset: int = 0, vocab_size: int | None = None) -> ResolvedCall:
         """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
         ``options``: the tiles (:func:`~compile_pass.op.tiling.resolve_tiles`), the
         environment's flags, the transform's dtype resolved; ``vocab_offset`` / ``vocab_size``
@@ -106,7 +106,7 @@ class ChunkPlan:
         """
         env = settings()
         options = {**option_defaults, **options}
-        return ChunkPlan(
+        return ResolvedCall(
             options=options,
             tiles=resolve_tiles(options.get("chunk_size"), hidden_states.shape[0], weight.shape[0],
                                 hidden_states.element_size(), hidden_states.device.type,

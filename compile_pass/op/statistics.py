@@ -114,12 +114,12 @@ def linear_statistics(
                      logits_dtype=logits_dtype, statistics_dtype=statistics_dtype)
     for name, flag in (("temperature_multiplies", temperature_multiplies), ("row_statistics", row_statistics),
                        ("maximum_only", maximum_only)):
-        check_bool(name, flag, NAME)
+        check_bool(name, flag, STATISTICS_NAME)
     for name, size in (("chunk_size", chunk_size), ("chunk_bytes", chunk_bytes)):
-        check_positive_int(name, size, NAME)
+        check_positive_int(name, size, STATISTICS_NAME)
     vocab_parallel = None
     if is_dtensor(weight):
-        mesh_dim = vocabulary_mesh_dim(weight, bias, where=NAME, names=("weight", "bias"))
+        mesh_dim = vocabulary_mesh_dim(weight, bias, where=STATISTICS_NAME, names=("weight", "bias"))
         vocab_parallel = (*shard_of(weight, mesh_dim), weight.shape[0])  # (vocab_start, group_name, V)
         weight, bias = weight.to_local(), None if bias is None else bias.to_local()
     if isinstance(temperature, Tensor) and temperature.dim() == 0:
@@ -180,7 +180,7 @@ def chunked_statistics(
 
 
 def _fail(kind: type[Exception], message: str) -> None:
-    raise kind(f"{NAME}: {message}")
+    raise kind(f"{STATISTICS_NAME}: {message}")
 
 
 def _check_arguments(hidden_states, weight, bias, indices, temperature, projection_dtype, transform,
@@ -226,36 +226,36 @@ def _check_arguments(hidden_states, weight, bias, indices, temperature, projecti
             _fail(ValueError, f"expected {name} on {device} (the hidden states' device), got {value.device}")
 
 
-NAME = "chunkce.linear_statistics"  # how the op names itself in messages
+STATISTICS_NAME = "chunkce.linear_statistics"  # how the op names itself in messages
 UNFUSED = "the unfused F.linear and torch's logsumexp / softmax / gather"
 TENSORS = "Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices, Tensor? temperature, " \
           "Tensor? logit_scale_tensor"
 STATISTICS = "Tensor row_max, Tensor row_log_sum, Tensor row_mean, Tensor argmax"
-OPTIONS = ("ScalarType logits_dtype, ScalarType statistics_dtype, float? logit_scale=None, bool scale_divides=False, "
+STATISTICS_OPTIONS = ("ScalarType logits_dtype, ScalarType statistics_dtype, float? logit_scale=None, bool scale_divides=False, "
            "ScalarType? scale_dtype=None, float? temperature_value=None, bool temperature_multiplies=False, "
            "bool row_statistics=True, bool maximum_only=False, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
            "SymInt vocab_start=0, SymInt? vocab_size=None")
 GRADS = "Tensor? grad_selected, Tensor? grad_lse, Tensor? grad_entropy, Tensor? grad_max"
-FORWARD_SCHEMA = f"({TENSORS}, *, {OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-BACKWARD_SCHEMA = f"({GRADS}, {TENSORS}, {STATISTICS}, *, bool[] output_mask, {OPTIONS}) -> (Tensor, Tensor, Tensor)"
+STATISTICS_FORWARD_SCHEMA = f"({TENSORS}, *, {STATISTICS_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+STATISTICS_BACKWARD_SCHEMA = f"({GRADS}, {TENSORS}, {STATISTICS}, *, bool[] output_mask, {STATISTICS_OPTIONS}) -> (Tensor, Tensor, Tensor)"
 
 
-DEFAULTS = defaults(OPTIONS)
+STATISTICS_DEFAULTS = defaults(STATISTICS_OPTIONS)
 
 
 def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
     """Raise (CPU) or device-assert (no host sync) on an index outside ``[0, V)``."""
     if indices is not None and indices.numel():
         in_range = (indices >= 0) & (indices < vocab_size)
-        torch._assert_async(in_range.all(), f"{NAME}: expected every index in [0, {vocab_size})")
+        torch._assert_async(in_range.all(), f"{STATISTICS_NAME}: expected every index in [0, {vocab_size})")
 
 
-@torch.library.custom_op("chunkce::linear_statistics", mutates_args=(), schema=FORWARD_SCHEMA)
+@torch.library.custom_op("chunkce::linear_statistics", mutates_args=(), schema=STATISTICS_FORWARD_SCHEMA)
 def _forward_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, indices: Tensor | None,
                 temperature: Tensor | None, logit_scale_tensor: Tensor | None, **arguments) -> tuple[Tensor, ...]:
     """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (module docstring);
     with ``row_statistics=False`` the last six are empty ``[0]``."""
-    arguments = {**DEFAULTS, **arguments}
+    arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start, vocab_size = arguments["vocab_start"], arguments["vocab_size"]
     _check_indices(indices, weight.shape[0] if vocab_size is None else vocab_size)
     with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
@@ -274,7 +274,7 @@ def _empty_statistics(like: Tensor) -> tuple[Tensor, ...]:
 
 @_forward_op.register_fake
 def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **arguments):
-    arguments = {**DEFAULTS, **arguments}
+    arguments = {**STATISTICS_DEFAULTS, **arguments}
     accumulate = accumulate_dtype(arguments["statistics_dtype"])
     num_tokens = hidden_states.shape[0]
     num_indices = 0 if indices is None else indices.shape[1]
@@ -287,7 +287,7 @@ def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **a
     return selected, lse, entropy, row_max, hidden_states.new_empty(num_tokens, dtype=torch.int64), row_log_sum, row_mean
 
 
-@torch.library.custom_op("chunkce::linear_statistics_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+@torch.library.custom_op("chunkce::linear_statistics_backward", mutates_args=(), schema=STATISTICS_BACKWARD_SCHEMA)
 def _backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None, grad_entropy: Tensor | None,
                  grad_max: Tensor | None, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                  indices: Tensor | None, temperature: Tensor | None, logit_scale_tensor: Tensor | None,
@@ -297,7 +297,7 @@ def _backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None, grad_ent
     its parameter's dtype; empty where ``output_mask`` does not ask) of the given output gradients
     (accumulate dtype; None: no term), from the forward's ``[N]`` statistics."""
     output_mask = arguments.pop("output_mask")
-    arguments = {**DEFAULTS, **arguments}
+    arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start = arguments["vocab_start"]
     with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
         return statistics_loops.statistics_gradients(
@@ -342,13 +342,13 @@ def _backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, *_non_differ
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
-_backward_op.register_autograd(refuse_double_backward(NAME, UNFUSED),
+_backward_op.register_autograd(refuse_double_backward(STATISTICS_NAME, UNFUSED),
                                setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
 
 
-PARALLEL_NAME = "chunkce.vocab_parallel_row_statistics"
+PARALLEL_STATISTICS_NAME = "chunkce.vocab_parallel_row_statistics"
 ROW_STATISTICS_SCHEMA = (f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, {TENSORS}, {STATISTICS}, *, "
-                         f"str group_name, {OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+                         f"str group_name, {STATISTICS_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_name: str) -> tuple[Tensor, ...]:

@@ -13,19 +13,19 @@ from torch import Tensor
 
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.kernels import StatisticsArgs
-from compile_pass.op.schema import ChunkPlan
+from compile_pass.op.schema import ResolvedCall
 from compile_pass.op.tiling import accumulate_dtype, spans
 
 
-def kernel_args(plan: ChunkPlan, vocab_start: int) -> StatisticsArgs:
+def kernel_args(plan: ResolvedCall, vocab_start: int) -> StatisticsArgs:
     """The kernels' constants for columns from ``vocab_start`` (``plan.options``: the keywords of
-    ``chunkce::linear_statistics``, :data:`compile_pass.op.statistics.OPTIONS`)."""
+    ``chunkce::linear_statistics``, :data:`compile_pass.op.statistics.STATISTICS_OPTIONS`)."""
     options = plan.options
     return StatisticsArgs(options["logits_dtype"], options["statistics_dtype"], plan.transform,
                           options["temperature_value"], options["temperature_multiplies"], vocab_start)
 
 
-def variant(plan: ChunkPlan, logits: Tensor, *present) -> tuple:
+def variant(plan: ResolvedCall, logits: Tensor, *present) -> tuple:
     """The kernels' compile key: device, dtypes, the transform's and temperature's forms, which
     optional tensors are given (``present``), never a value."""
     options = plan.options
@@ -35,7 +35,7 @@ def variant(plan: ChunkPlan, logits: Tensor, *present) -> tuple:
             *(tensor is not None for tensor in present))
 
 
-def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                     indices: Tensor | None, temperature: Tensor | None, vocab_start: int) -> tuple[Tensor, ...]:
     """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (``[N]`` each,
     ``argmax`` int64 in whole-vocabulary columns, the rest in the statistics' accumulate dtype;
@@ -77,7 +77,7 @@ def statistics_walk(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias
     return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean
 
 
-def statistics_gradients(plan: ChunkPlan, grads: tuple, hidden_states: Tensor, weight: Tensor,
+def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor, weight: Tensor,
                          bias: Tensor | None, indices: Tensor | None, temperature: Tensor | None,
                          statistics: tuple[Tensor, ...], output_mask: list[bool],
                          vocab_start: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,7 +142,7 @@ def _project(hidden_states: Tensor, rows: Tensor, bias_rows: Tensor | None) -> T
     return torch.baddbmm(bias_rows.unsqueeze(-1), rows, column).squeeze(-1)
 
 
-def selected_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def selected_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                      indices: Tensor, temperature: Tensor | None, vocab_start: int) -> Tensor:
     """``selected [N, K]`` (accumulate dtype) from the gathered rows, 0 at an index this shard
     does not hold."""
@@ -155,7 +155,7 @@ def selected_forward(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, bia
     return torch.where(owned, z, 0.0)
 
 
-def selected_backward(plan: ChunkPlan, grad_selected: Tensor, hidden_states: Tensor, weight: Tensor,
+def selected_backward(plan: ResolvedCall, grad_selected: Tensor, hidden_states: Tensor, weight: Tensor,
                       bias: Tensor | None, indices: Tensor, temperature: Tensor | None, vocab_start: int,
                       gradients: tuple[Tensor, Tensor, Tensor]) -> None:
     """Adds ``selected``'s gradient (``grad_selected [N, K]``) into ``gradients`` (the three of

@@ -24,7 +24,7 @@ autograd, so Dynamo, AOTAutograd and the graph pass see them):
   the global ``row_max`` and ``row_log_sum`` and its backward runs
 * ``chunkce::vocab_parallel_backward``: the single-device backward walk
   (:func:`compile_pass.op.loops.chunked_backward`) over the shard against the global row
-  statistics, the kernel seeing each tile at its GLOBAL columns (``ChunkPlan.vocab_offset``), with
+  statistics, the kernel seeing each tile at its GLOBAL columns (``ResolvedCall.vocab_offset``), with
   the full ``class_weight [V]`` and the global target: a target outside the shard has no
   one-hot term here and is not ignored. It returns this rank's part of the hidden-state
   gradient (all-reduced by the loss op's autograd) and the shard's weight and bias gradients.
@@ -32,6 +32,7 @@ autograd, so Dynamo, AOTAutograd and the graph pass see them):
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -40,8 +41,7 @@ from torch import Tensor
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.reduction import reduce_total
-from compile_pass.op.schema import INPUTS, ChunkPlan, op_schema
-from compile_pass.op.schema import NAME as PUBLIC_NAME
+from compile_pass.op.schema import INPUTS, LOSS_NAME, ResolvedCall, op_schema
 from compile_pass.op.tiling import accumulate_dtype, spans
 
 
@@ -110,16 +110,15 @@ def sharded_loss(tensors: tuple[Tensor | None, ...], options: dict[str, Any], ta
     return reduce_total(loss.sum(), flat_target, class_weight, reduction, ignore_index, label_smoothing, logits_dtype)
 
 
-def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor (False where torch.distributed is unavailable)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` (a tensor, or a node's example value) is a ``DTensor``; never imports
+    DTensor's package (no DTensor exists before it is imported, nor where torch.distributed is
+    unavailable)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
-    return isinstance(tensor, DTensor)
 
-
-def vocabulary_mesh_dim(linear_weight: Tensor, linear_bias: Tensor | None, where: str = PUBLIC_NAME,
+def vocabulary_mesh_dim(linear_weight: Tensor, linear_bias: Tensor | None, where: str = LOSS_NAME,
                         names: tuple[str, str] = ("linear_weight", "linear_bias")) -> int:
     """The mesh dimension the head's DTensor weight is ``Shard(0)`` over (``Replicate()`` on the
     others), the bias laid out the same; ``where`` and ``names`` are the messages'.
@@ -167,19 +166,19 @@ def replicated(name: str, value: Tensor | None) -> Tensor | None:
     if not isinstance(value, DTensor):
         return value
     if any(placement != Replicate() for placement in value.placements):
-        raise ValueError(f"{PUBLIC_NAME}: expected {name} replicated on every mesh dimension (the same on every "
+        raise ValueError(f"{LOSS_NAME}: expected {name} replicated on every mesh dimension (the same on every "
                          f"rank), got placements {tuple(value.placements)}; pass value.full_tensor()")
     return value.to_local()
 
 
-NAME = "chunkce.vocab_parallel_cross_entropy"  # how these ops name themselves in messages
+VOCAB_PARALLEL_NAME = "chunkce.vocab_parallel_cross_entropy"  # how these ops name themselves in messages
 SHARD = "SymInt vocab_start, SymInt vocab_size"  # the ops' own arguments: the shard's place in V
 _OUTSIDE = -1  # a target outside the shard (or ignored), as the forward kernel takes it: its ignore_index
 
 STATISTICS_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own=SHARD)
 LOSS_SCHEMA = op_schema(f"Tensor loss, {INPUTS}, Tensor row_max, Tensor row_log_sum", "Tensor",
                         own=f"{SHARD}, str group_name")
-BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
+VOCAB_PARALLEL_BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
                             "(Tensor, Tensor, Tensor)", own=f"bool[] output_mask, {SHARD}")
 
 
@@ -187,7 +186,7 @@ def check_global_targets(target: Tensor, vocab_size: int, ignore_index: int) -> 
     """Raise (CPU) or device-assert on a target outside ``[0, V)`` that is not ``ignore_index``."""
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
     torch._assert_async(in_range.all(),
-                        f"{NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
+                        f"{VOCAB_PARALLEL_NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
 
 
 def _in_shard(target: Tensor, vocab_start: int, shard_size: int, ignore_index: int) -> Tensor:
@@ -222,7 +221,7 @@ def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **o
             hidden_states.new_empty(smooth, dtype=accumulate), hidden_states.new_empty((), dtype=accumulate))
 
 
-def shard_statistics(plan: ChunkPlan, hidden_states: Tensor, weight: Tensor, target: Tensor,
+def shard_statistics(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                      bias: Tensor | None, class_weight: Tensor | None,
                      vocab_start: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The statistics op's walk (see it for the tensors): for each token chunk, the forward
@@ -277,7 +276,7 @@ def _(loss, *tensors, **keywords):
     return torch.empty_like(loss)
 
 
-@torch.library.custom_op("chunkce::vocab_parallel_backward", mutates_args=(), schema=BACKWARD_SCHEMA)
+@torch.library.custom_op("chunkce::vocab_parallel_backward", mutates_args=(), schema=VOCAB_PARALLEL_BACKWARD_SCHEMA)
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                  class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
                  row_log_sum: Tensor, *, output_mask: list[bool], vocab_start: int, vocab_size: int,
@@ -326,5 +325,5 @@ def _backward(ctx, grad_loss):
 
 
 _loss_op.register_autograd(_backward, setup_context=_setup_context)
-_backward_op.register_autograd(refuse_double_backward(NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
+_backward_op.register_autograd(refuse_double_backward(VOCAB_PARALLEL_NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
                                setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)

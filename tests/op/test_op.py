@@ -190,7 +190,7 @@ def test_options_are_keywords_and_the_transform_round_trips():
     """The options travel by name: the op refuses them by position and an unknown name; the head
     transform is flattened into the schema's arguments (a tensor scale positional, a number the
     float ``logit_scale``) and rebuilt."""
-    from compile_pass.op.schema import DEFAULTS, head_transform, op_arguments
+    from compile_pass.op.schema import LOSS_DEFAULTS, head_transform, op_arguments
     from compile_pass.op.kernels import HeadTransform
 
     scale = torch.tensor(2.0)
@@ -201,7 +201,7 @@ def test_options_are_keywords_and_the_transform_round_trips():
                         "logit_scale": None, "scale_divides": True, "scale_dtype": None}
     rebuilt = head_transform(tensor, keywords)
     assert rebuilt.scale is scale and rebuilt.divides and rebuilt.dtype is None
-    assert head_transform(None, DEFAULTS) == HeadTransform() and head_transform(None, DEFAULTS).is_identity
+    assert head_transform(None, LOSS_DEFAULTS) == HeadTransform() and head_transform(None, LOSS_DEFAULTS).is_identity
     number, keywords = op_arguments(HeadTransform(3, dtype=torch.bfloat16))
     assert number is None
     assert (keywords["logit_scale"], keywords["scale_divides"], keywords["scale_dtype"]) == (3.0, False, torch.bfloat16)

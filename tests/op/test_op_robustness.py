@@ -188,7 +188,7 @@ def test_out_of_memory_while_compiling_propagates_and_the_next_call_compiles(mon
             raise torch.OutOfMemoryError("injected: out of memory while compiling")
         state["compiled_calls"] += 1
 
-    with kernel_runner.hooked(flaky_compile):
+    with kernel_runner.hooked_runs(flaky_compile):
         with pytest.raises(torch.OutOfMemoryError, match="injected"):
             loss_and_grads(chunked, *inputs, chunk_size=8)
         again = loss_and_grads(chunked, *inputs, chunk_size=8)
@@ -212,7 +212,7 @@ def test_eager_kernels_by_an_explicit_device_rule(monkeypatch):
         assert not kernel_runner.inductor_compiles_for("cpu")
         compiled = []
         inputs = make_inputs(n=20)
-        with kernel_runner.hooked(lambda *a: compiled.append(a)):
+        with kernel_runner.hooked_runs(lambda *a: compiled.append(a)):
             _assert_all_close(loss_and_grads(chunked, *inputs, chunk_size=8),
                               loss_and_grads(unfused, *inputs))
         assert not compiled  # ran eagerly by the rule, no compile attempted
