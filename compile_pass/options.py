@@ -95,6 +95,11 @@ class Options:
         sorted): equal options give equal keys in any process."""
         return ";".join(f"{f.name}={_key_text(getattr(self, f.name))}" for f in fields(self))
 
+    @property
+    def tiles(self) -> tuple[int | None, int | None]:
+        """``(chunk_size, chunk_bytes)``: the tiles the op walks, as lazy logits' fused reads take them."""
+        return self.chunk_size, self.chunk_bytes
+
     def op_options(self) -> dict[str, Any]:
         """The keywords of :func:`compile_pass.op.loss.chunked_cross_entropy` every rewritten
         site passes from these options (the one conversion)."""

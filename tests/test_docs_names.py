@@ -11,7 +11,8 @@ Read from the docs' text, no network, no compile:
 - a ``python -m benchmarks.x --flag`` / ``python examples/x.py --flag`` command's script
   exists and declares each ``--flag`` it is given;
 - docs/design.md's module map lists exactly the modules of ``compile_pass/``, each with its
-  docstring's first line (generated: ``python tests/test_docs_names.py``);
+  docstring's first line (generated: ``python tests/test_docs_names.py``), and its walk of one
+  training step names each module once;
 - ``compile_pass.__all__`` (what docs/api.md calls importable from ``compile_pass``) resolves.
 """
 
@@ -160,6 +161,18 @@ def test_design_module_map_is_the_tree():
     expected = module_map()
     assert any(line.strip().startswith("apply.py") for line in expected)  # the check reads the tree
     assert _design_module_map() == expected, "docs/design.md's module map is stale:\n" + "\n".join(expected)
+
+
+def test_design_walks_a_step_through_every_module_once():
+    """docs/design.md's walk of one training step names each module of ``compile_pass/`` exactly
+    once (a backticked path: ``compile_pass/x.py``, or ``graph/``, ``op/``, ``lazy_logits/`` ones)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    walk = text.split("## One training step, module by module", 1)[1].split("\n## ", 1)[0]
+    named = [name if name.startswith("compile_pass/") else f"compile_pass/{name}"
+             for name in re.findall(r"`((?:compile_pass/|graph/|op/|lazy_logits/)[\w/]*\.py)`", walk)]
+    tree = sorted(p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py"))
+    assert sorted(named) == tree, {"twice": sorted({n for n in named if named.count(n) > 1}),
+                                   "missing": sorted(set(tree) - set(named)), "unknown": sorted(set(named) - set(tree))}
 
 
 @pytest.mark.parametrize("name", importlib.import_module("compile_pass").__all__)

@@ -130,7 +130,7 @@ def _take_out(group: LogitsPlan, fate: Fate, options: Options, statistics: tuple
     with Edit(graph) as edit:
         reached("take_out", group.projection)
         saved = take_out_logits(group.projection, edit, fate,
-                                tiles=(options.chunk_size, options.chunk_bytes), statistics=statistics)
+                                tiles=options.tiles, statistics=statistics)
         reached("taken_out", group.projection)
         graph.lint()
     return saved

@@ -160,7 +160,7 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
     for plan in logits.sites:
         if _requires_grad(plan.site.node):
             continue
-        replacement = one_walk_replacement(plan.site, dead, (options.chunk_size, options.chunk_bytes))
+        replacement = one_walk_replacement(plan.site, dead, options.tiles)
         if replacement is not None:
             plan.replacement = replacement
             return

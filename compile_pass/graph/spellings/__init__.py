@@ -1,13 +1,18 @@
-"""Every spelling the pass reads, in one table, tried in order on each node of a graph.
+"""Every spelling the pass reads, in one table (:data:`SPELLINGS`), tried in order on each node.
 
-    losses.py  F.cross_entropy, nn.CrossEntropyLoss (inlined), torch._C._nn.cross_entropy_loss
-    losses.py       nll_loss(log_softmax(z)), nn.NLLLoss(nn.LogSoftmax(z)), nll_loss_nd
-    losses.py         log_softmax(z).gather(-1, y[..., None]) and take_along_dim, negated or not
-    statistics.py      logsumexp(z, -1) (a row statistic: the z-loss's)
-    statistics.py        (softmax(z) * log_softmax(z)).sum(-1), (softmax(z) * z).sum(-1) (row statistics)
+    losses.py      CROSS_ENTROPY  F.cross_entropy, nn.CrossEntropyLoss (inlined), torch._C._nn.cross_entropy_loss
+                   NLL_LOSS       nll_loss(log_softmax(z)), nn.NLLLoss(nn.LogSoftmax(z)), nll_loss_nd
+                   GATHER         log_softmax(z).gather(-1, y[..., None]) and take_along_dim, negated or not
+    statistics.py  LOGSUMEXP      logsumexp(z, -1) (a row statistic: the z-loss's)
+                   ENTROPY        (softmax(z) * log_softmax(z)).sum(-1), (softmax(z) * z).sum(-1)
 
-A spelling (:class:`compile_pass.graph.spellings.call.Spelling`) is a reader and a replacement in its
-own module; adding one is that module and a line here (docs/design.md, Loss spellings).
+The order: a node is read by the first spelling whose reader returns a call, so a spelling that
+reads a node another also matches comes first. Each reader matches its consuming node's own op
+(``cross_entropy``, ``nll_loss``, ``gather``, ``logsumexp``, ``sum``), so today no two read one
+node; the losses come before the statistics, so that a loss is never read as a statistic of its
+own log-probabilities. A spelling (:class:`compile_pass.graph.spellings.call.Spelling`) is a
+reader and a replacement in the module of its family; adding one: docs/design.md, "Adding a
+spelling".
 """
 
 from __future__ import annotations
