@@ -1,13 +1,13 @@
 """The ops' keyword-only options as their schemas hold them, and the options of one call resolved.
 
-The recompute op's options as its schemas hold them, and :class:`ResolvedCall`, the options of
-one op call resolved.
-
-Every custom op takes its tensors positionally and its options keyword-only (:data:`LOSS_OPTIONS`),
-under the same names from the public function to the kernels. The head's
-:class:`~compile_pass.op.kernels.HeadTransform` is several schema arguments:
-:func:`op_arguments` flattens it, :func:`head_transform` rebuilds it. ``tests/op/test_op.py``
-pins the schema strings (they are hashed into cache keys).
+Every custom op takes its tensors positionally and its options keyword-only, under the same names
+from the public function to the kernels. Each option is one :class:`Option` (name, schema type,
+default): the schema's text (:func:`options_schema`) and the defaults the ops fill in
+(:func:`option_defaults`) are both read from it, never parsed back from a string
+(:data:`LOSS_OPTIONS`; the row-statistics op's in :mod:`compile_pass.op.statistics`). The head's
+:class:`~compile_pass.op.kernels.HeadTransform` is several schema arguments: :func:`op_arguments`
+flattens it, :func:`head_transform` rebuilds it. :class:`ResolvedCall` is the options of one call
+resolved. ``tests/op/test_op.py`` pins the registered schema strings (they are hashed into cache keys).
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
 from compile_pass.op.kernels import HeadTransform, KernelArgs
@@ -27,27 +26,48 @@ LOSS_NAME = "chunkce.linear_cross_entropy"  # how the op names itself in message
 # the leading arguments of the forward ops (the backward ops', between grad_loss and the row statistics)
 INPUTS = ("Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
           "Tensor? logit_scale_tensor")
+REQUIRED = object()  # an Option without a default
+
+
+class Option(NamedTuple):
+    """One keyword-only option of an op: its name, schema type and default (:data:`REQUIRED`: none);
+    the schema's text (:func:`options_schema`) and the defaults (:func:`option_defaults`) are read
+    from this one definition."""
+
+    name: str
+    type: str  # schema syntax: "SymInt", "float?", "ScalarType", ...
+    default: Any = REQUIRED
+
+
+def options_schema(options: tuple[Option, ...]) -> str:
+    """The options as a schema's keyword-only arguments: ``"SymInt? chunk_size=None, ..."``."""
+    return ", ".join(f"{o.type} {o.name}" + ("" if o.default is REQUIRED else f"={o.default!r}") for o in options)
+
+
+def option_defaults(options: tuple[Option, ...]) -> dict[str, Any]:
+    """The defaults of the options that have one."""
+    return {o.name: o.default for o in options if o.default is not REQUIRED}
+
+
 # the keyword-only options of every recompute-family op (torch refuses keyword-only tensors: the
 # scale's 0-d tensor is the positional logit_scale_tensor)
-LOSS_OPTIONS = ("SymInt ignore_index, float label_smoothing, ScalarType logits_dtype, SymInt? chunk_size=None, "
-           "SymInt? chunk_bytes=None, float? logit_scale=None, bool scale_divides=False, "
-           "ScalarType? scale_dtype=None")
+LOSS_OPTIONS = (
+    Option("ignore_index", "SymInt"), Option("label_smoothing", "float"), Option("logits_dtype", "ScalarType"),
+    Option("chunk_size", "SymInt?", None), Option("chunk_bytes", "SymInt?", None),
+    Option("logit_scale", "float?", None), Option("scale_divides", "bool", False),
+    Option("scale_dtype", "ScalarType?", None),
+)
+LOSS_DEFAULTS = option_defaults(LOSS_OPTIONS)
 
 
-def op_schema(tensors: str, returns: str, own: str = "", options: str = LOSS_OPTIONS) -> str:
+def op_schema(tensors: str, returns: str, own: str = "", options: tuple[Option, ...] = LOSS_OPTIONS) -> str:
     """A custom op's schema string: the positional ``tensors``, then keyword-only the op's
     ``own`` arguments and the ``options``, ``-> returns`` (schema syntax each)."""
-    keywords = f"{own}, {options}" if own else options
+    keywords = f"{own}, {options_schema(options)}" if own else options_schema(options)
     return f"({tensors}, *, {keywords}) -> {returns}"
 
 
-def defaults(options: str) -> dict[str, Any]:
-    """The defaults of the options (schema syntax) that have one."""
-    arguments = torch._C.parse_schema(f"options(*, {options}) -> ()").arguments
-    return {argument.name: argument.default_value for argument in arguments if argument.has_default_value()}
 
-
-LOSS_DEFAULTS = defaults(LOSS_OPTIONS)
 
 
 def op_arguments(transform: HeadTransform = HeadTransform(), **options: Any) -> tuple[Tensor | None, dict[str, Any]]:

@@ -36,7 +36,7 @@ from compile_pass.op import kernels, loops, statistics_loops
 from compile_pass.op.checks import check_bool, check_positive_int
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.kernels import HeadTransform
-from compile_pass.op.schema import defaults, op_arguments
+from compile_pass.op.schema import Option, op_arguments, option_defaults, options_schema
 from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.op.vocab_parallel import all_reduce, is_dtensor, shard_of, vocabulary_mesh_dim
 
@@ -231,16 +231,21 @@ UNFUSED = "the unfused F.linear and torch's logsumexp / softmax / gather"
 TENSORS = "Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices, Tensor? temperature, " \
           "Tensor? logit_scale_tensor"
 STATISTICS = "Tensor row_max, Tensor row_log_sum, Tensor row_mean, Tensor argmax"
-STATISTICS_OPTIONS = ("ScalarType logits_dtype, ScalarType statistics_dtype, float? logit_scale=None, bool scale_divides=False, "
-           "ScalarType? scale_dtype=None, float? temperature_value=None, bool temperature_multiplies=False, "
-           "bool row_statistics=True, bool maximum_only=False, SymInt? chunk_size=None, SymInt? chunk_bytes=None, "
-           "SymInt vocab_start=0, SymInt? vocab_size=None")
+STATISTICS_OPTIONS = (
+    Option("logits_dtype", "ScalarType"), Option("statistics_dtype", "ScalarType"),
+    Option("logit_scale", "float?", None), Option("scale_divides", "bool", False),
+    Option("scale_dtype", "ScalarType?", None), Option("temperature_value", "float?", None),
+    Option("temperature_multiplies", "bool", False), Option("row_statistics", "bool", True),
+    Option("maximum_only", "bool", False), Option("chunk_size", "SymInt?", None), Option("chunk_bytes", "SymInt?", None),
+    Option("vocab_start", "SymInt", 0), Option("vocab_size", "SymInt?", None),
+)
+_OPTIONS = options_schema(STATISTICS_OPTIONS)
 GRADS = "Tensor? grad_selected, Tensor? grad_lse, Tensor? grad_entropy, Tensor? grad_max"
-STATISTICS_FORWARD_SCHEMA = f"({TENSORS}, *, {STATISTICS_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-STATISTICS_BACKWARD_SCHEMA = f"({GRADS}, {TENSORS}, {STATISTICS}, *, bool[] output_mask, {STATISTICS_OPTIONS}) -> (Tensor, Tensor, Tensor)"
+STATISTICS_FORWARD_SCHEMA = f"({TENSORS}, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+STATISTICS_BACKWARD_SCHEMA = f"({GRADS}, {TENSORS}, {STATISTICS}, *, bool[] output_mask, {_OPTIONS}) -> (Tensor, Tensor, Tensor)"
 
 
-STATISTICS_DEFAULTS = defaults(STATISTICS_OPTIONS)
+STATISTICS_DEFAULTS = option_defaults(STATISTICS_OPTIONS)
 
 
 def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
@@ -348,7 +353,7 @@ _backward_op.register_autograd(refuse_double_backward(STATISTICS_NAME, UNFUSED),
 
 PARALLEL_STATISTICS_NAME = "chunkce.vocab_parallel_row_statistics"
 ROW_STATISTICS_SCHEMA = (f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, {TENSORS}, {STATISTICS}, *, "
-                         f"str group_name, {STATISTICS_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+                         f"str group_name, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_name: str) -> tuple[Tensor, ...]:
