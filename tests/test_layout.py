@@ -12,8 +12,9 @@ inside a function counts too, and no module imports itself back through others. 
 300 lines); docs/design.md's module map lists them (``tests/test_docs_names.py``).
 
 And the prose: docstring and comment lines of ``compile_pass/`` at most 0.35x its code lines,
-README.md at most 7000 characters with "Use" before any test mechanics, and no issue number
-or history narration in the project's code, tests, docs, benchmarks or examples.
+README.md at most 7000 characters with "Use" before any test mechanics, docs/'s prose (its pages,
+not the generated tables of docs/tables/) at most 150 KB, and no issue number or history
+narration in the project's code, tests, docs, benchmarks or examples.
 """
 
 import ast
@@ -147,6 +148,7 @@ def test_the_public_names_of_returned_logits_and_reports_are_exported():
 ROOT = PACKAGE.parent
 PROSE_RATIO = 0.35  # docstring and comment lines at most this share of code lines in compile_pass/
 README_CHARS = 7000
+DOCS_PROSE_BYTES = 150_000  # docs/*.md; the tables the benchmarks write live in docs/tables/
 ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
 NARRATION = re.compile(r"\bwe used to\b|\bthe old default\b|\bthe issue's\b|\bbefore [\w`.()]+ landed\b", re.IGNORECASE)
 SCANNED = ("compile_pass", "tests", "docs", "benchmarks", "examples")
@@ -192,6 +194,13 @@ def test_readme_is_short_and_starts_with_use():
     mechanics = re.search(r"pytest|\btiers?\b", prose, re.IGNORECASE)
     assert mechanics is None or mechanics.start() > use.start(), (
         f"README.md mentions {mechanics.group()!r} before 'Use': test mechanics go to tests/README.md")
+
+
+def test_docs_prose_is_at_most_150_kb():
+    pages = {path.name: len(path.read_bytes()) for path in (ROOT / "docs").glob("*.md")}
+    assert pages and sum(pages.values()) <= DOCS_PROSE_BYTES, (
+        f"docs/*.md hold {sum(pages.values())} bytes (at most {DOCS_PROSE_BYTES}; generated tables go to "
+        f"docs/tables/): {sorted(pages.items(), key=lambda item: -item[1])}")
 
 
 def test_no_issue_numbers_or_history_narration():
