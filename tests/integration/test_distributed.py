@@ -1,7 +1,8 @@
 """chunkce under torch.distributed: DDP and FSDP2 (``fully_shard``); a tensor-parallel head: test_tensor_parallel.py.
 
-Two gloo ranks on CPU, spawned once for the whole file (``distributed_cases.run_rank``
-runs every case in turn; each rank writes its results after each case). Every rank
+Two gloo ranks on CPU, spawned once for the file's cases and once for DDP's split-graph
+cases (``distributed_cases.run_rank`` runs every case in turn; each rank writes its
+results after each case). Every rank
 trains on its own batch with its own number of ignored labels, and the loss is
 normalised by the all-reduced global count of valid tokens; each case checks, on
 every rank, the loss and every parameter gradient (a DTensor's local shard against
