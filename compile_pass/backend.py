@@ -15,7 +15,7 @@ from torch._dynamo.backends import registry
 from compile_pass import cache_key, dynamo_scope
 from compile_pass.graph.pipeline import run_pass
 from compile_pass.graph.publish import publish
-from compile_pass.lazy_logits import wrap_compiled
+from compile_pass.lazy_logits import computed_where_input, wrap_compiled
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def chunkce_backend(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
+    computed_where_input(example_inputs)  # a piece of DDP's split graph taking an earlier piece's lazy logits
     result = run_pass(gm.graph, opts, take_out=True, publish=False)
     gm.recompile()
     # reported only once compiled: a graph the inner backend fails on is traced again by Dynamo

@@ -3,7 +3,7 @@ compute (module map: docs/design.md). Imports only :mod:`compile_pass.op` of the
 from compile_pass.lazy_logits.recipe import DROPPED, Recipe, Refusing
 from compile_pass.lazy_logits.staleness import StaleLogitsError
 from compile_pass.lazy_logits.tensor import DroppedLogits, LazyLogits
-from compile_pass.lazy_logits.wrap import Plan, Slot, wrap_compiled
+from compile_pass.lazy_logits.wrap import Plan, Slot, computed_where_input, wrap_compiled
 
 __all__ = ["DROPPED", "DroppedLogits", "LazyLogits", "Plan", "Recipe", "Refusing", "Slot", "StaleLogitsError",
-           "wrap_compiled"]
+           "computed_where_input", "wrap_compiled"]
