@@ -123,4 +123,4 @@ def test_the_trainer_command(tmp_path):
             for m in re.finditer(r"^(chunkce|inductor) +[\d.]+ +([\d.]+) ", out, re.MULTILINE)}
     assert peak.keys() == {"chunkce", "inductor"} and peak["chunkce"] < peak["inductor"], out
     assert re.search(r"^chunkce: counters .*'sites_rewritten': [1-9]", out, re.MULTILINE), out
-    assert re.search(r"^max per-step loss difference vs chunkce: \S+ \(tol 0.001\)$", out, re.MULTILINE), out
+    assert re.search(r"^max per-step loss difference vs chunkce: \S+ \(tol \S+\)$", out, re.MULTILINE), out
