@@ -96,4 +96,18 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
           internals.below_autograd()):
         for hook in _HOOKS:
             hook(fn_name, variant)
-        return compiled(fn_name, variant)(*_symbolic(args))
+        with _dynamo_stats_kept():
+            return compiled(fn_name, variant)(*_symbolic(args))
+
+
+@contextlib.contextmanager
+def _dynamo_stats_kept() -> Iterator[None]:
+    """Dynamo's ``counters["stats"]`` (unique_graphs, calls_captured) as before the block: a kernel's
+    compile is chunkce's own, not a graph of the user's (who counts recompiles with them)."""
+    stats = internals.counters.get()["stats"]
+    saved = stats.copy()
+    try:
+        yield
+    finally:
+        stats.clear()
+        stats.update(saved)
