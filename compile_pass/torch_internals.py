@@ -31,8 +31,8 @@ def _missing(what: str, exc: BaseException | None = None) -> TorchInternalMissin
                                 f"reaches, compile_pass/torch_internals.py){f': {exc}' if exc else ''}")
 
 
-@functools.cache
 def _resolve(path: str) -> Any:
+    """The object at ``path``, looked up each time (a patched torch attribute is seen)."""
     module_name, _, attrs = path.partition(":")
     try:
         obj = importlib.import_module(module_name)

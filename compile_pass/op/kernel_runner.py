@@ -103,11 +103,15 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
 @contextlib.contextmanager
 def _dynamo_stats_kept() -> Iterator[None]:
     """Dynamo's ``counters["stats"]`` (unique_graphs, calls_captured) as before the block: a kernel's
-    compile is chunkce's own, not a graph of the user's (who counts recompiles with them)."""
-    stats = internals.counters.get()["stats"]
+    compile is chunkce's own, not a graph of the user's (who counts recompiles with them); its graphs
+    are counted in ``counters["chunkce"]["kernel_graphs"]``."""
+    counters = internals.counters.get()
+    stats = counters["stats"]
     saved = stats.copy()
     try:
         yield
     finally:
+        if stats["unique_graphs"] != saved["unique_graphs"]:
+            counters["chunkce"]["kernel_graphs"] += stats["unique_graphs"] - saved["unique_graphs"]
         stats.clear()
         stats.update(saved)
