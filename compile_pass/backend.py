@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._dynamo.backends import registry
 
+import compile_pass.torch_internals as internals
 from compile_pass import cache_key, dynamo_scope
 from compile_pass.graph.pipeline import run_pass
 from compile_pass.graph.publish import publish
@@ -63,14 +63,11 @@ def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     inner = opts.inner_backend
     with torch.compiler.config.patch(cache_key_tag=_cache_key_tag(opts)):
         if inner == "inductor":
-            from torch._inductor import list_mode_options
-            from torch._inductor.compile_fx import compile_fx
-
-            patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+            patches = dict(internals.list_mode_options(mode)) if mode not in (None, "default") else {}
             patches.update(opts.inductor_config)
-            compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+            compiled = internals.compile_fx(gm, example_inputs, config_patches=patches or None)
         else:
-            backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
+            backend = internals.lookup_backend(inner) if isinstance(inner, str) else inner
             compiled = backend(gm, example_inputs)
     return compiled
 

@@ -26,9 +26,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "compile_pass"
 # What each sub-package may import of the project (besides itself).
 ALLOWED = {
-    "op": (),
-    "lazy_logits": ("compile_pass.op",),  # fused reads evaluate through the op
-    "graph": ("compile_pass.op", "compile_pass.lazy_logits", "compile_pass.options"),
+    "op": ("compile_pass.torch_internals",),  # the private torch names, below every layer
+    "lazy_logits": ("compile_pass.op", "compile_pass.torch_internals"),  # fused reads evaluate through the op
+    "graph": ("compile_pass.op", "compile_pass.lazy_logits", "compile_pass.options", "compile_pass.torch_internals"),
 }
 
 
@@ -61,7 +61,8 @@ def test_sub_package_imports_only_what_lies_below_it(package):
 def test_every_module_is_in_a_layer():
     """A new top-level module must be an entry point or shared by them, never a sub-package's helper."""
     top = {path.stem for path in PACKAGE.glob("*.py")}
-    assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory"}
+    assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory",
+                   "torch_internals"}
     assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("__")} == {
         "op", "graph", "lazy_logits"}
 
@@ -215,7 +216,7 @@ def test_no_issue_numbers_or_history_narration():
 
 TESTS = PACKAGE.parent / "tests"
 TEST_LAYERS = ("op", "graph", "lazy_logits", "integration")  # the package's layers, then the whole
-TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py"}  # the project's shape and its docs
+TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py", "test_torch_internals.py"}  # the project's shape, its docs, torch
 
 
 def test_tests_live_in_their_layer_and_benchmarks_import_no_test():

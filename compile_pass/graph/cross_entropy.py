@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx import Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph import tensor_parallel
 from compile_pass.graph.calls import Call, Spelling
 from compile_pass.graph.forms import Projection
@@ -37,7 +38,7 @@ def read(node: Node) -> Call | None:
     """The call's arguments normalised; None when ``node`` is no cross-entropy call."""
     if node.op != "call_function":
         return None
-    if node.target is torch._C._nn.cross_entropy_loss:
+    if node.target is internals.cross_entropy_loss.get():
         return Call(**enum_arguments(node, len(_ENUM_ARGS)), spelling=SPELLING)
     if node.target is not F.cross_entropy:
         return None
@@ -63,8 +64,7 @@ def bound_arguments(function: Callable[..., Any], node: Node) -> Mapping[str, An
     bound.apply_defaults()
     args = dict(bound.arguments)
     if args["size_average"] is not None or args["reduce"] is not None:
-        args["reduction"] = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"],
-                                                                  emit_warning=False)
+        args["reduction"] = internals.legacy_reduction(args["size_average"], args["reduce"], emit_warning=False)
     return args
 
 

@@ -16,6 +16,7 @@ from collections import deque
 
 from torch.fx import Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph.forms import as_projection
 from compile_pass.graph.nodes import is_tensor_node, op_name
 from compile_pass.graph.refusals import Reason, Refusal
@@ -92,11 +93,8 @@ def graph_break_cause(stop: Node) -> str:
 def _in_ddp_optimizer() -> bool:
     """This compile runs inside a DDP forward whose graphs DDPOptimizer splits at bucket boundaries."""
     try:
-        from torch._dynamo.utils import get_optimize_ddp_mode
-        from torch.nn.parallel import DistributedDataParallel
-
-        return (get_optimize_ddp_mode() == "ddp_optimizer"
-                and DistributedDataParallel._get_active_ddp_module() is not None)
+        return (internals.get_optimize_ddp_mode() == "ddp_optimizer"
+                and internals.active_ddp_module() is not None)
     except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
         return False
 
@@ -105,9 +103,8 @@ def _fsdp2_in_use() -> bool:
     """Some module of this process has FSDP2 (``fully_shard``) applied (read from the composable-API
     registry of every module with such state, ``_module_state_mapping``)."""
     try:
-        from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp import FSDPModule
 
-        return any(isinstance(module, FSDPModule) for module in list(_module_state_mapping.keys()))
+        return any(isinstance(module, FSDPModule) for module in list(internals.module_state.get().keys()))
     except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
         return False

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import dims_arg, example_value, function_of, is_tensor_node, same_size, tensor_op_name
 
-_LINEAR = (torch._C._nn.linear, F.linear)
+_LINEAR = (internals.nn_linear.get(), F.linear)
 _MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
 _ADD = (operator.add, torch.add, torch.Tensor.add)
 _ADD_IN_PLACE = (operator.iadd, torch.Tensor.add_)  # `logits += bias`: a bias add when nothing else reads `logits`

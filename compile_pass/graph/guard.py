@@ -15,10 +15,9 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Node
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph import diagnostics
 from compile_pass.graph.calls import LOSS
 from compile_pass.graph.dtype_chains import cast_chains
@@ -115,7 +114,8 @@ def stop_reason(site: Site) -> Reason | None:
 
 
 def _not_plain_floating(t: torch.Tensor) -> str | None:
-    if is_traceable_wrapper_subclass(t) or not (type(t) in (torch.Tensor, torch.nn.Parameter) or is_fake(t)):
+    if internals.is_traceable_wrapper_subclass(t) or not (type(t) in (torch.Tensor, torch.nn.Parameter)
+                                                          or internals.is_fake(t)):
         name = type(t).__name__
         what = ": a sharded (FSDP2 outside its unit's forward) or tensor parallel weight" if name == "DTensor" else ""
         return f"a tensor subclass ({name}{what})"

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph import cross_entropy
 from compile_pass.graph.calls import Call, Spelling
 from compile_pass.graph.log_softmax import find_log_softmax
 from compile_pass.graph.nodes import is_tensor_node
 
-_NLL_LOSS = (F.nll_loss, torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss)
+_NLL_LOSS = (F.nll_loss, internals.nll_loss_nd.get(), internals.nll_loss.get())
 
 
 def read(node: Node) -> Call | None:

@@ -31,8 +31,7 @@ from __future__ import annotations
 import logging
 from functools import partial
 
-from torch._dynamo.utils import counters
-
+import compile_pass.torch_internals as internals
 from compile_pass.graph.report import (
     LEFT,
     LOGITS_DROPPED,
@@ -69,7 +68,7 @@ def _publish(report: PassReport) -> None:
     reached("report", report)
     if report.records:
         _last = report
-    stats = counters["chunkce"]
+    stats = internals.counters.get()["chunkce"]
     for record in report.records:
         stats["sites_found"] += 1
         if record.decision == REWRITTEN:

@@ -9,6 +9,7 @@ import functools
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.chunking import spans
 
@@ -26,10 +27,10 @@ def has_mixed_addmm(device_type: str, operand_dtype: torch.dtype, accumulator_dt
     if device_type == "cuda" and torch.version.hip is not None:
         return False  # ROCm: not verified to have the kernel; the upcast path is always right
     try:
-        dispatch_key = torch._C._dispatch_key_for_device(device_type)
+        dispatch_key = internals.dispatch_key_for_device(device_type)
     except RuntimeError:  # a device type this torch does not know: no kernel
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", dispatch_key)
+    return internals.dispatch_has_kernel("aten::addmm.dtype_out", dispatch_key)
 
 
 def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, kernels
 from compile_pass.op.chunking import Tiles, plan_backward, spans
 from compile_pass.op.dtypes import accumulate_dtype
@@ -24,6 +25,8 @@ from compile_pass.op.gradient_products import (
     _product_scratch,
 )
 from compile_pass.op.schema import NAME, ChunkPlan
+
+_assert_async = internals.assert_async.get()  # checks a range with no host sync
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -43,7 +46,7 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
     ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
     # (int64's minimum: no target is ignored, the graph pass's gather spelling)
-    torch._assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}){ignored}")
+    _assert_async(in_range.all(), f"{NAME}: expected every target in [0, {vocab_size}){ignored}")
 
 
 @contextlib.contextmanager

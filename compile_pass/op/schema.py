@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op.chunking import Tiles, resolve_tiles
 from compile_pass.op.kernels import KernelArgs
 from compile_pass.op.settings import settings
@@ -43,7 +44,7 @@ def op_schema(tensors: str, returns: str, own: str = "", options: str = OPTIONS)
 
 def defaults(options: str) -> dict[str, Any]:
     """The defaults of the options (schema syntax) that have one."""
-    arguments = torch._C.parse_schema(f"options(*, {options}) -> ()").arguments
+    arguments = internals.parse_schema(f"options(*, {options}) -> ()").arguments
     return {argument.name: argument.default_value for argument in arguments if argument.has_default_value()}
 
 

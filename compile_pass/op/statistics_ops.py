@@ -23,10 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import loops, statistics_loops
 from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.schema import defaults
+
+_assert_async = internals.assert_async.get()  # checks a range with no host sync
 
 NAME = "chunkce.linear_statistics"  # how the op names itself in messages
 UNFUSED = "the unfused F.linear and torch's logsumexp / softmax / gather"
@@ -49,7 +52,7 @@ def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
     """Raise (CPU) or device-assert (no host sync) on an index outside ``[0, V)``."""
     if indices is not None and indices.numel():
         in_range = (indices >= 0) & (indices < vocab_size)
-        torch._assert_async(in_range.all(), f"{NAME}: expected every index in [0, {vocab_size})")
+        _assert_async(in_range.all(), f"{NAME}: expected every index in [0, {vocab_size})")
 
 
 @torch.library.custom_op("chunkce::linear_statistics", mutates_args=(), schema=FORWARD_SCHEMA)

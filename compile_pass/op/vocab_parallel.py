@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.reduction import reduce_total
 from compile_pass.op.schema import NAME as PUBLIC_NAME
@@ -124,9 +125,7 @@ def vocabulary_mesh_dim(linear_weight: Tensor, linear_bias: Tensor | None, where
 def shard_of(linear_weight: Tensor, mesh_dim: int) -> tuple[int, str]:
     """``(vocab_start, group_name)`` of this rank's rows of a DTensor weight sharded over
     ``mesh_dim``: its first class (DTensor's layout) and the group's c10d name."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, (vocab_start, _) = compute_local_shape_and_global_offset(
+    _, (vocab_start, _) = internals.local_shape_and_offset(
         tuple(linear_weight.shape), linear_weight.device_mesh, linear_weight.placements)
     return vocab_start, linear_weight.device_mesh.get_group(mesh_dim).group_name
 

@@ -29,11 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.chunking import spans
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.dtypes import accumulate_dtype
 from compile_pass.op.schema import INPUTS, ChunkPlan, op_schema
+
+_assert_async = internals.assert_async.get()  # checks a range with no host sync
+_all_reduce, _wait_tensor = internals.c10d_all_reduce.get(), internals.c10d_wait_tensor.get()
 
 NAME = "chunkce.vocab_parallel_cross_entropy"  # how these ops name themselves in messages
 SHARD = "SymInt vocab_start, SymInt vocab_size"  # the ops' own arguments: the shard's place in V
@@ -49,8 +53,8 @@ BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor
 def check_global_targets(target: Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raise (CPU) or device-assert on a target outside ``[0, V)`` that is not ``ignore_index``."""
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
-    torch._assert_async(in_range.all(),
-                        f"{NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
+    _assert_async(in_range.all(),
+                  f"{NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
 
 
 def _in_shard(target: Tensor, vocab_start: int, shard_size: int, ignore_index: int) -> Tensor:
@@ -169,7 +173,7 @@ def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_
 def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
     """``tensor`` reduced (``"sum"``, ``"max"``) over the group, waited for: the functional
     collective's two ops, which eager, FX proxies, Dynamo and AOTAutograd all take as they are."""
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(tensor, op, group_name))
+    return _wait_tensor(_all_reduce(tensor, op, group_name))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
