@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.cache import cache_of
 from compile_pass.lazy_logits.recipe import Recipe, Refusing
 from compile_pass.lazy_logits.staleness import Inputs
@@ -65,7 +65,7 @@ def wrap_compiled(compiled: Callable[..., Any], plan: Plan) -> Callable[..., Any
         extras = outputs[plan.num_outputs:]
         for slot in plan.slots:
             tensors = [extras[i] for i in slot.inputs]
-            if is_fake(swapped[slot.position]):  # compile-time propagation: no storage to read, no record
+            if internals.is_fake(swapped[slot.position]):  # compile-time propagation: no storage to read, no record
                 swapped[slot.position] = _fake_logits(swapped[slot.position], tensors, computed, slot.position)
             elif slot.position in computed:
                 swapped[slot.position] = slot.recipe(tensors)  # as a read computes them, with autograd
