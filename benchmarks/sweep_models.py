@@ -1,10 +1,10 @@
-"""Every causal LM transformers registers, through the pass: the sweep of docs/models.md.
+"""Every causal LM transformers registers, through the pass: the tables docs/models.md links.
 
     python -m benchmarks.sweep_models                      # every architecture; print the table
     python -m benchmarks.sweep_models --only llama gpt2    # re-run a few, merged into the saved results
     python -m benchmarks.sweep_models --family seq2seq masked_lm   # other registries (tiny_families.FAMILIES)
     python -m benchmarks.sweep_models --inductor-subset    # also Inductor vs Inductor on a few
-    python -m benchmarks.sweep_models --write              # and rewrite the section of docs/models.md
+    python -m benchmarks.sweep_models --write              # and write docs/tables/sweep_<family>.md
     python -m benchmarks.sweep_models --only llama --rows out.json   # run, save nothing: the rows to a file
 
 Each architecture of the installed transformers' causal-LM registry (or, with ``--family``,
@@ -54,11 +54,9 @@ from benchmarks.sweep_table import (
     render,
     rows_of,
     with_pending,
-    write_section,
+    write_table,
 )
 from benchmarks.tiny_families import FAMILIES, architectures
-
-DOC = ROOT / "docs" / "models.md"
 
 TIMEOUT_S = 180
 PER_PROCESS = 8  # architectures one fresh process runs (one import of transformers for them)
@@ -203,7 +201,7 @@ def _report(results: dict[str, Any], family: str, write: bool) -> bool:
     text = render(results, family)
     problems = check_section(text)
     if write and not problems:
-        write_section(DOC, text, family)
+        write_table(text, family)
     elif not write:
         print(text)
     for problem in problems:
@@ -233,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run nothing: merge an interrupted run's finished rows into the results")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per stage of an architecture")
-    parser.add_argument("--write", action="store_true", help=f"rewrite the generated part of {DOC.name}")
+    parser.add_argument("--write", action="store_true", help="write each family's table to docs/tables/sweep_<family>.md")
     parser.add_argument("--render", action="store_true", help="only regenerate the table from the results")
     parser.add_argument("--rows", metavar="PATH", default=None,
                         help="with --only: run those (aot_eager) and write their rows to PATH as JSON; "

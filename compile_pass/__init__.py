@@ -10,6 +10,7 @@ import importlib.metadata
 from importlib.metadata import EntryPoint
 from typing import Any
 
+import compile_pass.torch_internals as internals
 from compile_pass import dynamo_scope
 from compile_pass.explain import explain  # imported, not lazy: the submodule of that name would shadow it
 from compile_pass.graph import fuse_linear_cross_entropy
@@ -63,9 +64,7 @@ def _register_backend() -> None:
     """Register :func:`_load_and_compile` as ``chunkce`` unless an installed distribution declares
     the entry point: Dynamo loads that one itself and registers the name then."""
     if not importlib.metadata.entry_points(group=BACKEND_ENTRY_POINT.group, name=BACKEND_NAME):
-        from torch._dynamo.backends.registry import register_backend
-
-        register_backend(dynamo_scope.mark(_load_and_compile), name=BACKEND_NAME)
+        internals.register_backend(dynamo_scope.mark(_load_and_compile), name=BACKEND_NAME)
 
 
 _register_backend()

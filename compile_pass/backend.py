@@ -10,12 +10,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._dynamo.backends import registry
 
+import compile_pass.torch_internals as internals
 from compile_pass import cache_key, dynamo_scope
 from compile_pass.graph.pipeline import run_pass
 from compile_pass.graph.report import publish
-from compile_pass.lazy_logits import wrap_compiled
+from compile_pass.lazy_logits import computed_where_input, wrap_compiled
 from compile_pass.options import Options
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def chunkce_backend(
             f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
         )
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
+    computed_where_input(example_inputs)  # a piece of DDP's split graph taking an earlier piece's lazy logits
     result = run_pass(gm.graph, opts, take_out=True, publish=False)
     gm.recompile()
     # reported only once compiled: a graph the inner backend fails on is traced again by Dynamo
@@ -62,14 +63,11 @@ def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     inner = opts.inner_backend
     with torch.compiler.config.patch(cache_key_tag=_cache_key_tag(opts)):
         if inner == "inductor":
-            from torch._inductor import list_mode_options
-            from torch._inductor.compile_fx import compile_fx
-
-            patches = dict(list_mode_options(mode)) if mode not in (None, "default") else {}
+            patches = dict(internals.list_mode_options(mode)) if mode not in (None, "default") else {}
             patches.update(opts.inductor_config)
-            compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+            compiled = internals.compile_fx(gm, example_inputs, config_patches=patches or None)
         else:
-            backend = registry.lookup_backend(inner) if isinstance(inner, str) else inner
+            backend = internals.lookup_backend(inner) if isinstance(inner, str) else inner
             compiled = backend(gm, example_inputs)
     return compiled
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from torch._inductor.custom_graph_pass import get_hash_for_files
-
+import compile_pass.torch_internals as internals
 from compile_pass.options import Options
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -23,7 +22,7 @@ def source_hash() -> str:
     relative paths included (a moved file changes it); computed once per process."""
     paths = sorted(PACKAGE_DIR.rglob("*.py"))
     names = "\0".join(path.relative_to(PACKAGE_DIR).as_posix() for path in paths)
-    return get_hash_for_files(tuple(map(str, paths)), extra=names).hex()
+    return internals.get_hash_for_files(tuple(map(str, paths)), extra=names).hex()
 
 
 def tag(options: Options) -> str:

@@ -14,14 +14,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
+import compile_pass.torch_internals as internals
 
 log = logging.getLogger(__name__)
 
 _CONFIG_NAME = "ignore_logging_functions"
 SCOPE_ATTR = "_chunkce_dynamo_scope"  # set on a backend callable: its frames are traced in chunkce's scope
 _SKIPPED = ("warning_once", "info_once")  # transformers.utils.logging, installed as logging.Logger methods
-_UNWRAP = ("_torchdynamo_orig_backend", "compiler_fn", "backend", "__wrapped__")
+_UNWRAP = (internals.orig_backend.name, "compiler_fn", "backend", "__wrapped__")
 _announced = False
 
 
@@ -41,8 +41,8 @@ class _ScopedIgnoreSet(set):
 def install() -> None:
     """Make Dynamo's ignore set scope-aware for every thread (idempotent): the config entry's
     default and the calling thread's value."""
-    config = torch._dynamo.config
-    entry = getattr(config, "_config", {}).get(_CONFIG_NAME)  # Dynamo's config internals; absent: this thread only
+    config = internals.dynamo_config.get()
+    entry = getattr(config, internals.config_entries.name, {}).get(_CONFIG_NAME)  # absent: this thread only
     if entry is not None and not isinstance(entry.default, _ScopedIgnoreSet):
         entry.default = _ScopedIgnoreSet(entry.default)
     current = getattr(config, _CONFIG_NAME)
@@ -59,9 +59,7 @@ def _tracing_for_chunkce() -> bool:
     """Whether the frame Dynamo traces now will be compiled by a marked backend."""
     global _announced
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        backend = InstructionTranslator.current_tx().output.compiler_fn
+        backend = internals.current_tx().output.compiler_fn
     except Exception:  # noqa: BLE001 - not tracing, or Dynamo's internals moved: behave as stock
         return False
     if not any(getattr(b, SCOPE_ATTR, False) for b in unwrapped(backend)):

@@ -15,9 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
-from torch._dynamo.utils import counters
 
+import compile_pass.torch_internals as internals
 from compile_pass import dynamo_scope
 from compile_pass.graph.pipeline import run_pass
 from compile_pass.graph.report import PassReport
@@ -55,14 +54,14 @@ def explain(model: Callable[..., Any], *args: Any, options: Mapping[str, Any] | 
 
     dynamo_scope.mark(capture)  # trace as the chunkce backend does (transformers' one-shot logging skipped)
     dynamo_scope.install()
-    breaks_before = dict(counters["graph_break"])
+    breaks_before = dict(internals.counters.get()["graph_break"])
     try:
         torch.compile(root, backend=capture)(*args, **kwargs)
-    except BackendCompilerFailed as exc:  # strict=True and a refused site: the pass's own error
+    except internals.backend_compiler_failed.get() as exc:  # strict=True and a refused site: the pass's own error
         raise exc.inner_exception from exc
     finally:
         _forget(capture)
-    breaks = [reason for reason, n in counters["graph_break"].items() if n > breaks_before.get(reason, 0)]
+    breaks = [reason for reason, n in internals.counters.get()["graph_break"].items() if n > breaks_before.get(reason, 0)]
     return PassReport([record for r in reports for record in r.records], graph_breaks=breaks,
                       unmatched=[record for r in reports for record in r.unmatched],
                       returned=[record for r in reports for record in r.returned])
@@ -71,16 +70,13 @@ def explain(model: Callable[..., Any], *args: Any, options: Mapping[str, Any] | 
 def _forget(backend: Callable[..., Any]) -> None:
     """Drop Dynamo's caches of every code object holding an entry compiled for ``backend``,
     and Dynamo's reference to ``backend`` (only ``torch._dynamo.reset()`` clears it)."""
-    from torch._dynamo import convert_frame, eval_frame, reset_code
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # no public listing of a code's entries
-
     def compiled_for(entry_backend: Any) -> bool:
         return any(b is backend for b in dynamo_scope.unwrapped(entry_backend))
 
-    with convert_frame.compile_lock:
-        for ref in list(convert_frame.input_codes.seen):
+    with internals.compile_lock.get():
+        for ref in list(internals.input_codes.get().seen):
             code = ref()
-            entries = _debug_get_cache_entry_list(code) if code is not None else []
+            entries = internals.cache_entry_list(code) if code is not None else []
             ours = sum(compiled_for(e.backend) for e in entries)
             if not ours:
                 continue
@@ -88,7 +84,8 @@ def _forget(backend: Callable[..., Any]) -> None:
                 log.debug("chunkce.explain: dropping Dynamo's cache of %s (%s:%s), with %d entries of other "
                           "backends; they recompile on their next call", code.co_name, code.co_filename,
                           code.co_firstlineno, len(entries) - ours)
-            reset_code(code)
-        for key, cached in list(eval_frame.cached_backends.items()):
+            internals.reset_code(code)
+        cached_backends = internals.cached_backends.get()
+        for key, cached in list(cached_backends.items()):
             if compiled_for(cached):
-                del eval_frame.cached_backends[key]
+                del cached_backends[key]

@@ -81,13 +81,16 @@ class PeakMemory:
 
 
 # What Kineto's USDT_EMIT_START_TRACE / USDT_EMIT_STOP_TRACE print, e.g.
-# "USDT:2026-12-01 13:51:50 29720:29720 SyncActivityProfilerHandler.cpp:52] profiler_start"
-_KINETO_USDT_LINE = re.compile(rb"^USDT:[^\n]*\] profiler_(?:start|stop)\r?(?:\n|\Z)", re.MULTILINE)
+# "USDT:2026-12-01 13:51:50 29720:29720 SyncActivityProfilerHandler.cpp:52] profiler_start", and what a
+# CUDA build's Kineto prints at the stop on a machine with no GPU, e.g.
+# "ERROR:2026-12-06 05:47:36 11111:11111 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35"
+_KINETO_USDT_LINE = re.compile(rb"^(?:USDT:[^\n]*\] profiler_(?:start|stop)|ERROR:[^\n]*DeviceProperties\.cpp:\d+\] "
+                               rb"gpuGetDeviceCount failed with code \d+)\r?(?:\n|\Z)", re.MULTILINE)
 
 
 @contextlib.contextmanager
 def _without_kineto_usdt_lines() -> Iterator[None]:
-    """Drop Kineto's ``profiler_start`` / ``profiler_stop`` lines from fd 2 inside the block
+    """Drop Kineto's ``profiler_start`` / ``profiler_stop`` (and no-GPU) lines from fd 2 inside the block
     (fd 2 points at a temporary file, copied back less those lines)."""
     if os.environ.get("KINETO_LOG_LEVEL"):
         yield

@@ -11,14 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import compile_pass.torch_internals as internals
 from compile_pass import cache_key
 from compile_pass.graph.pipeline import run_pass
 from compile_pass.options import Options
 
 
-class ChunkcePreGradPass(CustomGraphPass):
+class ChunkcePreGradPass(internals.custom_graph_pass.get()):
     """``pre_grad_custom_pass`` for Inductor with ``options`` (``Options`` or a dict;
     ``inner_backend`` and ``inductor_config`` ignored). Returned logits stay computed
     (``"lazy"`` means ``"keep"``: no wrapper around the compiled graph here).

@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=(*BACKENDS, "both"), default="both")
-    p.add_argument("--steps", type=int, default=12, help="training steps per backend")
+    p.add_argument("--steps", type=int, default=6, help="training steps per backend")
     p.add_argument("--warmup", type=int, default=2, help="steps before the measured one (compile)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)

@@ -101,12 +101,16 @@ class ToyLM(nn.Module):
             user between projection and loss).
         returns_logits: return ``(loss, logits)``, as an HF causal LM returns ``outputs.logits`` beside
             ``outputs.loss`` (not with ``head_with_loss`` nor ``aux_size``).
+        after_loss: if set, a linear map of the logits to that width runs after the loss, and its outputs'
+            sum, normalised as the loss is, is added to the loss (a parameter user reading the logits).
     """
 
     def __init__(self, vocab_size: int = VOCAB_SIZE, hidden_size: int = HIDDEN_SIZE, num_blocks: int = 2,
-                 tied: bool = False, head_with_loss: bool = False, aux_size: int = 0, returns_logits: bool = False):
+                 tied: bool = False, head_with_loss: bool = False, aux_size: int = 0, returns_logits: bool = False,
+                 after_loss: int = 0):
         super().__init__()
         self.returns_logits = returns_logits
+        self.after_loss = nn.Linear(vocab_size, after_loss, bias=False) if after_loss else None
         self.model = Body(vocab_size, hidden_size, num_blocks)
         if head_with_loss:
             self.head = HeadWithLoss(vocab_size, hidden_size)
@@ -128,6 +132,8 @@ class ToyLM(nn.Module):
         logits = self.lm_head(hidden_states)  # [B, T, V]
         aux = self.aux_head(hidden_states).sum() if self.aux_head is not None else None
         loss = token_loss_sum(logits, labels) / num_items_in_batch
+        if self.after_loss is not None:
+            loss = loss + self.after_loss(logits).sum() / num_items_in_batch
         if self.returns_logits:
             return loss, logits
         return loss if aux is None else loss + aux / num_items_in_batch
@@ -310,6 +316,67 @@ def case_ddp_llama(rank: int) -> dict[str, Any]:
             "logits_type": logits_type, **pass_outcome(recorder)}
 
 
+def case_ddp_split_logits(rank: int, model_name: str, bucket_cap_mb: float) -> dict[str, Any]:
+    """DDP's split graph (``optimize_ddp``, ``bucket_cap_mb``) over a model returning ``(loss, logits)``,
+    chunkce with no options against stock DDP compile (aot_eager) from the same weights: the loss, every
+    gradient, and reads of the returned logits after backward (argmax; the log-probs of the tokens, as
+    ``log_softmax().gather()`` and as TRL's selective log-softmax)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model, vocab_size, shifted, call = SPLIT_MODELS[model_name]()
+    stock_model = copy.deepcopy(model)
+    input_ids, labels = make_batch(rank, vocab_size=vocab_size)
+    num_items_in_batch = global_num_items(labels[:, 1:] if shifted else labels)
+    recorder = GraphRecorder(vocab_size)
+    compiled = compile_chunkce(DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb), recorder)
+    got = _logits_step(call(compiled, input_ids, labels, num_items_in_batch), input_ids)
+    outcome = pass_outcome(recorder)
+    torch._dynamo.reset()
+    stock = torch.compile(DistributedDataParallel(stock_model, bucket_cap_mb=bucket_cap_mb), backend="aot_eager")
+    expected = _logits_step(call(stock, input_ids, labels, num_items_in_batch), input_ids)
+    pairs = {name: (got[name], expected[name]) for name in expected if name != "logits_type"}
+    return {"pairs": pairs | grad_pairs(model, stock_model, rank), "logits_type": got["logits_type"], **outcome}
+
+
+def _logits_step(outputs: tuple[torch.Tensor, torch.Tensor], input_ids: torch.Tensor) -> dict[str, Any]:
+    """Backward of the loss, then the reads of the logits."""
+    loss, logits = outputs
+    loss.backward()
+    targets = input_ids[..., None]  # [B, T, 1]
+    with torch.no_grad():
+        return {"loss": loss.detach(), "argmax": logits.argmax(-1), "logits_type": type(logits).__name__,
+                "log_softmax_gather": torch.log_softmax(logits.float(), -1).gather(-1, targets).squeeze(-1),
+                "selective_log_softmax": logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, -1)}
+
+
+def _split_llama() -> tuple[nn.Module, int, bool, Callable]:
+    """A tiny transformers LlamaForCausalLM (vocab 8192, hidden 128, 2 layers: an 4 MiB lm_head), called
+    as HF's Trainer calls it; HF shifts the labels inside its loss."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, pad_token_id=0, attention_dropout=0.0)
+
+    def call(module, input_ids, labels, num_items_in_batch):
+        outputs = module(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch)
+        return outputs.loss, outputs.logits
+
+    return transformers.LlamaForCausalLM(config).train(), config.vocab_size, True, call
+
+
+def _split_after_loss() -> tuple[nn.Module, int, bool, Callable]:
+    """A :class:`ToyLM` returning ``(loss, logits)`` whose 1 MiB ``after_loss`` map of the logits fills
+    DDP's first bucket: the logits leave the piece of the head and the loss for the next piece."""
+    return (ToyLM(1024, 128, returns_logits=True, after_loss=256), 1024, False,
+            lambda module, input_ids, labels, num_items_in_batch: module(input_ids, labels, num_items_in_batch))
+
+
+SPLIT_MODELS: dict[str, Callable[[], tuple[nn.Module, int, bool, Callable]]] = {
+    "llama": _split_llama, "after_loss": _split_after_loss}
+
+
 def case_ddp_dynamic(rank: int, mark_dynamic: bool = False, dynamic: bool | None = None) -> dict[str, Any]:
     """Six sequence lengths under DDP + chunkce: how many graphs are compiled; each step exact.
 
@@ -456,7 +523,6 @@ def case_fsdp_root_lazy_logits(rank: int) -> dict[str, Any]:
 
 CASES: dict[str, Callable[[int], dict[str, Any]]] = {
     "ddp": case_ddp,
-    "ddp_small_buckets": lambda rank: case_ddp(rank, bucket_cap_mb=1, vocab_size=1024, hidden_size=128),
     "ddp_aux_between": case_ddp_aux_between,
     "ddp_llama": case_ddp_llama,
     "ddp_dynamic_default": case_ddp_dynamic,
@@ -473,12 +539,20 @@ CASES: dict[str, Callable[[int], dict[str, Any]]] = {
 }
 
 
+# DDP's split graph over models returning logits (spawned apart: each compiles the model twice)
+SPLIT_DDP_CASES: dict[str, Callable[[int], dict[str, Any]]] = {
+    "ddp_split_llama_1mb": lambda rank: case_ddp_split_logits(rank, "llama", bucket_cap_mb=1),
+    "ddp_split_llama_25mb": lambda rank: case_ddp_split_logits(rank, "llama", bucket_cap_mb=25),
+    "ddp_split_logits_cross": lambda rank: case_ddp_split_logits(rank, "after_loss", bucket_cap_mb=1),
+}
+
+
 # --- the per-rank entry ------------------------------------------------------------------------
 
 def _case(name: str) -> Callable[[int], dict[str, Any]]:
-    """The case ``name``: of :data:`CASES`, or a tensor-parallel one (``tests/tp_cases.py``)."""
-    if name in CASES:
-        return CASES[name]
+    """The case ``name``: of :data:`CASES` or :data:`SPLIT_DDP_CASES`, or a tensor-parallel one (``tests/tp_cases.py``)."""
+    if name in CASES or name in SPLIT_DDP_CASES:
+        return {**CASES, **SPLIT_DDP_CASES}[name]
     import tp_cases
 
     return {**tp_cases.TP_CASES, **tp_cases.TP_CASES_4}[name]

@@ -82,11 +82,15 @@ def test_paths_and_tests_exist():
     assert wrong == []
 
 
+def _named_tests(spans):
+    """The (where, text) of the backticked spans that name a test alone (``test_x``)."""
+    return [(where, text) for where, text in spans if re.fullmatch(r"test_\w+", text)]
+
+
 def test_named_tests_exist():
+    assert _named_tests([("a", "test_x"), ("b", "tests/t.py"), ("c", "test_x()")]) == [("a", "test_x")]  # the reader
     defined = {m for p in (ROOT / "tests").rglob("*.py") for m in re.findall(r"^\s*def (test_\w+)\(", p.read_text(), re.M)}
-    named = [(where, text) for where, text in _backticked() if re.fullmatch(r"test_\w+", text)]
-    assert named  # the reader still finds them
-    assert [f"{where}: {text}" for where, text in named if text not in defined] == []
+    assert [f"{where}: {text}" for where, text in _named_tests(_backticked()) if text not in defined] == []
 
 
 def test_environment_variables_are_read():

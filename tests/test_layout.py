@@ -12,8 +12,9 @@ concept and reads at once (at most 500 lines; compile_pass/graph/ at most 18 mod
 at most 50); docs/design.md's module map lists them (``tests/test_docs_names.py``).
 
 And the prose: docstring and comment lines of ``compile_pass/`` at most 0.35x its code lines,
-README.md at most 7000 characters with "Use" before any test mechanics, and no issue number
-or history narration in the project's code, tests, docs, benchmarks or examples.
+README.md at most 7000 characters with "Use" before any test mechanics, docs/'s prose (its pages,
+not the generated tables of docs/tables/) at most 150 KB, and no issue number or history
+narration in the project's code, tests, docs, benchmarks or examples.
 """
 
 import ast
@@ -25,9 +26,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "compile_pass"
 # What each sub-package may import of the project (besides itself).
 ALLOWED = {
-    "op": (),
-    "lazy_logits": ("compile_pass.op",),  # fused reads evaluate through the op
-    "graph": ("compile_pass.op", "compile_pass.lazy_logits", "compile_pass.options"),
+    "op": ("compile_pass.torch_internals",),  # the private torch names, below every layer
+    "lazy_logits": ("compile_pass.op", "compile_pass.torch_internals"),  # fused reads evaluate through the op
+    "graph": ("compile_pass.op", "compile_pass.lazy_logits", "compile_pass.options", "compile_pass.torch_internals"),
 }
 
 
@@ -60,7 +61,8 @@ def test_sub_package_imports_only_what_lies_below_it(package):
 def test_every_module_is_in_a_layer():
     """A new top-level module must be an entry point or shared by them, never a sub-package's helper."""
     top = {path.stem for path in PACKAGE.glob("*.py")}
-    assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory"}
+    assert top == {"__init__", "backend", "pre_grad", "explain", "options", "dynamo_scope", "cache_key", "memory",
+                   "torch_internals"}
     assert {path.name for path in PACKAGE.iterdir() if path.is_dir() and not path.name.startswith("__")} == {
         "op", "graph", "lazy_logits"}
 
@@ -155,6 +157,7 @@ def test_the_public_names_of_returned_logits_and_reports_are_exported():
 ROOT = PACKAGE.parent
 PROSE_RATIO = 0.35  # docstring and comment lines at most this share of code lines in compile_pass/
 README_CHARS = 7000
+DOCS_PROSE_BYTES = 150_000  # docs/*.md; the tables the benchmarks write live in docs/tables/
 ISSUE_NUMBER = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
 NARRATION = re.compile(r"\bwe used to\b|\bthe old default\b|\bthe issue's\b|\bbefore [\w`.()]+ landed\b", re.IGNORECASE)
 SCANNED = ("compile_pass", "tests", "docs", "benchmarks", "examples")
@@ -202,6 +205,13 @@ def test_readme_is_short_and_starts_with_use():
         f"README.md mentions {mechanics.group()!r} before 'Use': test mechanics go to tests/README.md")
 
 
+def test_docs_prose_is_at_most_150_kb():
+    pages = {path.name: len(path.read_bytes()) for path in (ROOT / "docs").glob("*.md")}
+    assert pages and sum(pages.values()) <= DOCS_PROSE_BYTES, (
+        f"docs/*.md hold {sum(pages.values())} bytes (at most {DOCS_PROSE_BYTES}; generated tables go to "
+        f"docs/tables/): {sorted(pages.items(), key=lambda item: -item[1])}")
+
+
 def test_no_issue_numbers_or_history_narration():
     files = [ROOT / "README.md", *(path for folder in SCANNED for path in (ROOT / folder).rglob("*")
                                    if path.is_file() and "__pycache__" not in path.parts
@@ -214,7 +224,7 @@ def test_no_issue_numbers_or_history_narration():
 
 TESTS = PACKAGE.parent / "tests"
 TEST_LAYERS = ("op", "graph", "lazy_logits", "integration")  # the package's layers, then the whole
-TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py", "test_names.py"}  # the project's shape, names, docs
+TOP_LEVEL_TESTS = {"test_layout.py", "test_docs_names.py", "test_names.py", "test_torch_internals.py"}  # shape, names, docs, torch
 
 
 def test_tests_live_in_their_layer_and_benchmarks_import_no_test():

@@ -19,10 +19,9 @@ import re
 from collections import deque
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.fx import Node
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
 from compile_pass.graph.projection import as_projection
 from compile_pass.graph.refusals import Reason, Refusal
@@ -118,7 +117,8 @@ def stop_reason(site: Site) -> Reason | None:
 
 
 def _not_plain_floating(t: torch.Tensor) -> str | None:
-    if is_traceable_wrapper_subclass(t) or not (type(t) in (torch.Tensor, torch.nn.Parameter) or is_fake(t)):
+    if internals.is_traceable_wrapper_subclass(t) or not (type(t) in (torch.Tensor, torch.nn.Parameter)
+                                                          or internals.is_fake(t)):
         name = type(t).__name__
         what = ": a sharded (FSDP2 outside its unit's forward) or tensor parallel weight" if name == "DTensor" else ""
         return f"a tensor subclass ({name}{what})"
@@ -326,11 +326,8 @@ def graph_break_cause(stop: Node) -> str:
 def _in_ddp_optimizer() -> bool:
     """This compile runs inside a DDP forward whose graphs DDPOptimizer splits at bucket boundaries."""
     try:
-        from torch._dynamo.utils import get_optimize_ddp_mode
-        from torch.nn.parallel import DistributedDataParallel
-
-        return (get_optimize_ddp_mode() == "ddp_optimizer"
-                and DistributedDataParallel._get_active_ddp_module() is not None)
+        return (internals.get_optimize_ddp_mode() == "ddp_optimizer"
+                and internals.active_ddp_module() is not None)
     except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
         return False
 
@@ -339,9 +336,8 @@ def _fsdp2_in_use() -> bool:
     """Some module of this process has FSDP2 (``fully_shard``) applied (read from the composable-API
     registry of every module with such state, ``_module_state_mapping``)."""
     try:
-        from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp import FSDPModule
 
-        return any(isinstance(module, FSDPModule) for module in list(_module_state_mapping.keys()))
+        return any(isinstance(module, FSDPModule) for module in list(internals.module_state.get().keys()))
     except Exception:  # noqa: BLE001 - only the wording of a refusal depends on it
         return False

@@ -17,13 +17,12 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch._dynamo import utils as dynamo_utils
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
 from torch.fx.proxy import GraphAppendingTracer, Proxy
-from torch.utils._pytree import tree_leaves
+
+import compile_pass.torch_internals as internals
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,8 @@ def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
     node.meta.update({key: meta[key] for key in _INHERITED_META if key in meta})
     args, kwargs = map_arg((node.args, node.kwargs), example_value)
     # The inputs' own fake mode (the tracing context may hold another one).
-    fake_mode = next((leaf.fake_mode for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, FakeTensor)), None)
+    fake_mode = next((leaf.fake_mode for leaf in internals.tree_leaves((args, kwargs))
+                      if isinstance(leaf, internals.fake_tensor.get())), None)
     try:
         with fake_mode or contextlib.nullcontext(), _saved_tensors_hooks_off():
             if node.op == "call_method":
@@ -182,8 +182,7 @@ def _fill_meta(node: Node, meta: Mapping[str, Any]) -> None:
 def _saved_tensors_hooks_off() -> contextlib.AbstractContextManager[None]:
     """Autograd's saved-tensor hooks off while computing an ``example_value``, as Dynamo does (a
     checkpoint region would otherwise count what the fake ops save)."""
-    disable = getattr(dynamo_utils, "_disable_saved_tensors_hooks_during_tracing", None)
-    return disable() if disable is not None else contextlib.nullcontext()
+    return internals.saved_tensors_hooks_off()
 
 
 class Edit:

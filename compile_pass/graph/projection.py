@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import (
     create_node,
     dims_arg,
@@ -41,7 +42,7 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.refusals import Refusal
 from compile_pass.op.kernels import HeadTransform
 
-_LINEAR = (torch._C._nn.linear, F.linear)
+_LINEAR = (internals.nn_linear.get(), F.linear)
 _MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
 _ADD = (operator.add, torch.add, torch.Tensor.add)
 _ADD_IN_PLACE = (operator.iadd, torch.Tensor.add_)  # `logits += bias`: a bias add when nothing else reads `logits`

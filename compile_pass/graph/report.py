@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
 
-from torch._dynamo.utils import counters
 from torch.fx import Graph, Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph import find
 from compile_pass.graph.refusals import Reason, fix_for
 from compile_pass.graph.returned_logits import Fate
@@ -276,7 +276,7 @@ def _publish(report: PassReport) -> None:
     reached("report", report)
     if report.records:
         _last = report
-    stats = counters["chunkce"]
+    stats = internals.counters.get()["chunkce"]
     for record in report.records:
         stats["sites_found"] += 1
         if record.decision is Decision.REWRITTEN:

@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor
 from torch.fx import Graph, Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import create_node, example_value, tensor_op_name
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.op.vocab_parallel import is_dtensor
@@ -119,11 +120,9 @@ def _mesh_node(hidden: Node) -> Node | None:
 
 def _sharded(node: Node, projection: Projection, source: Node, loss_parallel: bool) -> Projection:
     """``projection`` read up to ``node``, with its :class:`VocabShard`."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     weight = example_value(projection.weight)
     mesh = weight.device_mesh
-    local_shape, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    local_shape, offset = internals.local_shape_and_offset(weight.shape, mesh, weight.placements)
     mesh_node = _mesh_node(projection.hidden)
     shard = VocabShard(
         group_name=mesh.get_group(0).group_name, vocab_start=int(offset[0]), vocab_size=int(weight.shape[0]),
@@ -143,7 +142,7 @@ def _from_local_target(hidden: Node) -> Any:
 
 def local_value(value: Any) -> Any:
     """A ``DTensor`` example value's local tensor; anything else as it is."""
-    return value._local_tensor if is_dtensor(value) else value
+    return internals.local_tensor.read(value) if is_dtensor(value) else value
 
 
 def local_operands(projection: Projection, graph: Graph, meta: dict, *, hidden: bool = True,

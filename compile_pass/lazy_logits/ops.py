@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import return_and_correct_aliasing
-from torch.utils._pytree import tree_map
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits import forms
 
 _aten = torch.ops.aten
@@ -61,7 +60,7 @@ def on_meta(value: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return tree_map(meta, value)
+    return internals.tree_map(meta, value)
 
 
 @dataclass(frozen=True)
@@ -89,9 +88,9 @@ def metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
         views = [type(base)(Layout(o.shape, o.stride(), o.dtype, device), parent=(base, Pick(func, i), args[1:],
                                                                                  kwargs))
                  for i, o in enumerate(out)]
-        return return_and_correct_aliasing(func, args, kwargs, views)
+        return internals.return_and_correct_aliasing(func, args, kwargs, views)
     view = type(base)(Layout(out.shape, out.stride(), out.dtype, device), parent=(base, func, args[1:], kwargs))
-    return return_and_correct_aliasing(func, args, kwargs, view)
+    return internals.return_and_correct_aliasing(func, args, kwargs, view)
 
 
 def _copy(base: Any, func: Any, args: tuple, kwargs: dict, layout: Layout, storage: forms.Storage | None) -> Any:
@@ -147,7 +146,7 @@ def edit(func: Any, args: tuple, kwargs: dict) -> Any:
     computed and the rows keep a form (replayed when they are), else applied to the values."""
     tensor, other = args[0], args[1]
     func(on_meta(tensor), *on_meta(args[1:]), **kwargs)  # torch's checks (shapes, dtypes)
-    overlaps = torch._debug_has_internal_overlap(on_meta(tensor)) == 1  # torch refuses: the values' op raises
+    overlaps = internals.has_internal_overlap(on_meta(tensor)) == 1  # torch refuses: the values' op raises
     kept = not overlaps and forms.record_edit(tensor, other, EDITS[func])
     root = tensor._root()
     if kept and root._value is None:
@@ -186,6 +185,6 @@ def inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def writes_first_argument(func: Any) -> bool:
-    arguments = getattr(getattr(func, "_schema", None), "arguments", ())
+    arguments = getattr(getattr(func, internals.overload_schema.name, None), "arguments", ())
     alias = arguments[0].alias_info if arguments else None
     return alias is not None and alias.is_write

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.cache import Statistics, cache_of
 from compile_pass.lazy_logits.forms import Form, RowValues, form_of
 
@@ -85,7 +86,7 @@ def _read_dtype(func: Callable, input: Tensor, *probe_args: object) -> torch.dty
     """The dtype torch computes ``func`` of ``input`` in: ``input``'s, or autocast's (probed on a tiny tensor)."""
     if not torch.is_autocast_enabled(input.device.type):
         return input.dtype
-    with torch._C.DisableTorchFunctionSubclass():
+    with internals.disable_torch_function_subclass():
         return func(torch.zeros(1, 2, dtype=input.dtype, device=input.device), *probe_args).dtype
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.head import Head
 
 
@@ -34,8 +35,12 @@ class Inputs:
         self.recipe = recipe
         self.tensors = tuple(tensors)
         watched = [(role, t) for role, t in zip(recipe.roles, tensors)]
-        watched += [(f"{role} (its FSDP2 sharded parameter)", sharded) for role, t in zip(recipe.roles, tensors)
-                    if (sharded := _fsdp_sharded_parameter(t)) is not None]
+        self.unchecked: str | None = None  # why staleness cannot be checked on this torch: every read raises
+        try:
+            watched += [(f"{role} (its FSDP2 sharded parameter)", sharded) for role, t in zip(recipe.roles, tensors)
+                        if (sharded := _fsdp_sharded_parameter(t)) is not None]
+        except (internals.TorchInternalMissing, AttributeError) as exc:  # FSDP2's internals moved
+            self.unchecked = str(exc)
         self.watched = tuple((role, t, _version_of(t), _storage_of(t)) for role, t in watched)
         self.stale: str | None = None  # why, once an optimizer stepped a tensor it reads
         self.pending: list[weakref.ref] = []  # lazy copies over these inputs not computed yet, oldest first
@@ -45,6 +50,11 @@ class Inputs:
 
     def check(self, when: str) -> None:
         """Raise :class:`StaleLogitsError` if a tensor the recipe reads changed since the step."""
+        if self.unchecked is not None:
+            raise StaleLogitsError(
+                f"chunkce: cannot {when} these logits: on torch {torch.__version__} chunkce cannot tell whether "
+                f"FSDP2 changed the tensors they are computed from ({self.unchecked}), so it does not compute "
+                f"them; compile with {KEEP_OPTION} to have the step compute and return them.")
         changed = self.stale
         for role, tensor, version, storage in self.watched:
             if changed is None and _version_of(tensor) != version:
@@ -140,13 +150,14 @@ def _version_of(tensor: torch.Tensor) -> Any:
     if tensor.is_inference():
         return None
     local = _local_shard(tensor)
-    return tensor._version if local is None else (tensor._version, _version_of(local))
+    version = internals.version.read(tensor)
+    return version if local is None else (version, _version_of(local))
 
 
 def _local_shard(tensor: torch.Tensor) -> torch.Tensor | None:
     """A ``DTensor``'s local tensor (this rank's shard), else None (never imports DTensor's package)."""
     module = sys.modules.get("torch.distributed.tensor")
-    return tensor._local_tensor if module is not None and isinstance(tensor, module.DTensor) else None
+    return internals.local_tensor.read(tensor) if module is not None and isinstance(tensor, module.DTensor) else None
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
@@ -164,20 +175,19 @@ def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
 
 def _fsdp_sharded_parameter(tensor: torch.Tensor) -> torch.Tensor | None:
     """The FSDP2 sharded parameter behind ``tensor`` if it is an FSDP2 unsharded parameter (whose
-    version an all-gather preserves); looked up each time, never weakly referenced."""
-    if not isinstance(tensor, torch.nn.Parameter):
+    version an all-gather preserves); looked up each time, never weakly referenced. Raises
+    :class:`~compile_pass.torch_internals.TorchInternalMissing` (or AttributeError) where FSDP2's
+    internals moved: never a silent None."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 module in this process
+    if fsdp is None or not isinstance(tensor, torch.nn.Parameter):
         return None
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.fsdp import FSDPModule
-
-        for module, state in list(_module_state_mapping.items()):
-            group = getattr(state, "_fsdp_param_group", None) if isinstance(module, FSDPModule) else None
-            for fsdp_param in getattr(group, "fsdp_params", ()):
-                if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+    for module in list(internals.module_state.get().keys()):
+        if not isinstance(module, fsdp.FSDPModule):
+            continue
+        for group in internals.fsdp_param_groups.read(internals.fsdp_state(module)):
+            for fsdp_param in group.fsdp_params:
+                if internals.unsharded_param.read_if_set(fsdp_param) is tensor:
                     return fsdp_param.sharded_param
-    except Exception:  # noqa: BLE001 - no FSDP2 in this process: a plain parameter
-        return None
     return None
 
 

@@ -11,8 +11,8 @@ import copy
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits import forms, ops, reads
 from compile_pass.lazy_logits.ops import COPY_OPS, EDITS, METADATA_OPS, Layout
 from compile_pass.lazy_logits.staleness import Inputs, StaleLogitsError
@@ -35,8 +35,8 @@ class LazyLogits(torch.Tensor):
     def __new__(cls, layout: Layout, *, source: Inputs | None = None,
                 parent: tuple[LazyLogits, Any, tuple, dict] | None = None,
                 copy_of: tuple[Any, tuple, dict, tuple[int, ...]] | None = None) -> LazyLogits:
-        self = torch.Tensor._make_wrapper_subclass(cls, layout.shape, strides=layout.stride, dtype=layout.dtype,
-                                                   device=layout.device, requires_grad=False)
+        self = internals.make_wrapper_subclass(cls, layout.shape, strides=layout.stride, dtype=layout.dtype,
+                                               device=layout.device, requires_grad=False)
         # a root's values: ``source`` (the recipe's) or ``copy_of`` (func, args, kwargs, edits); a view's: ``parent``'s
         self._source, self._parent, self._copy_of, self._value = source, parent, copy_of, None
         self._copied_from: Inputs | None = None  # a lazy copy's: the inputs its values are read from
@@ -71,13 +71,13 @@ class LazyLogits(torch.Tensor):
         return self._view_rows
 
     @classmethod
-    @torch._dynamo.disable  # a compiled function reading a LazyLogits runs its reads eagerly (a graph break)
+    @torch.compiler.disable  # a compiled function reading a LazyLogits runs its reads eagerly (a graph break)
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = reads.fused(func, args, kwargs)
         if out is not NotImplemented:
             return out
-        with torch._C.DisableTorchFunctionSubclass():
+        with internals.disable_torch_function_subclass():
             return func(*args, **kwargs)
 
     def compute(self) -> torch.Tensor:
@@ -207,7 +207,7 @@ class LazyLogits(torch.Tensor):
         made = ops.derived(func, args, kwargs)
         if made is not None:
             return made
-        values, kwargs_values = tree_map(lambda t: t.compute() if isinstance(t, LazyLogits) else t, (args, kwargs))
+        values, kwargs_values = internals.tree_map(lambda t: t.compute() if isinstance(t, LazyLogits) else t, (args, kwargs))
         out = func(*values, **kwargs_values)
         if ops.writes_first_argument(func) and first:
             forms.break_rows(args[0])

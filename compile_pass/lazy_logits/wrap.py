@@ -9,6 +9,10 @@ device) in their output slot, and appended the tensors their recipe reads to the
 output; :func:`wrap_compiled` takes those extra outputs off and puts a :class:`LazyLogits` (or a
 :class:`DroppedLogits`) in each slot. Row statistics the step computed of a slot's head (an
 evaluation step's loss walk, :mod:`compile_pass.graph.plan`) are kept for its reads.
+
+Run on fake tensors (DDPOptimizer propagates each compiled piece of its split graph so, to
+compile the next), the step hands out a fake tensor of the logits' layout; a piece compiled
+with one as its input (:func:`computed_where_input`) gets the logits computed, not lazy.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.cache import cache_of
 from compile_pass.lazy_logits.staleness import Inputs, Recipe, DroppedRecipe
 from compile_pass.lazy_logits.tensor import DroppedLogits, Layout, LazyLogits
+
+# a fake tensor a step handed out for lazy logits -> (the positions its step computes, its position)
+_FAKE_LOGITS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -48,17 +57,44 @@ class LazyOutputs:
 def wrap_compiled(compiled: Callable[..., Any], plan: LazyOutputs) -> Callable[..., Any]:
     """``compiled`` handing out a :class:`LazyLogits` at each slot of ``plan`` (a
     :class:`DroppedLogits` where the recipe refuses), with the extra outputs taken off."""
+    computed: set[int] = set()  # slots another compiled piece takes as its input (computed_where_input)
+
     @functools.wraps(compiled)  # keeps its attributes (e.g. _boxed_call): called as it would be
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
         swapped = list(outputs[:plan.num_outputs])
         extras = outputs[plan.num_outputs:]
         for slot in plan.slots:
-            swapped[slot.position] = lazy_logits(slot.recipe, [extras[i] for i in slot.inputs],
-                                                 swapped[slot.position], [extras[i] for i in slot.statistics])
+            tensors = [extras[i] for i in slot.inputs]
+            if internals.is_fake(swapped[slot.position]):  # compile-time propagation: no storage to read, no record
+                swapped[slot.position] = _fake_logits(swapped[slot.position], tensors, computed, slot.position)
+            elif slot.position in computed:
+                swapped[slot.position] = slot.recipe(tensors)  # as a read computes them, with autograd
+            else:
+                swapped[slot.position] = lazy_logits(slot.recipe, tensors, swapped[slot.position],
+                                                     [extras[i] for i in slot.statistics])
         return type(outputs)(swapped) if isinstance(outputs, tuple) else swapped
 
     return run
+
+
+def computed_where_input(example_inputs: Sequence[Any]) -> None:
+    """Have the steps that handed out lazy logits found among ``example_inputs`` (a piece of
+    DDP's split graph being compiled: the fake outputs of an earlier piece) compute them: a
+    compiled graph takes plain tensors, not a :class:`LazyLogits`."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and value in _FAKE_LOGITS:
+            computed, position = _FAKE_LOGITS[value]
+            computed.add(position)
+
+
+def _fake_logits(stand_in: torch.Tensor, tensors: Sequence[torch.Tensor], computed: set[int],
+                 position: int) -> torch.Tensor:
+    """A fake tensor of the logits' layout, ``requires_grad`` as the real ones (of ``stand_in``'s fake mode)."""
+    fake = stand_in.new_empty_strided(stand_in.shape, _contiguous_strides(stand_in.shape))
+    fake.requires_grad_(torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    _FAKE_LOGITS[fake] = (computed, position)
+    return fake
 
 
 def lazy_logits(recipe: Recipe | DroppedRecipe, tensors: Sequence[torch.Tensor], stand_in: torch.Tensor,

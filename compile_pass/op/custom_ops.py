@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import loops
 from compile_pass.op.schema import LOSS_DEFAULTS, INPUTS, LOSS_NAME, op_schema
 from compile_pass.op.tiling import accumulate_dtype
 
+_are_functorch_transforms_active = internals.are_functorch_transforms_active.get()
 LOSS_FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
 LOSS_BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
                             "(Tensor, Tensor, Tensor)", own="bool[] output_mask")
@@ -90,7 +92,7 @@ def _backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[-ctx.num_inputs:][:4]
     tensors = (grad_loss, hidden_states, weight, target, bias, class_weight, scale_tensor, row_max, row_log_sum)
     options = {**ctx.options, "output_mask": [want_hidden, want_weight, want_bias]}
-    if torch._C._are_functorch_transforms_active():
+    if _are_functorch_transforms_active():
         grad_hidden, grad_weight, grad_bias = FunctorchBackward.apply(options, *tensors)
     else:
         grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.linear_cross_entropy_backward(*tensors, **options)

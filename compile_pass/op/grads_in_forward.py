@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op.loops import (
     TileBuffer,
     _add_vocabulary_products,
@@ -31,11 +32,12 @@ from compile_pass.op.schema import INPUTS, LOSS_NAME, ResolvedCall, op_schema
 from compile_pass.op.tiling import accumulate_dtype, spans
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
+_are_functorch_transforms_active = internals.are_functorch_transforms_active.get()
 SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own="bool[] output_mask")
 
 
 def _refuse_under_transforms() -> None:
-    if torch._C._are_functorch_transforms_active():
+    if _are_functorch_transforms_active():
         raise NotImplementedError(
             f"{LOSS_NAME}: grads_in_forward=True is not supported under torch.func transforms "
             "(grad, vjp, vmap, ...); pass grads_in_forward=False (the recompute op supports "
@@ -162,7 +164,7 @@ def _versions(tensors) -> tuple[int, ...] | None:
     tensors: a compiled graph's own checks apply there)."""
     if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in tensors):
         return None
-    return tuple(t._version for t in tensors)
+    return tuple(map(internals.version.read, tensors))
 
 
 _SECOND_BACKWARD = (

@@ -15,11 +15,9 @@ import types
 from collections.abc import Callable, Iterator
 
 import torch
-import torch._dynamo
-import torch.fx.experimental._config as fx_config
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernels
 
 _MODULES = (kernels,)  # the kernels' modules, searched by function name
@@ -60,35 +58,23 @@ def inductor_compiles_for(device_type: str) -> bool:
     """Whether Inductor can compile the kernels for ``device_type`` (decided once, never learnt
     from a failed compile): a code generator is registered for it and its compiler (C++ for
     CPU, Triton for CUDA / XPU) is present."""
-    from torch._inductor.codegen.common import (
-        get_scheduling_for_device,
-        init_backend_registration,
-    )
-
-    init_backend_registration()
-    if get_scheduling_for_device(device_type) is None:
+    internals.init_backend_registration()
+    if internals.get_scheduling_for_device(device_type) is None:
         return False
-    from torch._inductor import config as inductor_config
-
-    if device_type == "cpu" and inductor_config.cpu_backend == "cpp":
-        from torch._inductor import cpp_builder
-        from torch._inductor.exc import InvalidCxxCompiler
-
+    if device_type == "cpu" and internals.inductor_config.get().cpu_backend == "cpp":
         try:
-            cpp_builder.get_cpp_compiler()
-        except InvalidCxxCompiler:
+            internals.get_cpp_compiler()
+        except internals.invalid_cxx_compiler.get():
             return False
     if device_type in ("cuda", "xpu"):
-        from torch.utils._triton import has_triton
-
-        return has_triton()
+        return internals.has_triton()
     return True
 
 
 def _plain_context() -> bool:
     """False under a dispatch mode or a functorch transform (the kernel runs eagerly there)."""
-    return (_get_current_dispatch_mode() is None
-            and not torch._C._are_functorch_transforms_active())
+    return (internals.get_current_dispatch_mode() is None
+            and not internals.are_functorch_transforms_active())
 
 
 def _symbolic(args: tuple) -> list:
@@ -96,7 +82,7 @@ def _symbolic(args: tuple) -> list:
     the logits' token dim unbacked (docs/op.md, "Per-chunk kernels")."""
     args = [arg.detach() if isinstance(arg, Tensor) else
             arg.detached() if isinstance(arg, _RECORDS) else arg for arg in args]
-    torch._dynamo.decorators.mark_unbacked(args[0], 0)  # the logits: [n, V] or [n, Vb]
+    internals.mark_unbacked(args[0], 0)  # the logits: [n, V] or [n, Vb]
     return args
 
 
@@ -108,8 +94,26 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     if eager or not inductor_compiles_for(variant[0]) or not _plain_context():
         return _kernel(fn_name)(*args)
     # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
-    with (fx_config.patch(use_duck_shape=False, backed_size_oblivious=True),
-          torch._C._AutoDispatchBelowADInplaceOrView()):
+    with (internals.fx_config.get().patch(use_duck_shape=False, backed_size_oblivious=True),
+          internals.below_autograd()):
         for hook in _HOOKS:
             hook(fn_name, variant)
-        return compiled(fn_name, variant)(*_symbolic(args))
+        with _dynamo_stats_kept():
+            return compiled(fn_name, variant)(*_symbolic(args))
+
+
+@contextlib.contextmanager
+def _dynamo_stats_kept() -> Iterator[None]:
+    """Dynamo's ``counters["stats"]`` (unique_graphs, calls_captured) as before the block: a kernel's
+    compile is chunkce's own, not a graph of the user's (who counts recompiles with them); its graphs
+    are counted in ``counters["chunkce"]["kernel_graphs"]``."""
+    counters = internals.counters.get()
+    stats = counters["stats"]
+    saved = stats.copy()
+    try:
+        yield
+    finally:
+        if stats["unique_graphs"] != saved["unique_graphs"]:
+            counters["chunkce"]["kernel_graphs"] += stats["unique_graphs"] - saved["unique_graphs"]
+        stats.clear()
+        stats.update(saved)

@@ -6,7 +6,9 @@ carries the row's log-sum-exp across vocabulary blocks; :func:`chunked_backward`
 tile, turns it into its gradient in place and multiplies that into the gradient buffers.
 Walk: docs/op.md, "Forward" and "Backward (recompute)".
 The backward's products of ``grad_logits [n, Vb]`` into the gradients, and how each is
-accumulated (a half-precision head's in fp32; docs/op.md, "Backward").
+accumulated (a half-precision head's in fp32; docs/op.md, "Backward"). :func:`reduce_total`: the
+summed loss reduced as ``F.cross_entropy`` reduces it, shared by the single-device loss and the
+vocabulary-parallel one.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, kernels
 from compile_pass.op.schema import LOSS_NAME, ResolvedCall
 from compile_pass.op.tiling import Tiles, accumulate_dtype, plan_backward, spans
+
+_assert_async = internals.assert_async.get()  # checks a range with no host sync
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -41,7 +46,7 @@ def _assert_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int)
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
     ignored = "" if ignore_index == torch.iinfo(torch.int64).min else f" or equal to ignore_index ({ignore_index})"
     # (int64's minimum: no target is ignored, the graph pass's gather spelling)
-    torch._assert_async(in_range.all(), f"{LOSS_NAME}: expected every target in [0, {vocab_size}){ignored}")
+    _assert_async(in_range.all(), f"{LOSS_NAME}: expected every target in [0, {vocab_size}){ignored}")
 
 
 @contextlib.contextmanager
@@ -227,10 +232,10 @@ def has_mixed_addmm(device_type: str, operand_dtype: torch.dtype, accumulator_dt
     if device_type == "cuda" and torch.version.hip is not None:
         return False  # ROCm: not verified to have the kernel; the upcast path is always right
     try:
-        dispatch_key = torch._C._dispatch_key_for_device(device_type)
+        dispatch_key = internals.dispatch_key_for_device(device_type)
     except RuntimeError:  # a device type this torch does not know: no kernel
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", dispatch_key)
+    return internals.dispatch_has_kernel("aten::addmm.dtype_out", dispatch_key)
 
 
 def _add_matmul(accumulator: Tensor, a: Tensor, b: Tensor) -> None:
@@ -296,3 +301,24 @@ def _gradient_buffer(wanted: bool, like: Tensor, shape: tuple[int, ...], dtype: 
     if not wanted:
         return like.new_empty(0)
     return (like.new_zeros if zeroed else like.new_empty)(shape, dtype=dtype)
+
+
+def reduce_total(total: Tensor, flat_target: Tensor, class_weight: Tensor | None, reduction: str,
+                 ignore_index: int, label_smoothing: float, logits_dtype: torch.dtype) -> Tensor:
+    """The summed loss ``total`` (0-d, fp32 or fp64) reduced as ``F.cross_entropy`` reduces it,
+    ``"sum"`` or ``"mean"`` (over the non-ignored targets ``flat_target [N]``, or over their class
+    weights ``class_weight [V]``), in ``logits_dtype``."""
+    if reduction == "sum":
+        return total.to(logits_dtype)
+    valid = flat_target != ignore_index  # [N]
+    if class_weight is None:
+        denominator = valid.sum()
+    else:
+        class_weight = class_weight.to(accumulate_dtype(logits_dtype))
+        denominator = (class_weight[flat_target.masked_fill(~valid, 0)] * valid).sum()
+    mean = total / denominator
+    if class_weight is not None and label_smoothing > 0.0:
+        # torch divides the nll and the smoothing terms by the weight sum separately: with
+        # a zero sum its nll's 0 / 0 makes the loss nan, where total / 0 would be inf
+        mean = mean + torch.zeros_like(denominator) / denominator  # + 0, or nan when the sum is 0
+    return mean.to(logits_dtype)

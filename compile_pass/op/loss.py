@@ -11,15 +11,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import vocab_parallel
 from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
 from compile_pass.op.custom_ops import FunctorchForward
 from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
 from compile_pass.op.kernels import HeadTransform
-from compile_pass.op.loops import autocast_enabled
-from compile_pass.op.reduction import reduce_total
+from compile_pass.op.loops import autocast_enabled, reduce_total
 from compile_pass.op.schema import loss_inputs
 from compile_pass.op.tiling import Tiles, resolve_tiles
+
+_are_functorch_transforms_active = internals.are_functorch_transforms_active.get()
 
 
 def linear_cross_entropy(
@@ -174,7 +176,7 @@ def chunked_cross_entropy(
     if _gradients_now(grads_in_forward, reduction):  # the gradients now: grads_in_forward.py
         total = summed_loss(*tensors, grads_in_forward, options)  # 0-d fp32 (fp64 for fp64)
     else:
-        if torch._C._are_functorch_transforms_active():
+        if _are_functorch_transforms_active():
             loss = FunctorchForward.apply(options, *tensors)[0]
         else:  # [N] fp32 (fp64 for fp64 logits); [1], [2] are the row statistics backward takes
             loss = torch.ops.chunkce.linear_cross_entropy.default(*tensors, **options)[0]

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernels, loops, statistics_loops
 from compile_pass.op.checks import check_bool, check_positive_int
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
@@ -39,6 +40,8 @@ from compile_pass.op.kernels import HeadTransform
 from compile_pass.op.schema import Option, op_arguments, option_defaults, options_schema
 from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.op.vocab_parallel import all_reduce, is_dtensor, shard_of, vocabulary_mesh_dim
+
+_assert_async = internals.assert_async.get()  # checks a range with no host sync
 
 
 class RowStatistics(NamedTuple):
@@ -252,7 +255,7 @@ def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
     """Raise (CPU) or device-assert (no host sync) on an index outside ``[0, V)``."""
     if indices is not None and indices.numel():
         in_range = (indices >= 0) & (indices < vocab_size)
-        torch._assert_async(in_range.all(), f"{STATISTICS_NAME}: expected every index in [0, {vocab_size})")
+        _assert_async(in_range.all(), f"{STATISTICS_NAME}: expected every index in [0, {vocab_size})")
 
 
 @torch.library.custom_op("chunkce::linear_statistics", mutates_args=(), schema=STATISTICS_FORWARD_SCHEMA)

@@ -38,11 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
-from compile_pass.op.reduction import reduce_total
 from compile_pass.op.schema import INPUTS, LOSS_NAME, ResolvedCall, op_schema
 from compile_pass.op.tiling import accumulate_dtype, spans
+
+_assert_async = internals.assert_async.get()  # checks a range with no host sync
+_all_reduce, _wait_tensor = internals.c10d_all_reduce.get(), internals.c10d_wait_tensor.get()
 
 
 def sharded_loss(tensors: tuple[Tensor | None, ...], options: dict[str, Any], target_shape: torch.Size, *,
@@ -107,7 +110,8 @@ def sharded_loss(tensors: tuple[Tensor | None, ...], options: dict[str, Any], ta
         **shard, group_name=group_name, **options)  # the gradient attaches here
     if reduction == "none":
         return loss.view(target_shape).to(logits_dtype)
-    return reduce_total(loss.sum(), flat_target, class_weight, reduction, ignore_index, label_smoothing, logits_dtype)
+    return loops.reduce_total(loss.sum(), flat_target, class_weight, reduction, ignore_index, label_smoothing,
+                              logits_dtype)
 
 
 def is_dtensor(value: object) -> bool:
@@ -151,9 +155,7 @@ def vocabulary_mesh_dim(linear_weight: Tensor, linear_bias: Tensor | None, where
 def shard_of(linear_weight: Tensor, mesh_dim: int) -> tuple[int, str]:
     """``(vocab_start, group_name)`` of this rank's rows of a DTensor weight sharded over
     ``mesh_dim``: its first class (DTensor's layout) and the group's c10d name."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, (vocab_start, _) = compute_local_shape_and_global_offset(
+    _, (vocab_start, _) = internals.local_shape_and_offset(
         tuple(linear_weight.shape), linear_weight.device_mesh, linear_weight.placements)
     return vocab_start, linear_weight.device_mesh.get_group(mesh_dim).group_name
 
@@ -185,8 +187,8 @@ VOCAB_PARALLEL_BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor 
 def check_global_targets(target: Tensor, vocab_size: int, ignore_index: int) -> None:
     """Raise (CPU) or device-assert on a target outside ``[0, V)`` that is not ``ignore_index``."""
     in_range = ((target >= 0) & (target < vocab_size)) | (target == ignore_index)
-    torch._assert_async(in_range.all(),
-                        f"{VOCAB_PARALLEL_NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
+    _assert_async(in_range.all(),
+                  f"{VOCAB_PARALLEL_NAME}: expected every target in [0, {vocab_size}) or equal to ignore_index ({ignore_index})")
 
 
 def _in_shard(target: Tensor, vocab_start: int, shard_size: int, ignore_index: int) -> Tensor:
@@ -305,7 +307,7 @@ def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_
 def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
     """``tensor`` reduced (``"sum"``, ``"max"``) over the group, waited for: the functional
     collective's two ops, which eager, FX proxies, Dynamo and AOTAutograd all take as they are."""
-    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(tensor, op, group_name))
+    return _wait_tensor(_all_reduce(tensor, op, group_name))
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):

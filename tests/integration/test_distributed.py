@@ -1,7 +1,8 @@
 """chunkce under torch.distributed: DDP and FSDP2 (``fully_shard``); a tensor-parallel head: test_tensor_parallel.py.
 
-Two gloo ranks on CPU, spawned once for the whole file (``distributed_cases.run_rank``
-runs every case in turn; each rank writes its results after each case). Every rank
+Two gloo ranks on CPU, spawned once for the file's cases and once for DDP's split-graph
+cases (``distributed_cases.run_rank`` runs every case in turn; each rank writes its
+results after each case). Every rank
 trains on its own batch with its own number of ignored labels, and the loss is
 normalised by the all-reduced global count of valid tokens; each case checks, on
 every rank, the loss and every parameter gradient (a DTensor's local shard against
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow  # spawns ranks
 
 
 TIMEOUT_S = 480  # ~80 s of CPU time; ~4 min wall measured on 2 cores shared with a load of ~9
+SPLIT_TIMEOUT_S = 420  # the split-DDP cases: ~3 min wall measured on 2 cores shared with 4 other jobs
 BF16 = {"rtol": 2e-2, "atol": 2e-3}  # the bf16 policy against the same model run eagerly
 BF16_VS_FP32 = {"rtol": 5e-2, "atol": 1e-2}  # the bf16 policy against the fp32 reference
 
@@ -127,13 +129,35 @@ def test_ddp_matches_single_process_and_is_rewritten_on_every_rank(spawned):
         assert len(result["graphs"]) == 1  # one bucket: DDPOptimizer did not split the graph
 
 
-def test_ddp_graph_split_at_buckets_keeps_the_site_whole(spawned):
-    """1 MiB buckets split the graph in pieces; the head and the loss stay in one piece (no parameter
-    is used between them), which the pass rewrites."""
-    for rank, result in enumerate(spawned.case("ddp_small_buckets")):
-        assert len(result["graphs"]) >= 2, result["graphs"]  # DDPOptimizer compiled each piece with chunkce
+@pytest.fixture(scope="module")
+def split_spawned(tmp_path_factory) -> Spawned:
+    return spawn_ranks(list(cases.SPLIT_DDP_CASES), str(tmp_path_factory.mktemp("ddp_split")), timeout_s=SPLIT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("name, pieces", [("ddp_split_llama_1mb", 3), ("ddp_split_llama_25mb", 2)])
+def test_ddp_split_graph_returns_lazy_logits_equal_to_stock(split_spawned, name, pieces):
+    """An HF Llama (4 MiB lm_head) under DDP's split graph, no options: DDP's first bucket (1 MiB) ends at
+    the lm_head, so the head, the loss and the returned logits are one piece, which the pass rewrites; its
+    compile runs the piece on fake tensors (no storage to read). The logits are lazy; the loss, every
+    gradient, the argmax and the tokens' log-probs read from them equal stock DDP compile's."""
+    for rank, result in enumerate(split_spawned.case(name)):
+        assert len(result["graphs"]) == pieces and result["graphs"][-1]["op_nodes"] == 1, result["graphs"]
         assert_pairs(result, rank)
         assert_rewritten(result, rank)
+        assert result["logits_type"] == "LazyLogits"
+        assert result["counters"].get("logits_lazy") == 1, result["counters"]
+
+
+def test_ddp_split_graph_computes_logits_that_enter_the_next_piece(split_spawned):
+    """A parameter reading the logits after the loss fills DDP's first bucket: the logits leave the piece
+    of the head and the loss (rewritten) as the next piece's input, which takes plain tensors, so that
+    piece's step computes them (with autograd); everything equals stock DDP compile's."""
+    for rank, result in enumerate(split_spawned.case("ddp_split_logits_cross")):
+        head, after = [i for i, g in enumerate(result["graphs"]) if g["op_nodes"] or "logits" in g["placeholders"]]
+        assert result["graphs"][head]["op_nodes"] == 1 and after == head + 1, result["graphs"]
+        assert_pairs(result, rank)
+        assert_rewritten(result, rank)
+        assert result["logits_type"] == "Tensor"
 
 
 def test_ddp_split_between_head_and_loss_is_refused_with_the_fix(spawned):

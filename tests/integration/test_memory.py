@@ -128,3 +128,16 @@ def test_cpu_measurement_prints_no_profiler_lines():
     assert proc.stdout == "done\n"
     assert "profiler_start" not in proc.stderr and "profiler_stop" not in proc.stderr, proc.stderr
     assert proc.stderr.splitlines() == ["python line", "fd line"], proc.stderr
+
+
+def test_kineto_lines_are_dropped_and_others_kept(capfd):
+    """What Kineto prints at the profiler's start and stop (a CUDA build on a machine without a GPU
+    adds its gpuGetDeviceCount line) is dropped from fd 2; a line that merely mentions them is kept."""
+    from compile_pass.memory import _without_kineto_usdt_lines
+
+    with _without_kineto_usdt_lines():
+        os.write(2, b"USDT:2026-12-01 13:51:50 29720:29720 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+                    b"ERROR:2026-12-06 05:47:36 11111:11111 DeviceProperties.cpp:56] gpuGetDeviceCount failed "
+                    b"with code 35\nkept: gpuGetDeviceCount failed\n"
+                    b"USDT:2026-12-01 13:51:50 29720:29720 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    assert capfd.readouterr().err == "kept: gpuGetDeviceCount failed\n"

@@ -8,9 +8,9 @@ activation checkpointing. Asserted: the outcome the registry states (rewritten,
 or refused with its reason key), no graph break in the chunkce compile, and the
 loss, the returned logits and every parameter gradient equal to stock compile's.
 
-``docs/models.md`` lists the same models and outcomes
-(``python -m benchmarks.coverage_table`` prints it from these; a fast test here
-checks the page against ``MODELS``).
+``docs/tables/coverage.md`` lists the same models and outcomes
+(``python -m benchmarks.coverage_table --write`` writes it; a fast test here
+checks the table against ``MODELS``).
 
 Time: the inner backend is aot_eager against stock aot_eager (compiling is what
 costs: ~2-4 s a compile on 2 CPU cores), and Inductor against stock Inductor for
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 V = 257  # odd vocabulary
 B, T = 2, 8
 OP_NAME = "chunkce.linear_cross_entropy"
-DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "tables" / "coverage.md"
 
 # hidden 32, 1 layer, 4 heads / 2 kv heads; dropout off so both compiles see the same numbers
 TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -259,7 +259,7 @@ def test_transformers_one_shot_logging_is_skipped_only_when_tracing_for_chunkce(
 
 @pytest.mark.slow
 def test_explain_agrees_with_the_registry():
-    """What benchmarks/coverage_table.py prints into docs/models.md: explain's outcome per model."""
+    """What benchmarks/coverage_table.py writes to docs/tables/coverage.md: explain's outcome per model."""
     for spec in MODELS:
         input_ids, labels = make_batch()
         report = compile_pass.explain(build(spec), input_ids=input_ids, labels=labels)
@@ -269,10 +269,8 @@ def test_explain_agrees_with_the_registry():
 
 
 def test_docs_table_lists_the_tested_models():
-    """docs/models.md's coverage table has one row per MODELS entry, with its outcome."""
-    doc = DOC.read_text()
-    section = doc[doc.index("<!-- coverage_table: begin -->"):doc.index("<!-- coverage_table: end -->")]
-    rows = re.findall(r"^\| (.+?) \| `(\w+)` \| (rewritten|refused) \| `?([\w-]*)`? \|", section,
+    """docs/tables/coverage.md has one row per MODELS entry, with its outcome."""
+    rows = re.findall(r"^\| (.+?) \| `(\w+)` \| (rewritten|refused) \| `?([\w-]*)`? \|", TABLE.read_text(),
                       flags=re.MULTILINE)
     assert rows == [(m.name, m.model_class, m.outcome, m.reason_key or "-") for m in MODELS]
 

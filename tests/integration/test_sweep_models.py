@@ -1,4 +1,4 @@
-"""The sweep's tables in docs/models.md (``python -m benchmarks.sweep_models [--family F] --write``)
+"""The sweep's tables, docs/tables/sweep_<family>.md (``python -m benchmarks.sweep_models [--family F] --write``)
 against the installed transformers and against live runs.
 
 When the installed transformers is the version a table was generated with, the table
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "models.md"
+TABLES = ROOT / "docs" / "tables"
 OUTCOMES = ("rewritten", "differs", "refused", "graph_break", "no_site", "error", "not_built")
 ROW = re.compile(r"^\| (\S+) \| `(\w+)` \| (\w+) \| `?([\w,-]*)`? \| (.*) \|$", flags=re.MULTILINE)
 # family -> the transformers registry its section lists (benchmarks.tiny_families.FAMILIES)
@@ -53,16 +53,10 @@ LIVE = {
 CASES = [(family, model_type) for family, types in LIVE.items() for model_type in types]
 
 
-def markers(family: str) -> tuple[str, str]:
-    if family == "causal_lm":
-        return "<!-- sweep_models: begin -->", "<!-- sweep_models: end -->"
-    return f"<!-- sweep_models {family}: begin -->", f"<!-- sweep_models {family}: end -->"
-
-
 def committed_section(family: str = "causal_lm") -> str:
-    doc, (begin, end) = DOC.read_text(), markers(family)
-    assert begin in doc and end in doc, f"docs/models.md lacks the sweep's {family} markers"
-    return doc[doc.index(begin): doc.index(end) + len(end)]
+    path = TABLES / f"sweep_{family}.md"
+    assert path.is_file(), f"no {path.relative_to(ROOT)}: python -m benchmarks.sweep_models --family {family} --write"
+    return path.read_text()
 
 
 def committed_rows(family: str = "causal_lm") -> dict[str, dict[str, str]]:

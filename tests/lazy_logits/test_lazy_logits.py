@@ -12,6 +12,7 @@ per-chunk math runs eagerly here (``eager_kernels``): the compiled kernels are
 import copy
 import logging
 import pickle
+import re
 
 import pytest
 import torch
@@ -405,3 +406,25 @@ def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stoc
     else:
         assert (record.decision, record.reason_key, ops) == (Decision.LEFT, "no_grad_logits_read", [])
     torch.testing.assert_close(tuple(got), tuple(expected))
+
+
+def test_a_moved_fsdp2_internal_makes_every_read_raise(monkeypatch):
+    """Where a torch internal the staleness check needs is missing (FSDP2's registry of the modules
+    ``fully_shard`` applies to, moved here through ``torch_internals``' seam), the step runs as stock's
+    and every read of its lazy logits raises, naming torch's version and ``returned_logits``
+    'keep': never values chunkce cannot vouch for."""
+    import torch.distributed.fsdp  # noqa: F401 - FSDP2 loaded: the check looks for its unsharded parameters
+
+    from compile_pass import torch_internals
+
+    monkeypatch.setattr(torch_internals, "module_state", torch_internals.Private(
+        "torch.distributed._composable_state:_moved_away", "a torch release that moved it"))
+    compiled, reference, *_ = compiled_pair(LM())
+    loss, logits = compiled(*batch())
+    ref_loss, _ = reference(*batch())
+    torch.testing.assert_close(loss, ref_loss)
+    assert isinstance(logits, LazyLogits)
+    for read in (lambda: logits.argmax(-1), lambda: logits.sum(), lambda: logits.tolist()):
+        with pytest.raises(StaleLogitsError, match=rf"on torch {re.escape(torch.__version__)} chunkce cannot tell "
+                                                   r"whether FSDP2 changed .*_moved_away.*returned_logits': 'keep'"):
+            read()

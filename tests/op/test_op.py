@@ -334,7 +334,7 @@ def test_kernels_compiled_and_no_recompile_for_new_lengths(monkeypatch):
     # (5 and 2 tokens; 81 = 5 x 16 + 1 joins its one-token tail to the chunk before,
     # since Dynamo would specialise a size-1 dim) and the new lengths reused them.
     assert kernel_runner.compiled.cache_info().currsize == 2
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert counters["chunkce"]["kernel_graphs"] == 2, dict(counters["chunkce"])
 
 
 def test_eager_kernels_equal_compiled(monkeypatch):

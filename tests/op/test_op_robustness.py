@@ -60,15 +60,15 @@ def test_no_recompile_after_warm_up(dtype, warm_up, monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     _step(dtype, warm_up)
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2, dict(counters["stats"])  # chunk_forward, chunk_backward
+    graphs = counters["chunkce"]["kernel_graphs"]
+    assert graphs == 2, dict(counters["chunkce"])  # chunk_forward, chunk_backward
     with torch._dynamo.config.patch(error_on_recompile=True):
         for n in (64, 80, 8, 37, 1, 2, 81, 16, 9):
             _step(dtype, n)
         for reduction in ("sum", "none"):
             _step(dtype, 37, reduction=reduction)
         _step(dtype, 29, strided_target=True)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["chunkce"]["kernel_graphs"] == graphs
 
 
 # warm-up tiles (vocabulary columns a tile; None: whole rows), then tiles of every width: one
@@ -82,8 +82,8 @@ def test_no_recompile_across_tile_edges(dtype, warm_up_columns, monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     _step(dtype, 37, columns=warm_up_columns)
-    graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 2, dict(counters["stats"])  # chunk_forward, chunk_backward
+    graphs = counters["chunkce"]["kernel_graphs"]
+    assert graphs == 2, dict(counters["chunkce"])  # chunk_forward, chunk_backward
     with torch._dynamo.config.patch(error_on_recompile=True):
         for columns in (None, 5, 23, 2, 3, 12, 7):
             for n in (37, 1, 8, 81):
@@ -91,7 +91,7 @@ def test_no_recompile_across_tile_edges(dtype, warm_up_columns, monkeypatch):
         for v in (29, 97):  # prime vocabularies, whole rows and tiles
             _step(dtype, 37, columns=None, v=v)
             _step(dtype, 37, columns=6, v=v)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["chunkce"]["kernel_graphs"] == graphs
 
 
 # ---- a downcast between head and loss is reproduced -----------------------------------

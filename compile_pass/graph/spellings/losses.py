@@ -38,13 +38,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx import Node
 
+import compile_pass.torch_internals as internals
 from compile_pass.graph import tensor_parallel
 from compile_pass.graph.nodes import example_value, function_of, is_tensor_node, same_size, tensor_op_name
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import LossCall, Spelling, StepKind
 from compile_pass.op.loss import chunked_cross_entropy
-from compile_pass.op.reduction import reduce_total
+from compile_pass.op.loops import reduce_total
 from compile_pass.op.statistics import chunked_statistics
 
 REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch's reduction ints (cross_entropy_loss, nll_loss_nd)
@@ -56,7 +57,7 @@ def read_cross_entropy(node: Node) -> LossCall | None:
     """The call's arguments normalised; None when ``node`` is no cross-entropy call."""
     if node.op != "call_function":
         return None
-    if node.target is torch._C._nn.cross_entropy_loss:
+    if node.target is internals.cross_entropy_loss.get():
         return LossCall(**enum_arguments(node, len(_ENUM_ARGS)), spelling=CROSS_ENTROPY)
     if node.target is not F.cross_entropy:
         return None
@@ -83,8 +84,7 @@ def bound_arguments(function: Callable[..., Any], node: Node) -> Mapping[str, An
     bound.apply_defaults()
     args = dict(bound.arguments)
     if args["size_average"] is not None or args["reduce"] is not None:
-        args["reduction"] = torch.nn._reduction.legacy_get_string(args["size_average"], args["reduce"],
-                                                                  emit_warning=False)
+        args["reduction"] = internals.legacy_reduction(args["size_average"], args["reduce"], emit_warning=False)
     return args
 
 
@@ -131,7 +131,7 @@ CROSS_ENTROPY = Spelling("cross_entropy", read_cross_entropy, replace_cross_entr
                          one_walk=one_walk_cross_entropy)
 
 
-_NLL_LOSS = (F.nll_loss, torch._C._nn.nll_loss_nd, torch._C._nn.nll_loss)
+_NLL_LOSS = (F.nll_loss, internals.nll_loss_nd.get(), internals.nll_loss.get())
 
 
 def read_nll_loss(node: Node) -> LossCall | None:

@@ -1,0 +1,213 @@
+"""Every private torch name chunkce reaches, in one place, each with its use and public stand-in.
+
+Each entry says what chunkce uses it for and which public API stands in for it ("none": torch has none). ``tests/test_torch_internals.py``
+resolves each on the installed torch and fails by its name when a release moves one; at run time
+a moved one raises :class:`TorchInternalMissing`, naming the entry and torch's version.
+
+    import compile_pass.torch_internals as internals
+    internals.are_functorch_transforms_active()     # a function entry is called as the function
+    internals.fake_tensor.get()                      # any entry's object: the class, module, ...
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Private", "PrivateAttribute", "TorchInternalMissing", "ENTRIES"]
+
+
+class TorchInternalMissing(RuntimeError):
+    """A private torch name chunkce needs is not where this torch release keeps it."""
+
+
+def _missing(what: str, exc: BaseException | None = None) -> TorchInternalMissing:
+    return TorchInternalMissing(f"chunkce: torch {torch.__version__} has no {what} (a private torch name chunkce "
+                                f"reaches, compile_pass/torch_internals.py){f': {exc}' if exc else ''}")
+
+
+def _resolve(path: str) -> Any:
+    """The object at ``path``, looked up each time (a patched torch attribute is seen)."""
+    module_name, _, attrs = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for attr in filter(None, attrs.split(".")):
+            obj = getattr(obj, attr)
+    except (ImportError, AttributeError) as exc:
+        raise _missing(path, exc) from exc
+    return obj
+
+
+@dataclass(frozen=True)
+class Private:
+    """A private torch object at ``path`` (``"module:attribute.attribute"``); ``kind``: what the
+    probe checks it is ("callable", "class", "module", "mapping", "object")."""
+
+    path: str
+    use: str
+    public: str = "none"
+    kind: str = "callable"
+
+    def get(self) -> Any:
+        return _resolve(self.path)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.get()(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class PrivateAttribute:
+    """A private attribute ``name`` of instances of the torch class at ``owner``."""
+
+    name: str
+    owner: str
+    use: str
+    public: str = "none"
+
+    def read(self, obj: Any) -> Any:
+        """``obj.<name>``; :class:`TorchInternalMissing` where ``obj`` has none."""
+        try:
+            return getattr(obj, self.name)
+        except AttributeError as exc:
+            raise _missing(f"{type(obj).__name__}.{self.name}", exc) from exc
+
+    def read_if_set(self, obj: Any) -> Any:
+        """``obj.<name>``, or None where this instance has not set it yet; :class:`TorchInternalMissing`
+        where the owner class no longer declares it."""
+        if not _declared(self):
+            raise _missing(f"{self.owner}.{self.name}")
+        return getattr(obj, self.name, None)
+
+    def declared(self) -> bool:
+        """Whether the owner class declares it (an attribute, annotation or ``self.<name>`` assignment)."""
+        owner = _resolve(self.owner)
+        classes = owner.__mro__ if isinstance(owner, type) else ()
+        assigned = re.compile(rf"self\.{self.name}\s*[:=]")
+        return (hasattr(owner, self.name) or any(self.name in getattr(c, "__annotations__", {}) for c in classes)
+                or any(assigned.search(_source(c)) for c in classes))
+
+
+@functools.cache
+def _declared(attribute: PrivateAttribute) -> bool:
+    return attribute.declared()
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+# --- Dynamo ------------------------------------------------------------------------------------
+counters = Private("torch._dynamo.utils:counters", "chunkce's counters and the graph breaks explain() reports",
+                   kind="mapping")
+dynamo_config = Private("torch._dynamo:config", "ignore_logging_functions, read and patched by dynamo_scope",
+                        "torch.compiler.config holds other settings", kind="module")
+config_entries = PrivateAttribute("_config", "torch._dynamo:config",
+                                  "the default of ignore_logging_functions for every thread")
+current_tx = Private("torch._dynamo.symbolic_convert:InstructionTranslator.current_tx",
+                     "which backend the frame Dynamo traces now is compiled for")
+input_codes = Private("torch._dynamo.convert_frame:input_codes", "the code objects Dynamo compiled (explain's "
+                      "clean-up)", "torch.compiler.reset() drops every backend's", kind="object")
+compile_lock = Private("torch._dynamo.convert_frame:compile_lock", "held while explain drops its caches",
+                       kind="object")
+cached_backends = Private("torch._dynamo.eval_frame:cached_backends", "Dynamo's reference to explain's "
+                          "backend", "torch.compiler.reset() drops every backend's", kind="mapping")
+cache_entry_list = Private("torch._dynamo.eval_frame:_debug_get_cache_entry_list",
+                           "a code object's compiled entries and their backends (explain's clean-up)")
+reset_code = Private("torch._dynamo:reset_code", "drop one code object's compiled entries",
+                     "torch.compiler.reset() drops all")
+backend_compiler_failed = Private("torch._dynamo.exc:BackendCompilerFailed", "explain unwraps the pass's "
+                                  "own error from it", kind="class")
+register_backend = Private("torch._dynamo.backends.registry:register_backend", "registers 'chunkce' without "
+                           "an installed entry point", "the torch_dynamo_backends entry point")
+lookup_backend = Private("torch._dynamo.backends.registry:lookup_backend", "the inner backend by name")
+get_optimize_ddp_mode = Private("torch._dynamo.utils:get_optimize_ddp_mode", "a refusal's wording under DDP")
+saved_tensors_hooks_off = Private("torch._dynamo.utils:_disable_saved_tensors_hooks_during_tracing",
+                                  "saved-tensor hooks off while the pass computes an example_value")
+mark_unbacked = Private("torch._dynamo.decorators:mark_unbacked", "the per-chunk kernels' token dim unbacked")
+orig_backend = PrivateAttribute("_torchdynamo_orig_backend", "torch._dynamo.convert_frame:ConvertFrameAssert",
+                                "the backend a Dynamo-compiled callable wraps")
+
+# --- Inductor and FX ---------------------------------------------------------------------------
+compile_fx = Private("torch._inductor.compile_fx:compile_fx", "the rewritten graph compiled by Inductor",
+                     "torch.compile(backend='inductor'), which takes a model, not a graph")
+list_mode_options = Private("torch._inductor:list_mode_options", "torch.compile's mode= as Inductor config")
+inductor_config = Private("torch._inductor:config", "the kernels' compiler (cpu_backend) and config patches",
+                          kind="module")
+custom_graph_pass = Private("torch._inductor.custom_graph_pass:CustomGraphPass", "the pre-grad pass's "
+                            "base, whose uuid() keys the FX graph cache", kind="class")
+get_cpp_compiler = Private("torch._inductor.cpp_builder:get_cpp_compiler", "whether a C++ compiler is present")
+get_hash_for_files = Private("torch._inductor.custom_graph_pass:get_hash_for_files",
+                             "the package's source hash in the cache key")
+invalid_cxx_compiler = Private("torch._inductor.exc:InvalidCxxCompiler", "no C++ compiler", kind="class")
+init_backend_registration = Private("torch._inductor.codegen.common:init_backend_registration",
+                                    "Inductor's code generators registered before asking for one")
+get_scheduling_for_device = Private("torch._inductor.codegen.common:get_scheduling_for_device",
+                                    "whether Inductor generates code for a device")
+has_triton = Private("torch.utils._triton:has_triton", "whether Triton is present for CUDA / XPU kernels")
+fx_config = Private("torch.fx.experimental._config", "the kernels' shape settings (use_duck_shape, "
+                    "backed_size_oblivious)", kind="module")
+
+# --- dispatch, autograd and subclasses ---------------------------------------------------------
+get_current_dispatch_mode = Private("torch.utils._python_dispatch:_get_current_dispatch_mode",
+                                    "kernels run eagerly under a dispatch mode")
+are_functorch_transforms_active = Private("torch._C:_are_functorch_transforms_active",
+                                          "the op's eager path under vmap / grad")
+below_autograd = Private("torch._C:_AutoDispatchBelowADInplaceOrView", "the compiled kernels below autograd",
+                         kind="class")
+dispatch_key_for_device = Private("torch._C:_dispatch_key_for_device", "a device's dispatch key")
+dispatch_has_kernel = Private("torch._C:_dispatch_has_kernel_for_dispatch_key",
+                              "whether addmm with an out dtype exists for a device")
+disable_torch_function_subclass = Private("torch._C:DisableTorchFunctionSubclass", "LazyLogits' own "
+                                          "reads as plain tensors", kind="class")
+make_wrapper_subclass = Private("torch:Tensor._make_wrapper_subclass", "the LazyLogits tensor subclass",
+                                "the documented way to write a wrapper subclass")
+return_and_correct_aliasing = Private("torch.utils._python_dispatch:return_and_correct_aliasing",
+                                      "LazyLogits views alias as torch's ops say")
+is_traceable_wrapper_subclass = Private("torch.utils._python_dispatch:is_traceable_wrapper_subclass",
+                                        "a subclass weight is refused")
+tree_map = Private("torch.utils._pytree:tree_map", "LazyLogits' dispatch maps its arguments")
+tree_leaves = Private("torch.utils._pytree:tree_leaves", "the tensors of a node's example value")
+fake_tensor = Private("torch._subclasses.fake_tensor:FakeTensor", "a graph's example values", kind="class")
+is_fake = Private("torch._subclasses.fake_tensor:is_fake", "a graph's weight is a plain (fake) tensor")
+has_internal_overlap = Private("torch:_debug_has_internal_overlap", "an in-place edit torch would refuse")
+assert_async = Private("torch:_assert_async", "the op's target range check without a host sync")
+overload_schema = PrivateAttribute("_schema", "torch._ops:OpOverload", "whether an op writes its first argument")
+version = PrivateAttribute("_version", "torch:Tensor", "a tensor's version counter (lazy logits' staleness)")
+
+# --- graph targets: what Dynamo records for nn.Linear and the losses ---------------------------
+nn_linear = Private("torch._C._nn:linear", "nn.Linear's call in a Dynamo graph", "F.linear (also matched)")
+cross_entropy_loss = Private("torch._C._nn:cross_entropy_loss", "an inlined nn.CrossEntropyLoss",
+                             "F.cross_entropy (also matched)")
+nll_loss_nd = Private("torch._C._nn:nll_loss_nd", "an inlined nn.NLLLoss", "F.nll_loss (also matched)")
+nll_loss = Private("torch._C._nn:nll_loss", "nll_loss as Dynamo records it", "F.nll_loss (also matched)")
+legacy_reduction = Private("torch.nn._reduction:legacy_get_string", "size_average / reduce as a reduction")
+
+# --- distributed -------------------------------------------------------------------------------
+c10d_all_reduce = Private("torch:ops._c10d_functional.all_reduce", "the vocabulary-parallel op's sums",
+                          "torch.distributed.all_reduce, which Inductor does not trace functionally")
+c10d_wait_tensor = Private("torch:ops._c10d_functional.wait_tensor", "waits for c10d_all_reduce")
+local_shape_and_offset = Private("torch.distributed.tensor._utils:compute_local_shape_and_global_offset",
+                                 "a vocabulary shard's first row")
+local_tensor = PrivateAttribute("_local_tensor", "torch.distributed.tensor:DTensor", "a DTensor's shard, "
+                                "with no autograd op", "DTensor.to_local(), which records one")
+active_ddp_module = Private("torch.nn.parallel:DistributedDataParallel._get_active_ddp_module",
+                            "a refusal's wording under DDP")
+module_state = Private("torch.distributed._composable_state:_module_state_mapping", "the modules "
+                       "fully_shard applies to (a refusal's wording)", kind="mapping")
+fsdp_state = Private("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "an FSDP2 module's state")
+fsdp_param_groups = PrivateAttribute("_fsdp_param_groups", "torch.distributed.fsdp._fully_shard._fsdp_state:"
+                                     "FSDPState", "an FSDP2 module's parameter groups")
+unsharded_param = PrivateAttribute("_unsharded_param", "torch.distributed.fsdp._fully_shard._fsdp_param:"
+                                   "FSDPParam", "the unsharded parameter FSDP2 all-gathers into")
+
+ENTRIES: dict[str, Private | PrivateAttribute] = {
+    name: value for name, value in list(globals().items()) if isinstance(value, (Private, PrivateAttribute))}

@@ -1,0 +1,102 @@
+"""Every private torch name chunkce reaches is an entry of ``compile_pass/torch_internals.py``, and
+each entry resolves on the installed torch to the kind of thing chunkce uses: a release that moves
+one fails here, by its name."""
+
+from __future__ import annotations
+
+import ast
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from compile_pass import torch_internals as internals
+
+PACKAGE = Path(internals.__file__).parent
+KINDS = {
+    "callable": callable,
+    "class": lambda obj: isinstance(obj, type),
+    "module": lambda obj: isinstance(obj, types.ModuleType),
+    "mapping": lambda obj: hasattr(obj, "items") and hasattr(obj, "__getitem__"),
+    "object": lambda obj: obj is not None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(internals.ENTRIES))
+def test_each_private_torch_name_resolves_on_this_torch(name):
+    entry = internals.ENTRIES[name]
+    assert entry.use and entry.public, name
+    if isinstance(entry, internals.Private):
+        obj = entry.get()
+        assert KINDS[entry.kind](obj), f"{name}: {entry.path} on torch {torch.__version__} is {obj!r}, not a {entry.kind}"
+    else:
+        assert entry.declared(), f"{name}: torch {torch.__version__}'s {entry.owner} has no attribute {entry.name}"
+
+
+def test_a_moved_name_raises_naming_it_and_the_torch_version():
+    moved = internals.Private("torch._dynamo.utils:no_such_name", "a test")
+    with pytest.raises(internals.TorchInternalMissing, match=rf"torch {re.escape(torch.__version__)} has no "
+                                                             r"torch\._dynamo\.utils:no_such_name"):
+        moved.get()
+    with pytest.raises(internals.TorchInternalMissing, match=r"has no Tensor\.no_such_attr"):
+        internals.PrivateAttribute("no_such_attr", "torch:Tensor", "a test").read(torch.zeros(1))
+
+
+def _private(parts: list[str]) -> bool:
+    return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
+
+
+def _chain(node: ast.AST) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def private_torch_names(source: str) -> list[str]:
+    """The private torch names ``source`` reaches: imports of a private module or name, attribute
+    chains through a private name from a name bound to torch, and the private attribute names
+    declared in torch_internals (as attributes or as strings). torch.ops.aten's ops (the core ATen IR's names) are public."""
+    tree = ast.parse(source)
+    found, torch_names = [], set()
+    declared = {e.name for e in internals.ENTRIES.values() if isinstance(e, internals.PrivateAttribute)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    torch_names.add(alias.asname or "torch")
+                    if _private(alias.name.split(".")):
+                        found.append(f"import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for alias in node.names:
+                torch_names.add(alias.asname or alias.name)
+                if _private([*node.module.split("."), alias.name]):
+                    found.append(f"from {node.module} import {alias.name}")
+    parents = {id(child) for node in ast.walk(tree) if isinstance(node, ast.Attribute) for child in [node.value]}
+    for node in ast.walk(tree):
+        chain = _chain(node) if isinstance(node, ast.Attribute) and id(node) not in parents else None
+        if chain and chain[0] in torch_names and _private(chain[1:]) and chain[1:3] != ["ops", "aten"]:
+            found.append(".".join(chain))
+        elif isinstance(node, ast.Attribute) and node.attr in declared:
+            found.append(f".{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in declared:
+            found.append(repr(node.value))  # getattr(obj, "_name")
+    return found
+
+
+def test_the_scan_sees_each_way_of_reaching_a_private_name():
+    source = ("import torch\nimport torch._dynamo\nfrom torch.utils._pytree import tree_map\n"
+              "from torch._C import _nn\nx = torch._C._nn.linear\ny = torch.ops.aten._to_copy\n"
+              "z = t._version\nw = getattr(p, '_unsharded_param', None)\nv = torch.nn.functional.linear\n")
+    assert private_torch_names(source) == [
+        "import torch._dynamo", "from torch.utils._pytree import tree_map", "from torch._C import _nn",
+        "torch._C._nn.linear", "._version", "'_unsharded_param'"]
+
+
+def test_no_module_but_torch_internals_reaches_a_private_torch_name():
+    reached = {str(path.relative_to(PACKAGE)): names for path in sorted(PACKAGE.rglob("*.py"))
+               if path.name != "torch_internals.py" and (names := private_torch_names(path.read_text()))}
+    assert not reached, f"reach these through compile_pass/torch_internals.py: {reached}"
