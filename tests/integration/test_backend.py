@@ -292,7 +292,7 @@ def kernel_cache_entries():
     from compile_pass.op import kernel_runner
 
     run = {}
-    with kernel_runner.hooked(lambda name, variant: run.setdefault((name, variant), None)):
+    with kernel_runner.hooked_runs(lambda name, variant: run.setdefault((name, variant), None)):
         yield run
     for name, variant in run:
         code = kernel_runner.compiled(name, variant)._torchdynamo_orig_callable.__code__
