@@ -320,11 +320,11 @@ def case_inductor(shard: Shard) -> dict[str, Any]:
 
     torch._dynamo.reset()
     counters.clear()
-    graphs = []  # Dynamo's graphs after each step: the loss's, and the forward and backward kernels'
+    graphs = []  # after each step: Dynamo's graphs (the loss's) and the op's kernels' (forward and backward)
     for _ in range(2):
         pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
                          label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append((counters["stats"]["unique_graphs"], counters["chunkce"]["kernel_graphs"]))
     return {"pairs": pairs, "graphs": graphs}
 
 

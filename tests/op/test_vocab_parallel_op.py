@@ -61,7 +61,16 @@ def test_exact_fp64_every_reduction_smoothing_class_weights_and_scale(spawned):
 
 @pytest.mark.slow
 def test_exact_fp32_within_1e_5(spawned):
-    assert_pairs(spawned("exact_fp32"), **FP32)
+    """fp32 against the unfused fp32 path. ``grad_hidden_states`` sums ``V`` products of a cancelling
+    gradient (softmax minus the smoothed one-hot) with the weight's rows: its absolute error follows the
+    summation order of the machine's vector width (AVX2 vs AVX-512), so atol 1e-5 there; the loss and the
+    other gradients atol 1e-6. Exactness itself is the fp64 test's."""
+    per_rank = spawned("exact_fp32")
+    hidden = [{"pairs": {n: p for n, p in r["pairs"].items() if n.endswith("grad_hidden_states")}} for r in per_rank]
+    others = [{"pairs": {n: p for n, p in r["pairs"].items() if not n.endswith("grad_hidden_states")}}
+              for r in per_rank]
+    assert_pairs(hidden, rtol=FP32["rtol"], atol=1e-5)
+    assert_pairs(others, **FP32)
 
 
 @pytest.mark.slow
@@ -143,7 +152,7 @@ def test_inductor_with_compiled_kernels_on_2_ranks(tmp_path):
     (``CHUNKCE_EAGER_KERNELS=0``), two steps: exact in fp32 on 2 ranks."""
     per_rank = spawn_ranks(2, str(tmp_path), case_names=["inductor"]).case("inductor")
     for result in per_rank:
-        assert result["graphs"] == [3, 3], result  # the loss and the two kernels, none compiled again
+        assert [tuple(g) for g in result["graphs"]] == [(1, 2), (1, 2)], result  # the loss; 2 kernels; no recompile
     assert_pairs(per_rank, **FP32)
 
 
