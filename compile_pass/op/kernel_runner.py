@@ -71,10 +71,19 @@ def inductor_compiles_for(device_type: str) -> bool:
     return True
 
 
+@functools.cache
+def _hot_path() -> tuple:
+    """The private torch names each kernel call reaches, resolved once per process (a per-tile lookup
+    cost more than the tile's own bookkeeping): dispatch mode, functorch, fx config, autograd guard,
+    counters."""
+    return (internals.get_current_dispatch_mode.get(), internals.are_functorch_transforms_active.get(),
+            internals.fx_config.get(), internals.below_autograd.get(), internals.counters.get())
+
+
 def _plain_context() -> bool:
     """False under a dispatch mode or a functorch transform (the kernel runs eagerly there)."""
-    return (internals.get_current_dispatch_mode() is None
-            and not internals.are_functorch_transforms_active())
+    dispatch_mode, functorch_active = _hot_path()[:2]
+    return dispatch_mode() is None and not functorch_active()
 
 
 def _symbolic(args: tuple) -> list:
@@ -94,8 +103,8 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     if eager or not inductor_compiles_for(variant[0]) or not _plain_context():
         return _kernel(fn_name)(*args)
     # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
-    with (internals.fx_config.get().patch(use_duck_shape=False, backed_size_oblivious=True),
-          internals.below_autograd()):
+    _, _, fx_config, below_autograd, _ = _hot_path()
+    with fx_config.patch(use_duck_shape=False, backed_size_oblivious=True), below_autograd():
         for hook in _HOOKS:
             hook(fn_name, variant)
         with _dynamo_stats_kept():
@@ -107,7 +116,7 @@ def _dynamo_stats_kept() -> Iterator[None]:
     """Dynamo's ``counters["stats"]`` (unique_graphs, calls_captured) as before the block: a kernel's
     compile is chunkce's own, not a graph of the user's (who counts recompiles with them); its graphs
     are counted in ``counters["chunkce"]["kernel_graphs"]``."""
-    counters = internals.counters.get()
+    counters = _hot_path()[4]
     stats = counters["stats"]
     saved = stats.copy()
     try:
