@@ -184,8 +184,6 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
         if projection.weight_is_hv:
             weight = create_node(graph, "call_method", "t", (weight,), meta=meta)  # [H, V] -> [V, H]
         projection_dtype = example_value(projection.node).dtype
-        casts_inputs = any(example_value(arg).dtype != projection_dtype  # autocast
-                           for arg in (hidden, weight) if is_tensor_node(arg))
         wanted = None  # the grads-in-forward op's output_mask, from the fake values; None: recompute
         if options.grads_in_forward and sharded is None:
             wanted = grads_wanted(*(example_value(node) if is_tensor_node(node) else None
@@ -196,7 +194,7 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
             graph, replacement, hidden, weight, loss and loss.target, bias, loss and loss.weight,
             reduction=loss.reduction if loss else "none", ignore_index=loss.ignore_index if loss else -100,
             label_smoothing=float(loss.label_smoothing) if loss else 0.0, logits_dtype=cast_chains(site)[-1][-1],
-            projection_dtype=projection_dtype if casts_inputs else None,
+            projection_dtype=projection.autocast_dtype(),
             transform=HeadTransform() if scale is None else scale.head_transform(meta),
             grads_in_forward=wanted, meta=meta, **options.op_options(),
         )

@@ -41,6 +41,7 @@ from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.sites import Site, match_site
 from compile_pass.graph.spellings import read_call
 from compile_pass.graph.spellings.call import SpellingKind
+from compile_pass.lazy_logits.keys import is_last_dim
 
 
 def find_sites(graph: Graph, in_subgraph: bool = False, strict: bool = False) -> list[Site]:
@@ -183,5 +184,4 @@ def _scales(user: Node, logits: Node) -> bool:
 def _over_last_dim(user: Node, logits: Node) -> bool:
     dim = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
     dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
-    ndim = example_value(logits).dim()
-    return isinstance(dim, int) and dim % ndim == ndim - 1
+    return is_last_dim(dim, example_value(logits).dim())

@@ -63,6 +63,12 @@ class Projection:
     # logits gathered or kept Shard(-1), `hidden` / `weight` / `bias` DTensors (graph/tensor_parallel.py)
     sharded: Any = None
 
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The logits' dtype where the hidden states or weight have another (autocast's), else None."""
+        projected = example_value(self.node)
+        operands = [example_value(a) for a in (self.hidden, self.weight) if is_tensor_node(a)]
+        return projected.dtype if any(v.dtype != projected.dtype for v in operands) else None
+
 
 def _transposed_2d_input(node: Any) -> Node | None:
     """``W`` when ``node`` is ``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` / ... of a 2-D ``W``."""

@@ -32,7 +32,6 @@ from compile_pass.graph.nodes import (
     Edit,
     create_node,
     example_value,
-    is_tensor_node,
     size_hint,
     tensor_op_name,
 )
@@ -93,7 +92,7 @@ def _recipe(projection: Projection, chain: list[Node], tiles: tuple[int | None, 
         inputs = [rebuilt if node is projection.hidden else node for node in inputs]
     values = [example_value(node) for node in inputs]
     scalars = tuple(not isinstance(v, torch.Tensor) for v in values)
-    autocast_dtype = _autocast_dtype(projection)
+    autocast_dtype = projection.autocast_dtype()
     roles = tuple("hidden states" if node is rebuilt else _role(node, projection) for node in inputs)
     module = _copy_nodes(projection.node.graph, made, inputs, scalars, chain[-1], projection, rebuilt)
     head = head_of(projection, chain, inputs, rebuilt or projection.hidden, autocast_dtype, tiles)
@@ -109,15 +108,8 @@ def returned_head(projection: Projection, dead: set[Node],
     made = recipe_nodes(projection, chain) if chain is not None and projection.sharded is None else None
     if made is None:
         return None
-    head = head_of(projection, chain, made[1], projection.hidden, _autocast_dtype(projection), tiles)
+    head = head_of(projection, chain, made[1], projection.hidden, projection.autocast_dtype(), tiles)
     return None if head is None else (head, chain)
-
-
-def _autocast_dtype(projection: Projection) -> torch.dtype | None:
-    """The projection's dtype where its operands have another (autocast's), else None."""
-    projected = example_value(projection.node)
-    operands = [example_value(a) for a in (projection.hidden, projection.weight) if is_tensor_node(a)]
-    return projected.dtype if any(v.dtype != projected.dtype for v in operands) else None
 
 
 def _role(node: Node, projection: Projection) -> str:

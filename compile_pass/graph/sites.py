@@ -39,6 +39,7 @@ from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.spellings.call import Call, StepKind
 from compile_pass.graph.stages import reached
 from compile_pass.graph.tensor_parallel import read_sharded
+from compile_pass.lazy_logits.keys import is_last_dim
 
 # Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
 # or cast: the hidden states need nothing for them but a final flatten.
@@ -137,14 +138,14 @@ def _classify(node: Node) -> StepKind | Refusal:
         return _index_keeps_vocab_dim(node.args[1], ndim) or StepKind.INDEX
     if name in ("narrow", "select"):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        return StepKind.INDEX if isinstance(dim, int) and dim % ndim != ndim - 1 else Refusal.VOCAB_DIM
+        return StepKind.INDEX if isinstance(dim, int) and not is_last_dim(dim, ndim) else Refusal.VOCAB_DIM
     if name in ("transpose", "swapaxes", "swapdims"):
         dims = node.args[1:]
-        ok = len(dims) == 2 and all(isinstance(d, int) and d % ndim != ndim - 1 for d in dims)
+        ok = len(dims) == 2 and all(isinstance(d, int) and not is_last_dim(d, ndim) for d in dims)
         return StepKind.INDEX if ok else Refusal.VOCAB_DIM
     if name == "permute":
         dims = dims_arg(node.args[1:])
-        return StepKind.INDEX if dims and isinstance(dims[-1], int) and dims[-1] % ndim == ndim - 1 else Refusal.VOCAB_DIM
+        return StepKind.INDEX if dims and is_last_dim(dims[-1], ndim) else Refusal.VOCAB_DIM
     return Refusal.OPAQUE
 
 

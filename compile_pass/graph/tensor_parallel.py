@@ -18,6 +18,7 @@ from torch.fx import Graph, Node
 import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import create_node, example_value, tensor_op_name
 from compile_pass.graph.projection import Projection, as_projection
+from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.op.vocab_parallel import is_dtensor
 
 _GATHERS = ("to_local", "full_tensor")  # the replicated logits' local tensor: [..., V] on every rank
@@ -77,7 +78,7 @@ def _redistributed(node: Node, replicate: bool) -> Node | None:
     placement = after.placements[0]
     if replicate:
         return node.args[0] if placement.is_replicate() else None
-    return node.args[0] if placement.is_shard(after.dim() - 1) or placement.is_shard(-1) else None
+    return node.args[0] if placement.is_shard() and is_last_dim(placement.dim, after.dim()) else None
 
 
 def _placements_of(node: Node) -> str:

@@ -21,6 +21,7 @@ import torch
 
 import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits import forms
+from compile_pass.lazy_logits.keys import is_last_dim
 
 _aten = torch.ops.aten
 # Ops that only change a tensor's metadata (view, dtype, device): they give another lazy
@@ -133,7 +134,7 @@ def _derived_storage(func: Any, args: tuple, dtype: torch.dtype) -> forms.Storag
             return forms.scaled(a, b, _SCALES[func], dtype)
         return forms.scaled(b, a, True, dtype) if _SCALES[func] else None
     if func in (_aten._log_softmax.default, _aten._softmax.default) and is_lazy(args[0]):
-        last = args[1] % args[0].dim() == args[0].dim() - 1
+        last = is_last_dim(args[1], args[0].dim())
         kind = forms.RowValues.LOG_PROBS if func is _aten._log_softmax.default else forms.RowValues.PROBS
         return forms.softmaxed(args[0], kind, dtype) if last else None
     if func is _aten.exp.default:

@@ -29,6 +29,7 @@ from torch import Tensor
 import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.cache import Statistics, cache_of
 from compile_pass.lazy_logits.forms import Form, RowValues, form_of
+from compile_pass.lazy_logits.keys import is_last_dim
 
 
 def fused(func: object, args: tuple, kwargs: dict) -> object:
@@ -48,7 +49,7 @@ def fused(func: object, args: tuple, kwargs: dict) -> object:
 def _last(input: Tensor, dim: object) -> bool:
     if isinstance(dim, (tuple, list)) and len(dim) == 1:
         dim = dim[0]
-    return isinstance(dim, int) and not isinstance(dim, bool) and input.dim() > 0 and dim % input.dim() == input.dim() - 1
+    return not isinstance(dim, bool) and is_last_dim(dim, input.dim())  # a bool torch will refuse
 
 
 def _grad(input: Tensor) -> bool:

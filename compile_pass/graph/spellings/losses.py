@@ -44,6 +44,7 @@ from compile_pass.graph.nodes import example_value, function_of, is_tensor_node,
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import LossCall, Spelling, StepKind
+from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.op.loss import chunked_cross_entropy
 from compile_pass.op.loops import reduce_total
 from compile_pass.op.statistics import chunked_statistics
@@ -193,7 +194,7 @@ def read_gather(node: Node) -> GatherCall | None:
     if not (is_tensor_node(source) and is_tensor_node(index) and isinstance(dim, int)) or args.get("sparse_grad"):
         return None
     log_probs, picked = example_value(source), example_value(index)
-    if log_probs.dim() == 0 or picked.dim() != log_probs.dim() or dim % log_probs.dim() != log_probs.dim() - 1:
+    if picked.dim() != log_probs.dim() or not is_last_dim(dim, log_probs.dim()):
         return None  # not one class per token along the last dim
     found = find_log_softmax(source, negations=True)
     if found is None:
@@ -316,7 +317,7 @@ def _log_softmax_problem(log_softmax: Node, path: list[Node]) -> str | None:
     dim = _log_softmax_dim(log_softmax)
     if not isinstance(dim, int) or isinstance(dim, bool):
         return f"log_softmax with dim={dim!r}: give the class dim (dim=-1) explicitly"
-    if logits.dim() == 0 or dim % logits.dim() != logits.dim() - 1:
+    if not is_last_dim(dim, logits.dim()):
         return (f"log_softmax over dim {dim} of shape {tuple(logits.shape)}: chunkce reads a log_softmax over "
                 "the last (vocabulary) dim only; take it over dim=-1 of the [..., V] logits, then move the "
                 "class dim (e.g. .transpose(1, 2)) for the loss")

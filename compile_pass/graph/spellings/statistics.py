@@ -45,6 +45,7 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.projection import Projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import Spelling, SpellingKind, StatisticCall
+from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.op.statistics import RowStatistics, chunked_statistics
 
 _REDUCTION = inspect.signature(lambda input, dim, keepdim=False: None)  # logsumexp's, sum's without dtype=
@@ -115,7 +116,7 @@ def last_dim_reduction(node: Node, functions: tuple[Any, ...],
     ndim = example_value(source).dim()
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
         dim = dim[0]
-    if ndim == 0 or isinstance(dim, bool) or not isinstance(dim, int) or dim % ndim != ndim - 1:
+    if not is_last_dim(dim, ndim):
         return None
     return source, keepdim
 
@@ -232,7 +233,7 @@ def _last_dim_softmax(node: Any, functions: tuple) -> Node | None:
     if len(node.args) > positional or example_value(node).dtype != example_value(logits).dtype:
         return None  # a dtype= given positionally
     ndim = example_value(logits).dim()
-    if ndim == 0 or isinstance(dim, bool) or not isinstance(dim, int) or dim % ndim != ndim - 1:
+    if not is_last_dim(dim, ndim):
         return None
     return logits
 
