@@ -16,11 +16,12 @@ import importlib
 import inspect
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 
-__all__ = ["Private", "PrivateAttribute", "TorchInternalMissing", "ENTRIES"]
+__all__ = ["Private", "PrivateAttribute", "PrivateKind", "TorchInternalMissing", "ENTRIES"]
 
 
 class TorchInternalMissing(RuntimeError):
@@ -44,15 +45,25 @@ def _resolve(path: str) -> Any:
     return obj
 
 
+class PrivateKind(Enum):
+    """What kind of object a :class:`Private` entry is: what ``tests/test_torch_internals.py`` checks
+    the installed torch's object to be."""
+
+    CALLABLE = "a callable"
+    CLASS = "a class"
+    MODULE = "a module"
+    MAPPING = "a mapping"
+    OBJECT = "an object"  # anything but None
+
+
 @dataclass(frozen=True)
 class Private:
-    """A private torch object at ``path`` (``"module:attribute.attribute"``); ``kind``: what the
-    probe checks it is ("callable", "class", "module", "mapping", "object")."""
+    """A private torch object at ``path`` (``"module:attribute.attribute"``) of kind ``kind``."""
 
     path: str
     use: str
     public: str = "none"
-    kind: str = "callable"
+    kind: PrivateKind = PrivateKind.CALLABLE
 
     def get(self) -> Any:
         return _resolve(self.path)
@@ -107,25 +118,25 @@ def _source(cls: type) -> str:
 
 # --- Dynamo ------------------------------------------------------------------------------------
 counters = Private("torch._dynamo.utils:counters", "chunkce's counters and the graph breaks explain() reports",
-                   kind="mapping")
+                   kind=PrivateKind.MAPPING)
 dynamo_config = Private("torch._dynamo:config", "ignore_logging_functions, read and patched by dynamo_scope",
-                        "torch.compiler.config holds other settings", kind="module")
+                        "torch.compiler.config holds other settings", kind=PrivateKind.MODULE)
 config_entries = PrivateAttribute("_config", "torch._dynamo:config",
                                   "the default of ignore_logging_functions for every thread")
 current_tx = Private("torch._dynamo.symbolic_convert:InstructionTranslator.current_tx",
                      "which backend the frame Dynamo traces now is compiled for")
 input_codes = Private("torch._dynamo.convert_frame:input_codes", "the code objects Dynamo compiled (explain's "
-                      "clean-up)", "torch.compiler.reset() drops every backend's", kind="object")
+                      "clean-up)", "torch.compiler.reset() drops every backend's", kind=PrivateKind.OBJECT)
 compile_lock = Private("torch._dynamo.convert_frame:compile_lock", "held while explain drops its caches",
-                       kind="object")
+                       kind=PrivateKind.OBJECT)
 cached_backends = Private("torch._dynamo.eval_frame:cached_backends", "Dynamo's reference to explain's "
-                          "backend", "torch.compiler.reset() drops every backend's", kind="mapping")
+                          "backend", "torch.compiler.reset() drops every backend's", kind=PrivateKind.MAPPING)
 cache_entry_list = Private("torch._dynamo.eval_frame:_debug_get_cache_entry_list",
                            "a code object's compiled entries and their backends (explain's clean-up)")
 reset_code = Private("torch._dynamo:reset_code", "drop one code object's compiled entries",
                      "torch.compiler.reset() drops all")
 backend_compiler_failed = Private("torch._dynamo.exc:BackendCompilerFailed", "explain unwraps the pass's "
-                                  "own error from it", kind="class")
+                                  "own error from it", kind=PrivateKind.CLASS)
 register_backend = Private("torch._dynamo.backends.registry:register_backend", "registers 'chunkce' without "
                            "an installed entry point", "the torch_dynamo_backends entry point")
 lookup_backend = Private("torch._dynamo.backends.registry:lookup_backend", "the inner backend by name")
@@ -141,20 +152,20 @@ compile_fx = Private("torch._inductor.compile_fx:compile_fx", "the rewritten gra
                      "torch.compile(backend='inductor'), which takes a model, not a graph")
 list_mode_options = Private("torch._inductor:list_mode_options", "torch.compile's mode= as Inductor config")
 inductor_config = Private("torch._inductor:config", "the kernels' compiler (cpu_backend) and config patches",
-                          kind="module")
+                          kind=PrivateKind.MODULE)
 custom_graph_pass = Private("torch._inductor.custom_graph_pass:CustomGraphPass", "the pre-grad pass's "
-                            "base, whose uuid() keys the FX graph cache", kind="class")
+                            "base, whose uuid() keys the FX graph cache", kind=PrivateKind.CLASS)
 get_cpp_compiler = Private("torch._inductor.cpp_builder:get_cpp_compiler", "whether a C++ compiler is present")
 get_hash_for_files = Private("torch._inductor.custom_graph_pass:get_hash_for_files",
                              "the package's source hash in the cache key")
-invalid_cxx_compiler = Private("torch._inductor.exc:InvalidCxxCompiler", "no C++ compiler", kind="class")
+invalid_cxx_compiler = Private("torch._inductor.exc:InvalidCxxCompiler", "no C++ compiler", kind=PrivateKind.CLASS)
 init_backend_registration = Private("torch._inductor.codegen.common:init_backend_registration",
                                     "Inductor's code generators registered before asking for one")
 get_scheduling_for_device = Private("torch._inductor.codegen.common:get_scheduling_for_device",
                                     "whether Inductor generates code for a device")
 has_triton = Private("torch.utils._triton:has_triton", "whether Triton is present for CUDA / XPU kernels")
 fx_config = Private("torch.fx.experimental._config", "the kernels' shape settings (use_duck_shape, "
-                    "backed_size_oblivious)", kind="module")
+                    "backed_size_oblivious)", kind=PrivateKind.MODULE)
 
 # --- dispatch, autograd and subclasses ---------------------------------------------------------
 get_current_dispatch_mode = Private("torch.utils._python_dispatch:_get_current_dispatch_mode",
@@ -162,12 +173,12 @@ get_current_dispatch_mode = Private("torch.utils._python_dispatch:_get_current_d
 are_functorch_transforms_active = Private("torch._C:_are_functorch_transforms_active",
                                           "the op's eager path under vmap / grad")
 below_autograd = Private("torch._C:_AutoDispatchBelowADInplaceOrView", "the compiled kernels below autograd",
-                         kind="class")
+                         kind=PrivateKind.CLASS)
 dispatch_key_for_device = Private("torch._C:_dispatch_key_for_device", "a device's dispatch key")
 dispatch_has_kernel = Private("torch._C:_dispatch_has_kernel_for_dispatch_key",
                               "whether addmm with an out dtype exists for a device")
 disable_torch_function_subclass = Private("torch._C:DisableTorchFunctionSubclass", "LazyLogits' own "
-                                          "reads as plain tensors", kind="class")
+                                          "reads as plain tensors", kind=PrivateKind.CLASS)
 make_wrapper_subclass = Private("torch:Tensor._make_wrapper_subclass", "the LazyLogits tensor subclass",
                                 "the documented way to write a wrapper subclass")
 return_and_correct_aliasing = Private("torch.utils._python_dispatch:return_and_correct_aliasing",
@@ -176,7 +187,7 @@ is_traceable_wrapper_subclass = Private("torch.utils._python_dispatch:is_traceab
                                         "a subclass weight is refused")
 tree_map = Private("torch.utils._pytree:tree_map", "LazyLogits' dispatch maps its arguments")
 tree_leaves = Private("torch.utils._pytree:tree_leaves", "the tensors of a node's example value")
-fake_tensor = Private("torch._subclasses.fake_tensor:FakeTensor", "a graph's example values", kind="class")
+fake_tensor = Private("torch._subclasses.fake_tensor:FakeTensor", "a graph's example values", kind=PrivateKind.CLASS)
 is_fake = Private("torch._subclasses.fake_tensor:is_fake", "a graph's weight is a plain (fake) tensor")
 has_internal_overlap = Private("torch:_debug_has_internal_overlap", "an in-place edit torch would refuse")
 assert_async = Private("torch:_assert_async", "the op's target range check without a host sync")
@@ -202,7 +213,7 @@ local_tensor = PrivateAttribute("_local_tensor", "torch.distributed.tensor:DTens
 active_ddp_module = Private("torch.nn.parallel:DistributedDataParallel._get_active_ddp_module",
                             "a refusal's wording under DDP")
 module_state = Private("torch.distributed._composable_state:_module_state_mapping", "the modules "
-                       "fully_shard applies to (a refusal's wording)", kind="mapping")
+                       "fully_shard applies to (a refusal's wording)", kind=PrivateKind.MAPPING)
 fsdp_state = Private("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "an FSDP2 module's state")
 fsdp_param_groups = PrivateAttribute("_fsdp_param_groups", "torch.distributed.fsdp._fully_shard._fsdp_state:"
                                      "FSDPState", "an FSDP2 module's parameter groups")

@@ -15,13 +15,18 @@ import torch
 from compile_pass import torch_internals as internals
 
 PACKAGE = Path(internals.__file__).parent
+Kind = internals.PrivateKind
 KINDS = {
-    "callable": callable,
-    "class": lambda obj: isinstance(obj, type),
-    "module": lambda obj: isinstance(obj, types.ModuleType),
-    "mapping": lambda obj: hasattr(obj, "items") and hasattr(obj, "__getitem__"),
-    "object": lambda obj: obj is not None,
+    Kind.CALLABLE: callable,
+    Kind.CLASS: lambda obj: isinstance(obj, type),
+    Kind.MODULE: lambda obj: isinstance(obj, types.ModuleType),
+    Kind.MAPPING: lambda obj: hasattr(obj, "items") and hasattr(obj, "__getitem__"),
+    Kind.OBJECT: lambda obj: obj is not None,
 }
+
+
+def test_each_kind_of_private_object_has_its_probe():
+    assert set(KINDS) == set(Kind)
 
 
 @pytest.mark.parametrize("name", sorted(internals.ENTRIES))
@@ -30,7 +35,7 @@ def test_each_private_torch_name_resolves_on_this_torch(name):
     assert entry.use and entry.public, name
     if isinstance(entry, internals.Private):
         obj = entry.get()
-        assert KINDS[entry.kind](obj), f"{name}: {entry.path} on torch {torch.__version__} is {obj!r}, not a {entry.kind}"
+        assert KINDS[entry.kind](obj), f"{name}: {entry.path} on torch {torch.__version__} is {obj!r}, not {entry.kind.value}"
     else:
         assert entry.declared(), f"{name}: torch {torch.__version__}'s {entry.owner} has no attribute {entry.name}"
 
