@@ -15,16 +15,16 @@ from torch import Tensor
 
 import compile_pass.torch_internals as internals
 from compile_pass.op import loops
-from compile_pass.op.schema import LOSS_DEFAULTS, INPUTS, LOSS_NAME, op_schema
+from compile_pass.op.schema import INPUTS, LOSS_DEFAULTS, LOSS_NAME, OUTPUT_MASK, ROW_LOG_SUM_EXP, Argument, OpSchema
 from compile_pass.op.tiling import accumulate_dtype
 
 _are_functorch_transforms_active = internals.are_functorch_transforms_active.get()
-LOSS_FORWARD_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor)")
-LOSS_BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
-                            "(Tensor, Tensor, Tensor)", own="bool[] output_mask")
+LOSS_FORWARD_SCHEMA = OpSchema("chunkce::linear_cross_entropy", INPUTS, returns=3)
+LOSS_BACKWARD_SCHEMA = OpSchema("chunkce::linear_cross_entropy_backward",
+                                (Argument("grad_loss", "Tensor"), *INPUTS, *ROW_LOG_SUM_EXP), returns=3, own=(OUTPUT_MASK,))
 
 
-@torch.library.custom_op("chunkce::linear_cross_entropy", mutates_args=(), schema=LOSS_FORWARD_SCHEMA)
+@LOSS_FORWARD_SCHEMA.custom_op
 def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                 class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
                 **options) -> tuple[Tensor, Tensor, Tensor]:
@@ -43,7 +43,7 @@ def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **o
     return tuple(hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
 
 
-@torch.library.custom_op("chunkce::linear_cross_entropy_backward", mutates_args=(), schema=LOSS_BACKWARD_SCHEMA)
+@LOSS_BACKWARD_SCHEMA.custom_op
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
                  bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
                  row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool],

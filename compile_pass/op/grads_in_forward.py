@@ -28,12 +28,12 @@ from compile_pass.op.loops import (
     op_body,
     row_statistics,
 )
-from compile_pass.op.schema import INPUTS, LOSS_NAME, ResolvedCall, op_schema
+from compile_pass.op.schema import INPUTS, LOSS_NAME, OUTPUT_MASK, OpSchema, ResolvedCall
 from compile_pass.op.tiling import accumulate_dtype, spans
 
 OP_NAME = "chunkce::linear_cross_entropy_grads_in_forward"
 _are_functorch_transforms_active = internals.are_functorch_transforms_active.get()
-SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own="bool[] output_mask")
+SCHEMA = OpSchema(OP_NAME, INPUTS, returns=5, own=(OUTPUT_MASK,))
 
 
 def _refuse_under_transforms() -> None:
@@ -116,7 +116,7 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
     return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
 
 
-@torch.library.custom_op(OP_NAME, mutates_args=(), schema=SCHEMA)
+@SCHEMA.custom_op
 def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                          class_weight: Tensor | None, logit_scale_tensor: Tensor | None, *,
                          output_mask: list[bool], **options) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -1,9 +1,10 @@
-"""The ops' keyword-only options as their schemas hold them, and the options of one call resolved.
+"""The ops' schemas, each from one Python definition (OpSchema), and the options of one call resolved.
 
 Every custom op takes its tensors positionally and its options keyword-only, under the same names
-from the public function to the kernels. Each option is one :class:`Option` (name, schema type,
-default): the schema's text (:func:`options_schema`) and the defaults the ops fill in
-(:func:`option_defaults`) are both read from it, never parsed back from a string
+from the public function to the kernels. Each argument is one :class:`Argument` (name, schema type,
+default) and each op one :class:`OpSchema` (its tensors, its own keywords, the options, the tensors
+it returns): the registered schema's text, the check of the op's function and the defaults the ops
+fill in (:func:`option_defaults`) are all read from it, never parsed back from a string
 (:data:`LOSS_OPTIONS`; the row-statistics op's in :mod:`compile_pass.op.statistics`). The head's
 :class:`~compile_pass.op.kernels.HeadTransform` is several schema arguments: :func:`op_arguments`
 flattens it, :func:`head_transform` rebuilds it. :class:`ResolvedCall` is the options of one call
@@ -12,62 +13,94 @@ resolved. ``tests/op/test_op.py`` pins the registered schema strings (they are h
 
 from __future__ import annotations
 
+import inspect
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from compile_pass.op.kernels import HeadTransform, KernelArgs
 from compile_pass.op.tiling import Tiles, resolve_tiles, settings
 
 LOSS_NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
-# the leading arguments of the forward ops (the backward ops', between grad_loss and the row statistics)
-INPUTS = ("Tensor hidden_states, Tensor weight, Tensor target, Tensor? bias, Tensor? class_weight, "
-          "Tensor? logit_scale_tensor")
-REQUIRED = object()  # an Option without a default
+REQUIRED = object()  # an Argument without a default
 
 
-class Option(NamedTuple):
-    """One keyword-only option of an op: its name, schema type and default (:data:`REQUIRED`: none);
-    the schema's text (:func:`options_schema`) and the defaults (:func:`option_defaults`) are read
-    from this one definition."""
+class Argument(NamedTuple):
+    """One argument of a custom op's schema: its name, schema type and default (:data:`REQUIRED`: none)."""
 
     name: str
-    type: str  # schema syntax: "SymInt", "float?", "ScalarType", ...
+    type: str  # schema syntax: "Tensor?", "SymInt", "float?", "ScalarType", ...
     default: Any = REQUIRED
 
+    def schema(self) -> str:
+        """As a schema writes it: ``"SymInt? chunk_size=None"``."""
+        return f"{self.type} {self.name}" + ("" if self.default is REQUIRED else f"={self.default!r}")
 
-def options_schema(options: tuple[Option, ...]) -> str:
-    """The options as a schema's keyword-only arguments: ``"SymInt? chunk_size=None, ..."``."""
-    return ", ".join(f"{o.type} {o.name}" + ("" if o.default is REQUIRED else f"={o.default!r}") for o in options)
 
-
-def option_defaults(options: tuple[Option, ...]) -> dict[str, Any]:
+def option_defaults(options: tuple[Argument, ...]) -> dict[str, Any]:
     """The defaults of the options that have one."""
     return {o.name: o.default for o in options if o.default is not REQUIRED}
 
 
+# the leading tensors of the loss ops (the backward ops', between grad_loss and the row statistics)
+INPUTS = (
+    Argument("hidden_states", "Tensor"), Argument("weight", "Tensor"), Argument("target", "Tensor"),
+    Argument("bias", "Tensor?"), Argument("class_weight", "Tensor?"), Argument("logit_scale_tensor", "Tensor?"),
+)
+ROW_LOG_SUM_EXP = (Argument("row_max", "Tensor"), Argument("row_log_sum", "Tensor"))  # the forward's, [N] each
+OUTPUT_MASK = Argument("output_mask", "bool[]")  # [grad_hidden_states, grad_weight, grad_bias] wanted
+GROUP_NAME = Argument("group_name", "str")  # a vocabulary-parallel op's process group
 # the keyword-only options of every recompute-family op (torch refuses keyword-only tensors: the
 # scale's 0-d tensor is the positional logit_scale_tensor)
 LOSS_OPTIONS = (
-    Option("ignore_index", "SymInt"), Option("label_smoothing", "float"), Option("logits_dtype", "ScalarType"),
-    Option("chunk_size", "SymInt?", None), Option("chunk_bytes", "SymInt?", None),
-    Option("logit_scale", "float?", None), Option("scale_divides", "bool", False),
-    Option("scale_dtype", "ScalarType?", None),
+    Argument("ignore_index", "SymInt"), Argument("label_smoothing", "float"), Argument("logits_dtype", "ScalarType"),
+    Argument("chunk_size", "SymInt?", None), Argument("chunk_bytes", "SymInt?", None),
+    Argument("logit_scale", "float?", None), Argument("scale_divides", "bool", False),
+    Argument("scale_dtype", "ScalarType?", None),
 )
 LOSS_DEFAULTS = option_defaults(LOSS_OPTIONS)
 
 
-def op_schema(tensors: str, returns: str, own: str = "", options: tuple[Option, ...] = LOSS_OPTIONS) -> str:
-    """A custom op's schema string: the positional ``tensors``, then keyword-only the op's
-    ``own`` arguments and the ``options``, ``-> returns`` (schema syntax each)."""
-    keywords = f"{own}, {options_schema(options)}" if own else options_schema(options)
-    return f"({tensors}, *, {keywords}) -> {returns}"
+@dataclass(frozen=True)
+class OpSchema:
+    """One custom op's whole schema: ``tensors`` positional, then keyword-only its ``own`` arguments
+    and the ``options``; it returns ``returns`` tensors (one: a Tensor, more: a tuple)."""
 
+    name: str  # "chunkce::<op>"
+    tensors: tuple[Argument, ...]
+    returns: int
+    own: tuple[Argument, ...] = ()
+    options: tuple[Argument, ...] = LOSS_OPTIONS
 
+    def text(self) -> str:
+        """The schema as ``torch.library`` takes it: ``"(Tensor hidden_states, ..., *, ...) -> (Tensor, ...)"``."""
+        positional = ", ".join(a.schema() for a in self.tensors)
+        keywords = ", ".join(a.schema() for a in (*self.own, *self.options))
+        returns = "Tensor" if self.returns == 1 else f"({', '.join(['Tensor'] * self.returns)})"
+        return f"({positional}, *, {keywords}) -> {returns}"
 
+    def custom_op(self, function: Callable[..., Any]) -> Any:
+        """``function`` registered as this op (``torch.library.custom_op``). Its parameters name the
+        schema's tensors in order (or a first few, then ``*tensors``), any keyword-only ones are the
+        schema's keywords and the rest arrive in ``**options``.
+
+        Raises:
+            TypeError: ``function``'s parameters are not the schema's.
+        """
+        parameters = inspect.signature(function).parameters.values()
+        named = [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+        rest = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+        keywords = {p.name for p in parameters if p.kind is p.KEYWORD_ONLY}
+        tensors = [a.name for a in self.tensors]
+        known = {a.name for a in (*self.own, *self.options)}
+        if named != (tensors[:len(named)] if rest else tensors) or not keywords <= known:
+            raise TypeError(f"{self.name}: expected {function.__name__} to take {tensors} positionally and "
+                            f"keywords of the schema, got {inspect.signature(function)}")
+        return torch.library.custom_op(self.name, function, mutates_args=(), schema=self.text())
 
 
 def op_arguments(transform: HeadTransform = HeadTransform(), **options: Any) -> tuple[Tensor | None, dict[str, Any]]:

@@ -37,7 +37,7 @@ from compile_pass.op import kernels, loops, statistics_loops
 from compile_pass.op.checks import check_bool, check_positive_int
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.kernels import HeadTransform
-from compile_pass.op.schema import Option, op_arguments, option_defaults, options_schema
+from compile_pass.op.schema import GROUP_NAME, OUTPUT_MASK, Argument, OpSchema, op_arguments, option_defaults
 from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.op.vocab_parallel import all_reduce, is_dtensor, shard_of, vocabulary_mesh_dim
 
@@ -231,21 +231,24 @@ def _check_arguments(hidden_states, weight, bias, indices, temperature, projecti
 
 STATISTICS_NAME = "chunkce.linear_statistics"  # how the op names itself in messages
 UNFUSED = "the unfused F.linear and torch's logsumexp / softmax / gather"
-TENSORS = "Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices, Tensor? temperature, " \
-          "Tensor? logit_scale_tensor"
-STATISTICS = "Tensor row_max, Tensor row_log_sum, Tensor row_mean, Tensor argmax"
-STATISTICS_OPTIONS = (
-    Option("logits_dtype", "ScalarType"), Option("statistics_dtype", "ScalarType"),
-    Option("logit_scale", "float?", None), Option("scale_divides", "bool", False),
-    Option("scale_dtype", "ScalarType?", None), Option("temperature_value", "float?", None),
-    Option("temperature_multiplies", "bool", False), Option("row_statistics", "bool", True),
-    Option("maximum_only", "bool", False), Option("chunk_size", "SymInt?", None), Option("chunk_bytes", "SymInt?", None),
-    Option("vocab_start", "SymInt", 0), Option("vocab_size", "SymInt?", None),
+TENSORS = (
+    Argument("hidden_states", "Tensor"), Argument("weight", "Tensor"), Argument("bias", "Tensor?"),
+    Argument("indices", "Tensor?"), Argument("temperature", "Tensor?"), Argument("logit_scale_tensor", "Tensor?"),
 )
-_OPTIONS = options_schema(STATISTICS_OPTIONS)
-GRADS = "Tensor? grad_selected, Tensor? grad_lse, Tensor? grad_entropy, Tensor? grad_max"
-STATISTICS_FORWARD_SCHEMA = f"({TENSORS}, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
-STATISTICS_BACKWARD_SCHEMA = f"({GRADS}, {TENSORS}, {STATISTICS}, *, bool[] output_mask, {_OPTIONS}) -> (Tensor, Tensor, Tensor)"
+STATISTICS = tuple(Argument(name, "Tensor") for name in ("row_max", "row_log_sum", "row_mean", "argmax"))
+STATISTICS_OPTIONS = (
+    Argument("logits_dtype", "ScalarType"), Argument("statistics_dtype", "ScalarType"),
+    Argument("logit_scale", "float?", None), Argument("scale_divides", "bool", False),
+    Argument("scale_dtype", "ScalarType?", None), Argument("temperature_value", "float?", None),
+    Argument("temperature_multiplies", "bool", False), Argument("row_statistics", "bool", True),
+    Argument("maximum_only", "bool", False), Argument("chunk_size", "SymInt?", None),
+    Argument("chunk_bytes", "SymInt?", None), Argument("vocab_start", "SymInt", 0),
+    Argument("vocab_size", "SymInt?", None),
+)
+GRADS = tuple(Argument(f"grad_{name}", "Tensor?") for name in ("selected", "lse", "entropy", "max"))
+STATISTICS_FORWARD_SCHEMA = OpSchema("chunkce::linear_statistics", TENSORS, returns=7, options=STATISTICS_OPTIONS)
+STATISTICS_BACKWARD_SCHEMA = OpSchema("chunkce::linear_statistics_backward", (*GRADS, *TENSORS, *STATISTICS),
+                                      returns=3, own=(OUTPUT_MASK,), options=STATISTICS_OPTIONS)
 
 
 STATISTICS_DEFAULTS = option_defaults(STATISTICS_OPTIONS)
@@ -258,7 +261,7 @@ def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
         _assert_async(in_range.all(), f"{STATISTICS_NAME}: expected every index in [0, {vocab_size})")
 
 
-@torch.library.custom_op("chunkce::linear_statistics", mutates_args=(), schema=STATISTICS_FORWARD_SCHEMA)
+@STATISTICS_FORWARD_SCHEMA.custom_op
 def _forward_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, indices: Tensor | None,
                 temperature: Tensor | None, logit_scale_tensor: Tensor | None, **arguments) -> tuple[Tensor, ...]:
     """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (module docstring);
@@ -295,7 +298,7 @@ def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **a
     return selected, lse, entropy, row_max, hidden_states.new_empty(num_tokens, dtype=torch.int64), row_log_sum, row_mean
 
 
-@torch.library.custom_op("chunkce::linear_statistics_backward", mutates_args=(), schema=STATISTICS_BACKWARD_SCHEMA)
+@STATISTICS_BACKWARD_SCHEMA.custom_op
 def _backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None, grad_entropy: Tensor | None,
                  grad_max: Tensor | None, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                  indices: Tensor | None, temperature: Tensor | None, logit_scale_tensor: Tensor | None,
@@ -355,8 +358,10 @@ _backward_op.register_autograd(refuse_double_backward(STATISTICS_NAME, UNFUSED),
 
 
 PARALLEL_STATISTICS_NAME = "chunkce.vocab_parallel_row_statistics"
-ROW_STATISTICS_SCHEMA = (f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, {TENSORS}, {STATISTICS}, *, "
-                         f"str group_name, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+ROW_STATISTICS_SCHEMA = OpSchema(
+    "chunkce::vocab_parallel_row_statistics",
+    (*(Argument(name, "Tensor") for name in ("selected", "lse", "entropy", "max")), *TENSORS, *STATISTICS),
+    returns=4, own=(GROUP_NAME,), options=STATISTICS_OPTIONS)
 
 
 def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_name: str) -> tuple[Tensor, ...]:
@@ -386,7 +391,7 @@ def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_na
     return selected, lse, entropy, row_max, statistics[3]
 
 
-@torch.library.custom_op("chunkce::vocab_parallel_row_statistics", mutates_args=(), schema=ROW_STATISTICS_SCHEMA)
+@ROW_STATISTICS_SCHEMA.custom_op
 def _row_statistics_op(selected: Tensor, lse: Tensor, entropy: Tensor, max: Tensor, *tensors,
                        **arguments) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The global ``selected``, ``lse``, ``entropy`` and ``max`` copied; then

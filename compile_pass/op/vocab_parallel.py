@@ -41,7 +41,16 @@ from torch import Tensor
 import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
-from compile_pass.op.schema import INPUTS, LOSS_NAME, ResolvedCall, op_schema
+from compile_pass.op.schema import (
+    GROUP_NAME,
+    INPUTS,
+    LOSS_NAME,
+    OUTPUT_MASK,
+    ROW_LOG_SUM_EXP,
+    Argument,
+    OpSchema,
+    ResolvedCall,
+)
 from compile_pass.op.tiling import accumulate_dtype, spans
 
 _assert_async = internals.assert_async.get()  # checks a range with no host sync
@@ -174,14 +183,15 @@ def replicated(name: str, value: Tensor | None) -> Tensor | None:
 
 
 VOCAB_PARALLEL_NAME = "chunkce.vocab_parallel_cross_entropy"  # how these ops name themselves in messages
-SHARD = "SymInt vocab_start, SymInt vocab_size"  # the ops' own arguments: the shard's place in V
+SHARD = (Argument("vocab_start", "SymInt"), Argument("vocab_size", "SymInt"))  # the ops' own: the shard's place in V
 _OUTSIDE = -1  # a target outside the shard (or ignored), as the forward kernel takes it: its ignore_index
 
-STATISTICS_SCHEMA = op_schema(INPUTS, "(Tensor, Tensor, Tensor, Tensor, Tensor)", own=SHARD)
-LOSS_SCHEMA = op_schema(f"Tensor loss, {INPUTS}, Tensor row_max, Tensor row_log_sum", "Tensor",
-                        own=f"{SHARD}, str group_name")
-VOCAB_PARALLEL_BACKWARD_SCHEMA = op_schema(f"Tensor grad_loss, {INPUTS}, Tensor row_max, Tensor row_log_sum",
-                            "(Tensor, Tensor, Tensor)", own=f"bool[] output_mask, {SHARD}")
+STATISTICS_SCHEMA = OpSchema("chunkce::vocab_parallel_statistics", INPUTS, returns=5, own=SHARD)
+LOSS_SCHEMA = OpSchema("chunkce::vocab_parallel_loss", (Argument("loss", "Tensor"), *INPUTS, *ROW_LOG_SUM_EXP),
+                       returns=1, own=(*SHARD, GROUP_NAME))
+VOCAB_PARALLEL_BACKWARD_SCHEMA = OpSchema("chunkce::vocab_parallel_backward",
+                                          (Argument("grad_loss", "Tensor"), *INPUTS, *ROW_LOG_SUM_EXP), returns=3,
+                                          own=(OUTPUT_MASK, *SHARD))
 
 
 def check_global_targets(target: Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -196,7 +206,7 @@ def _in_shard(target: Tensor, vocab_start: int, shard_size: int, ignore_index: i
     return (target >= vocab_start) & (target < vocab_start + shard_size) & (target != ignore_index)
 
 
-@torch.library.custom_op("chunkce::vocab_parallel_statistics", mutates_args=(), schema=STATISTICS_SCHEMA)
+@STATISTICS_SCHEMA.custom_op
 def _statistics_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                    class_weight: Tensor | None, logit_scale_tensor: Tensor | None, *, vocab_start: int,
                    vocab_size: int, **options) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -262,7 +272,7 @@ def shard_statistics(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, 
     return row_max, sum_exp, z_target, smooth, weight_sum
 
 
-@torch.library.custom_op("chunkce::vocab_parallel_loss", mutates_args=(), schema=LOSS_SCHEMA)
+@LOSS_SCHEMA.custom_op
 def _loss_op(loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
              class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
              **keywords) -> Tensor:
@@ -278,7 +288,7 @@ def _(loss, *tensors, **keywords):
     return torch.empty_like(loss)
 
 
-@torch.library.custom_op("chunkce::vocab_parallel_backward", mutates_args=(), schema=VOCAB_PARALLEL_BACKWARD_SCHEMA)
+@VOCAB_PARALLEL_BACKWARD_SCHEMA.custom_op
 def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                  class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
                  row_log_sum: Tensor, *, output_mask: list[bool], vocab_start: int, vocab_size: int,

@@ -180,6 +180,27 @@ def test_registered_schemas_are_unchanged(name):
     assert str(getattr(torch.ops.chunkce, name).default._schema) == f"chunkce::{name}{SCHEMAS[name]}"
 
 
+def test_an_op_function_that_differs_from_its_schema_is_refused():
+    """An op's schema is one OpSchema: its function must take the schema's tensors in order and
+    only the schema's keywords, else registering it raises, naming the op (nothing is registered)."""
+    from compile_pass.op.schema import INPUTS, OpSchema
+
+    schema = OpSchema("chunkce::never_registered", INPUTS, returns=1)
+    assert schema.text() == f"({_INPUTS}, *, {_OPTIONS}) -> Tensor"
+
+    def swapped(weight, hidden_states, target, bias, class_weight, logit_scale_tensor, **options):
+        return hidden_states
+
+    def unknown_keyword(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, *, output_mask,
+                        **options):
+        return hidden_states
+
+    for function in (swapped, unknown_keyword):
+        with pytest.raises(TypeError, match=r"chunkce::never_registered: expected .* to take \['hidden_states'"):
+            schema.custom_op(function)
+    assert not hasattr(torch.ops.chunkce, "never_registered")
+
+
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_no_schema_carries_an_allocator_policy(name):
     """``release_cache`` is the environment's (``CHUNKCE_RELEASE_CACHE``), in no op's schema."""
