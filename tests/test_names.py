@@ -3,9 +3,11 @@
 - No module-level string constant of ``compile_pass/`` (``NAME = "..."``) is compared with
   ``==``, ``!=``, ``in`` or ``not in`` anywhere in the package: a state is an ``Enum`` member or a
   field, never a string compared with another string.
-- No public name is defined with two meanings: a class, function or module-level name (no
-  leading underscore) defined in two modules of the package is the same object (one imports it
-  from the other).
+- No name is defined with two meanings: a class, function or module-level name, public or
+  private, defined in two modules of the package is the same object (one imports it from the
+  other) or an equal constant (the same tuple of functions built twice). Not counted: each
+  module's ``log``, dunders (``__all__``), and ``_``, torch.library's name for a function
+  registered on an op.
 """
 
 import ast
@@ -78,7 +80,16 @@ def _defined(tree: ast.Module) -> set[str]:
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 names.update(t.id for t in ast.walk(target) if isinstance(t, ast.Name))
-    return {name for name in names if not name.startswith("_")} - {"log"}  # each module's logger is its own
+    # each module's logger is its own; `_`: a function registered on an op; `__all__` and other dunders
+    return {name for name in names if not (name.startswith("__") and name.endswith("__"))} - {"log", "_"}
+
+
+# left for the branch that reworks these modules (renaming one here would collide with it)
+_LEFT = {"_dense": ("compile_pass.op.loops", "compile_pass.op.statistics_loops")}
+
+
+def _same_meaning(value, first) -> bool:
+    return value is first or (isinstance(value, (tuple, frozenset, str, int, float)) and value == first)
 
 
 def test_no_name_has_two_meanings():
@@ -90,6 +101,6 @@ def test_no_name_has_two_meanings():
     clashes = {}
     for name, modules in twice.items():
         values = [getattr(importlib.import_module(module), name) for module in modules]
-        if any(value is not values[0] for value in values[1:]):
+        if not all(_same_meaning(value, values[0]) for value in values[1:]) and _LEFT.get(name) != tuple(modules):
             clashes[name] = modules
     assert clashes == {}, f"names defined with two meanings (rename one): {clashes}"

@@ -254,7 +254,7 @@ def module_of(node: Node | None) -> str:
 
 log = logging.getLogger(__name__)
 
-_last: PassReport | None = None
+_latest: PassReport | None = None
 _warned: set[tuple[str, str]] = set()  # (source, reason key) of every warning this process logged
 
 
@@ -272,10 +272,10 @@ def forget_warnings() -> None:
 
 
 def _publish(report: PassReport) -> None:
-    global _last
+    global _latest
     reached("report", report)
     if report.records:
-        _last = report
+        _latest = report
     stats = internals.counters.get()["chunkce"]
     for record in report.records:
         stats["sites_found"] += 1
@@ -319,4 +319,4 @@ def _once(source: str, reason_key: str) -> int:
 
 def last_report() -> PassReport | None:
     """The report of the pass's latest run in this process that found a cross-entropy site."""
-    return _last
+    return _latest

@@ -21,13 +21,14 @@ from compile_pass.op.tiling import accumulate_dtype
 _are_functorch_transforms_active = internals.are_functorch_transforms_active.get()
 LOSS_FORWARD_SCHEMA = OpSchema("chunkce::linear_cross_entropy", INPUTS, returns=3)
 LOSS_BACKWARD_SCHEMA = OpSchema("chunkce::linear_cross_entropy_backward",
-                                (Argument("grad_loss", "Tensor"), *INPUTS, *ROW_LOG_SUM_EXP), returns=3, own=(OUTPUT_MASK,))
+                                (Argument("grad_loss", "Tensor"), *INPUTS, *ROW_LOG_SUM_EXP), returns=3,
+                                own=(OUTPUT_MASK,))
 
 
 @LOSS_FORWARD_SCHEMA.custom_op
-def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
-                **options) -> tuple[Tensor, Tensor, Tensor]:
+def _cross_entropy_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                      class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
+                      **options) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]`` (0 where ignored), ``row_max [N]`` and ``row_log_sum [N]`` (the
     log-sum-exp in two parts, so that backward rounds as torch's log-softmax does), fp32 (fp64
     for fp64 logits), from ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
@@ -36,7 +37,7 @@ def _forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
         return loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
 
 
-@_forward_op.register_fake
+@_cross_entropy_op.register_fake
 def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **options):
     accumulate = accumulate_dtype(options["logits_dtype"])
     num_tokens = hidden_states.shape[0]
@@ -44,10 +45,10 @@ def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **o
 
 
 @LOSS_BACKWARD_SCHEMA.custom_op
-def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
-                 bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
-                 row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool],
-                 **options) -> tuple[Tensor, Tensor, Tensor]:
+def _cross_entropy_backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                               bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
+                               row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool],
+                               **options) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V, H]``, bias ``[V]``, from
     ``grad_loss [N]`` (the forward's accumulate dtype), the forward op's tensors and row
     statistics, ``output_mask`` and its options; a gradient not asked for is empty and costs no
@@ -57,7 +58,7 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
                                       class_weight, row_max, row_log_sum, output_mask)
 
 
-@_backward_op.register_fake
+@_cross_entropy_backward_op.register_fake
 def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_tensor, row_max, row_log_sum,
       *, output_mask, **options):
     return fake_gradients(hidden_states, weight, bias, output_mask)
@@ -77,7 +78,7 @@ def fake_gradients(hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
     )
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
+def _cross_entropy_setup_context(ctx, inputs, keyword_only_inputs, output):
     # inputs: the six tensors (or None); keyword_only_inputs: every option, defaults filled in
     _, row_max, row_log_sum = output
     ctx.mark_non_differentiable(row_max, row_log_sum)
@@ -86,7 +87,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
+def _cross_entropy_backward(ctx, grad_loss, _grad_row_max, _grad_row_log_sum):
     hidden_states, weight, target, bias, class_weight, scale_tensor, row_max, row_log_sum = ctx.saved_tensors
     # the op's inputs' flags (FunctorchForward's first input, the options, comes before them)
     want_hidden, want_weight, _, want_bias = ctx.needs_input_grad[-ctx.num_inputs:][:4]
@@ -119,9 +120,9 @@ def refuse_double_backward(op_name: str, unfused: str):
 
 
 _refuse_double_backward = refuse_double_backward(LOSS_NAME, "the unfused F.linear + F.cross_entropy")
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
-_backward_op.register_autograd(_refuse_double_backward,
-                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
+_cross_entropy_op.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup_context)
+_cross_entropy_backward_op.register_autograd(_refuse_double_backward,
+                                             setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
 
 
 def _options_first(op) -> staticmethod:
@@ -135,15 +136,15 @@ class FunctorchForward(torch.autograd.Function):
     called only while a transform is active, so Dynamo and AOTAutograd see the custom op."""
 
     generate_vmap_rule = True
-    forward = _options_first(_forward_op)
+    forward = _options_first(_cross_entropy_op)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs[1:], {**LOSS_DEFAULTS, **inputs[0]}, output)
+        _cross_entropy_setup_context(ctx, inputs[1:], {**LOSS_DEFAULTS, **inputs[0]}, output)
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, *_backward(ctx, *grads)  # no gradient for the options
+        return None, *_cross_entropy_backward(ctx, *grads)  # no gradient for the options
 
 
 class FunctorchBackward(torch.autograd.Function):
@@ -151,7 +152,7 @@ class FunctorchBackward(torch.autograd.Function):
     second order is refused."""
 
     generate_vmap_rule = True
-    forward = _options_first(_backward_op)
+    forward = _options_first(_cross_entropy_backward_op)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

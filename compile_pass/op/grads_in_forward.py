@@ -147,7 +147,7 @@ def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, *, 
     )
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
+def _grads_in_forward_setup_context(ctx, inputs, keyword_only_inputs, output):
     _, grad_hidden, grad_weight, grad_bias, counted = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias, counted)
     ctx.set_materialize_grads(False)  # no zero gradients of those four made for backward
@@ -175,7 +175,7 @@ _SECOND_BACKWARD = (
 )
 
 
-def _backward(ctx, grad_total, *_grads_of_grads):
+def _grads_in_forward_backward(ctx, grad_total, *_grads_of_grads):
     """``grad_total`` (0-d) times each saved gradient, in place: the saved tensors are
     returned as the gradients (no copy; autograd's accumulation takes them over), except
     a half-precision head's fp32 weight and bias accumulators, whose product is rounded
@@ -220,7 +220,7 @@ def _backward(ctx, grad_total, *_grads_of_grads):
     return tuple(grads)
 
 
-_grads_in_forward_op.register_autograd(_backward, setup_context=_setup_context)
+_grads_in_forward_op.register_autograd(_grads_in_forward_backward, setup_context=_grads_in_forward_setup_context)
 
 
 def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,

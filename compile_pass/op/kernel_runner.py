@@ -22,7 +22,7 @@ from compile_pass.op import kernels
 
 _MODULES = (kernels,)  # the kernels' modules, searched by function name
 _RECORDS = (kernels.KernelArgs, kernels.StatisticsArgs)  # their constants' records
-_HOOKS: list[Callable[[str, tuple], None]] = []
+_RUN_HOOKS: list[Callable[[str, tuple], None]] = []
 
 
 def _kernel(fn_name: str):
@@ -33,11 +33,11 @@ def _kernel(fn_name: str):
 def hooked_runs(hook: Callable[[str, tuple], None]) -> Iterator[None]:
     """Call ``hook(fn_name, variant)`` each time :func:`run` is about to run a compiled kernel,
     while the block runs (to look, or to inject a fault: what the hook raises, ``run`` raises)."""
-    _HOOKS.append(hook)
+    _RUN_HOOKS.append(hook)
     try:
         yield
     finally:
-        _HOOKS.remove(hook)
+        _RUN_HOOKS.remove(hook)
 
 
 @functools.cache
@@ -105,7 +105,7 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
     _, _, fx_config, below_autograd, _ = _hot_path()
     with fx_config.patch(use_duck_shape=False, backed_size_oblivious=True), below_autograd():
-        for hook in _HOOKS:
+        for hook in _RUN_HOOKS:
             hook(fn_name, variant)
         with _dynamo_stats_kept():
             return compiled(fn_name, variant)(*_symbolic(args))

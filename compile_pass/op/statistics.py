@@ -182,7 +182,7 @@ def chunked_statistics(
     return RowStatistics(None if indices is None else selected, lse, entropy, row_max, argmax)
 
 
-def _fail(kind: type[Exception], message: str) -> None:
+def _bad_argument(kind: type[Exception], message: str) -> None:
     raise kind(f"{STATISTICS_NAME}: {message}")
 
 
@@ -191,42 +191,44 @@ def _check_arguments(hidden_states, weight, bias, indices, temperature, projecti
     """Types, shapes, dtypes and devices (:func:`linear_statistics`' Raises)."""
     for name, value in (("hidden_states", hidden_states), ("weight", weight)):
         if not isinstance(value, Tensor):
-            _fail(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
+            _bad_argument(TypeError, f"expected {name} to be a Tensor, got {type(value).__name__}")
     if hidden_states.dim() != 2 or not hidden_states.is_floating_point():
-        _fail(ValueError, f"expected floating hidden_states of shape [N, H], got {hidden_states.dtype} "
-                          f"{tuple(hidden_states.shape)}; flatten the leading dims first")
+        _bad_argument(ValueError, f"expected floating hidden_states of shape [N, H], got {hidden_states.dtype} "
+                                  f"{tuple(hidden_states.shape)}; flatten the leading dims first")
     (num_tokens, hidden_size), device = hidden_states.shape, hidden_states.device
     if weight.dim() != 2 or weight.shape[1] != hidden_size:
-        _fail(ValueError, f"expected weight of shape [V, {hidden_size}], got {tuple(weight.shape)}")
+        _bad_argument(ValueError, f"expected weight of shape [V, {hidden_size}], got {tuple(weight.shape)}")
     vocab_size = weight.shape[0]
     if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (vocab_size,)):
-        _fail(ValueError, f"expected bias of shape [{vocab_size}] or None, got "
-                          f"{tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__}")
+        _bad_argument(ValueError, f"expected bias of shape [{vocab_size}] or None, got "
+                                  f"{tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__}")
     for name, value in (("weight", weight), ("bias", bias)):
         if value is not None and projection_dtype is None and value.dtype != hidden_states.dtype:
-            _fail(TypeError, f"expected {name} of dtype {hidden_states.dtype} (the hidden states'), got "
-                             f"{value.dtype}; pass projection_dtype= to cast them")
+            _bad_argument(TypeError, f"expected {name} of dtype {hidden_states.dtype} (the hidden states'), got "
+                                     f"{value.dtype}; pass projection_dtype= to cast them")
     if indices is not None:
         if not isinstance(indices, Tensor) or indices.dtype != torch.int64 or indices.dim() != 2 \
                 or indices.shape[0] != num_tokens:
             got = f"{indices.dtype} {tuple(indices.shape)}" if isinstance(indices, Tensor) else type(indices).__name__
-            _fail(ValueError, f"expected indices of dtype torch.int64 and shape [{num_tokens}, K], got {got}")
+            _bad_argument(ValueError, f"expected indices of dtype torch.int64 and shape [{num_tokens}, K], got {got}")
     if isinstance(temperature, Tensor):
         if not temperature.is_floating_point() or tuple(temperature.shape) not in ((), (num_tokens,)):
-            _fail(ValueError, f"expected a floating temperature of shape [{num_tokens}] or [], got "
-                              f"{temperature.dtype} {tuple(temperature.shape)}")
+            _bad_argument(ValueError, f"expected a floating temperature of shape [{num_tokens}] or [], got "
+                                      f"{temperature.dtype} {tuple(temperature.shape)}")
         if temperature.requires_grad and torch.is_grad_enabled():
-            _fail(NotImplementedError, "a temperature that requires grad is not supported; pass temperature.detach()")
+            _bad_argument(NotImplementedError,
+                          "a temperature that requires grad is not supported; pass temperature.detach()")
     elif temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real)):
-        _fail(TypeError, f"expected temperature to be a number, a tensor or None, got {type(temperature).__name__}")
+        _bad_argument(TypeError,
+                      f"expected temperature to be a number, a tensor or None, got {type(temperature).__name__}")
     for name, dtype in (("projection_dtype", projection_dtype), *dtypes.items()):
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            _fail(TypeError, f"expected {name} to be a floating torch.dtype or None, got {dtype!r}")
+            _bad_argument(TypeError, f"expected {name} to be a floating torch.dtype or None, got {dtype!r}")
     if not isinstance(transform, HeadTransform):
-        _fail(TypeError, f"expected transform to be a HeadTransform, got {type(transform).__name__}")
+        _bad_argument(TypeError, f"expected transform to be a HeadTransform, got {type(transform).__name__}")
     for name, value in (("weight", weight), ("bias", bias), ("indices", indices), ("temperature", temperature)):
         if isinstance(value, Tensor) and value.device != device:
-            _fail(ValueError, f"expected {name} on {device} (the hidden states' device), got {value.device}")
+            _bad_argument(ValueError, f"expected {name} on {device} (the hidden states' device), got {value.device}")
 
 
 STATISTICS_NAME = "chunkce.linear_statistics"  # how the op names itself in messages
@@ -262,8 +264,9 @@ def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
 
 
 @STATISTICS_FORWARD_SCHEMA.custom_op
-def _forward_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, indices: Tensor | None,
-                temperature: Tensor | None, logit_scale_tensor: Tensor | None, **arguments) -> tuple[Tensor, ...]:
+def _linear_statistics_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, indices: Tensor | None,
+                          temperature: Tensor | None, logit_scale_tensor: Tensor | None,
+                          **arguments) -> tuple[Tensor, ...]:
     """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (module docstring);
     with ``row_statistics=False`` the last six are empty ``[0]``."""
     arguments = {**STATISTICS_DEFAULTS, **arguments}
@@ -283,7 +286,7 @@ def _empty_statistics(like: Tensor) -> tuple[Tensor, ...]:
     return empty, empty.clone(), empty.clone(), empty.long(), empty.clone(), empty.clone()
 
 
-@_forward_op.register_fake
+@_linear_statistics_op.register_fake
 def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **arguments):
     arguments = {**STATISTICS_DEFAULTS, **arguments}
     accumulate = accumulate_dtype(arguments["statistics_dtype"])
@@ -299,11 +302,12 @@ def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **a
 
 
 @STATISTICS_BACKWARD_SCHEMA.custom_op
-def _backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None, grad_entropy: Tensor | None,
-                 grad_max: Tensor | None, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
-                 indices: Tensor | None, temperature: Tensor | None, logit_scale_tensor: Tensor | None,
-                 row_max: Tensor, row_log_sum: Tensor, row_mean: Tensor, argmax: Tensor,
-                 **arguments) -> tuple[Tensor, Tensor, Tensor]:
+def _linear_statistics_backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None,
+                                   grad_entropy: Tensor | None, grad_max: Tensor | None, hidden_states: Tensor,
+                                   weight: Tensor, bias: Tensor | None, indices: Tensor | None,
+                                   temperature: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
+                                   row_log_sum: Tensor, row_mean: Tensor, argmax: Tensor,
+                                   **arguments) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V_local, H]``, bias ``[V_local]`` (each in
     its parameter's dtype; empty where ``output_mask`` does not ask) of the given output gradients
     (accumulate dtype; None: no term), from the forward's ``[N]`` statistics."""
@@ -316,7 +320,7 @@ def _backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None, grad_ent
             temperature, (row_max, row_log_sum, row_mean, argmax), output_mask, vocab_start)
 
 
-@_backward_op.register_fake
+@_linear_statistics_backward_op.register_fake
 def _(grad_selected, grad_lse, grad_entropy, grad_max, hidden_states, weight, bias, *rest, **arguments):
     return fake_gradients(hidden_states, weight, bias, arguments["output_mask"])
 
@@ -337,7 +341,7 @@ def backward(grads: tuple, saved: tuple[Tensor, ...], arguments: dict[str, Any],
     return tuple(grad if wanted else None for grad, wanted in zip(gradients, want))
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
+def _linear_statistics_setup_context(ctx, inputs, keyword_only_inputs, output):
     _, _, _, row_max, argmax, row_log_sum, row_mean = output
     ctx.mark_non_differentiable(argmax, row_log_sum, row_mean)
     ctx.set_materialize_grads(False)
@@ -346,15 +350,15 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, *_non_differentiable):
+def _linear_statistics_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, *_non_differentiable):
     grads = (grad_selected, grad_lse, grad_entropy, grad_max)
     grad_hidden, grad_weight, grad_bias = backward(grads, ctx.saved_tensors, ctx.arguments, ctx.needs_input_grad)
     return input_grads(ctx, {0: grad_hidden, 1: grad_weight, 2: grad_bias})
 
 
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
-_backward_op.register_autograd(refuse_double_backward(STATISTICS_NAME, UNFUSED),
-                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
+_linear_statistics_op.register_autograd(_linear_statistics_backward, setup_context=_linear_statistics_setup_context)
+_linear_statistics_backward_op.register_autograd(refuse_double_backward(STATISTICS_NAME, UNFUSED),
+                                                 setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
 
 
 PARALLEL_STATISTICS_NAME = "chunkce.vocab_parallel_row_statistics"

@@ -289,10 +289,10 @@ def _(loss, *tensors, **keywords):
 
 
 @VOCAB_PARALLEL_BACKWARD_SCHEMA.custom_op
-def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                 class_weight: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
-                 row_log_sum: Tensor, *, output_mask: list[bool], vocab_start: int, vocab_size: int,
-                 **options) -> tuple[Tensor, Tensor, Tensor]:
+def _shard_backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, target: Tensor,
+                       bias: Tensor | None, class_weight: Tensor | None, logit_scale_tensor: Tensor | None,
+                       row_max: Tensor, row_log_sum: Tensor, *, output_mask: list[bool], vocab_start: int,
+                       vocab_size: int, **options) -> tuple[Tensor, Tensor, Tensor]:
     """This rank's part of the gradient w.r.t. ``hidden_states [N, H]`` (its shard's classes' terms;
     the sum over ranks is the gradient), and the gradients w.r.t. its ``weight [V_local, H]`` and
     ``bias [V_local]``: :func:`compile_pass.op.loops.chunked_backward` over the shard with the global
@@ -308,7 +308,7 @@ def _backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor, targe
                                       row_max, row_log_sum, output_mask)
 
 
-@_backward_op.register_fake
+@_shard_backward_op.register_fake
 def _(grad_loss, hidden_states, weight, target, bias, class_weight, logit_scale_tensor, row_max, row_log_sum,
       *, output_mask, **keywords):
     return fake_gradients(hidden_states, weight, bias, output_mask)
@@ -320,7 +320,7 @@ def all_reduce(tensor: Tensor, op: str, group_name: str) -> Tensor:
     return _wait_tensor(_all_reduce(tensor, op, group_name))
 
 
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
+def _loss_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(*inputs[1:])  # the six tensors, row_max, row_log_sum
     keywords = dict(keyword_only_inputs)
     ctx.group_name = keywords.pop("group_name")
@@ -328,7 +328,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _backward(ctx, grad_loss):
+def _loss_backward(ctx, grad_loss):
     want_hidden, want_weight, want_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[4]
     grad_hidden, grad_weight, grad_bias = torch.ops.chunkce.vocab_parallel_backward(
         grad_loss, *ctx.saved_tensors, output_mask=[want_hidden, want_weight, want_bias], **ctx.keywords)
@@ -336,6 +336,6 @@ def _backward(ctx, grad_loss):
                              2: grad_weight if want_weight else None, 4: grad_bias if want_bias else None})
 
 
-_loss_op.register_autograd(_backward, setup_context=_setup_context)
-_backward_op.register_autograd(refuse_double_backward(VOCAB_PARALLEL_NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
-                               setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)
+_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
+_shard_backward_op.register_autograd(refuse_double_backward(VOCAB_PARALLEL_NAME, "the unfused F.linear + F.cross_entropy on the gathered head"),
+                                     setup_context=lambda ctx, inputs, keyword_only_inputs, output: None)

@@ -263,7 +263,7 @@ _LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, tor
 _SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
 _LOG = (torch.log, torch.Tensor.log)
 _NEG = (operator.neg, torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.negative)
-_MAX_DEPTH = 16  # nodes between a loss and its log_softmax the reader looks through
+_MAX_STEPS = 16  # nodes between a loss and its log_softmax the reader looks through
 
 
 class LogProbs(NamedTuple):
@@ -289,7 +289,7 @@ def find_log_softmax(start: Node, negations: bool) -> LogProbs | None:
     negs: list[Node] = []
     path: list[Node] = []  # from the loss input back, the log_softmax excluded
     node = start
-    for _ in range(_MAX_DEPTH):
+    for _ in range(_MAX_STEPS):
         if node.op not in ("call_function", "call_method") or not is_tensor_node(node):
             return None
         target = function_of(node)
