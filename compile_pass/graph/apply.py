@@ -113,7 +113,7 @@ def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
     graph = plan.site.node.graph
     with Edit(graph) as edit:
         reached("rewrite", plan.site)
-        done = rewrite_site(plan.site, plan.replacement, edit, options)
+        done = rewrite_site(plan.site, plan.replacement, edit, options, head_rows=plan.head_rows)
         graph.lint()
     plan.statistics = done.statistics
     return dataclasses.replace(plan.record, logits_bytes_avoided=done.logits_bytes_avoided, tiles=done.tiles)
@@ -164,18 +164,25 @@ class Rewritten:
     statistics: tuple[Node, ...] = ()  # a replacement's row statistics beside the loss (graph/plan.py)
 
 
-def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options) -> Rewritten:
+def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options,
+                 head_rows: bool = False) -> Rewritten:
     """Replace an accepted ``site``'s loss node by ``replacement`` traced in (the spelling's:
     token-dim indexing replayed on the hidden states, then the op's nodes), as part of ``edit``,
     with the op's options from ``options`` (``grads_in_forward`` picks the grads-in-forward op
     where the site's loss wants gradients). A replacement returning a tuple gives the loss and
-    row statistics (:attr:`Rewritten.statistics`)."""
+    row statistics (:attr:`Rewritten.statistics`). ``head_rows``: the replacement walks every row of
+    the projection's hidden states, and gets ``rows=`` (the indexing replayed on their row numbers:
+    which rows the loss reads, shaped as its target)."""
     graph: Graph = site.node.graph
     projection, call, scale = site.projection, site.call, site.scale
     meta = site.node.meta
     sharded = projection.sharded  # a vocabulary-sharded head (graph/tensor_parallel.py), or None
+    rows = None  # head_rows: [..., 1] int64, the head row of each of the loss's rows
     with graph.inserting_before(site.node):
-        hidden = _hidden_states(site, meta)  # [..., H]
+        if head_rows:
+            rows = _replayed(site, trace_into(graph, _row_numbers, projection.hidden, meta=meta), meta)
+            rows = create_node(graph, "call_method", "squeeze", (rows, -1), meta=meta)  # [...]
+        hidden = projection.hidden if head_rows else _hidden_states(site, meta)  # [..., H]
         weight, bias = projection.weight, projection.bias
         if sharded is not None:  # this rank's shards, [V_local, H] and [V_local]
             _, weight, bias = tensor_parallel.local_operands(projection, graph, meta, hidden=False)
@@ -198,7 +205,7 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
             label_smoothing=float(loss.label_smoothing) if loss else 0.0, logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection_dtype if casts_inputs else None,
             transform=HeadTransform() if scale is None else scale.head_transform(meta),
-            grads_in_forward=wanted, meta=meta, **options.op_options(),
+            grads_in_forward=wanted, meta=meta, **options.op_options(), **({"rows": rows} if head_rows else {}),
         )
         statistics = ()
         if isinstance(new, tuple):
@@ -208,8 +215,10 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
     reached("traced", site)
     logits = example_value(projection.node)  # [..., V]
     vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
-    rows = loss.target if loss else site.node  # a row statistic's value: one per row
-    tiles = planned_tiles(size_hint(example_value(rows).numel()), vocab, projection_dtype, logits.device.type,
+    walked = loss.target if loss else site.node  # a row statistic's value: one per row
+    walked = example_value(walked if rows is None else projection.hidden)
+    num_rows = walked.numel() if rows is None else walked.numel() // walked.shape[-1]
+    tiles = planned_tiles(size_hint(num_rows), vocab, projection_dtype, logits.device.type,
                           reduction=loss.reduction if loss else "none", grads_in_forward=wanted,
                           **options.op_options())
     # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
@@ -232,6 +241,22 @@ def _hidden_states(site: Site, meta: dict) -> Node:
     hidden = site.projection.hidden
     if site.projection.sharded is not None:  # the replicated DTensor's local tensor
         hidden, _, _ = tensor_parallel.local_operands(site.projection, graph, meta, weight=False)
+    hidden = _replayed(site, hidden, meta)
+    if site.class_dim_moved is None and example_value(hidden).dim() == 1:
+        hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
+    return hidden
+
+
+def _row_numbers(hidden_states: torch.Tensor) -> torch.Tensor:
+    """``[..., 1]`` int64: each row's number in ``hidden_states [..., H]`` flattened (read no size)."""
+    ones = torch.ones_like(hidden_states[..., :1], dtype=torch.int64)  # [..., 1]
+    return ones.flatten().cumsum(0).sub(1).view_as(ones)
+
+
+def _replayed(site: Site, hidden: Node, meta: dict) -> Node:
+    """``hidden [..., H]`` (or row numbers, ``[..., 1]``) through the site's hidden-states plan:
+    its reshapes of the token dims and their indexing replayed."""
+    graph: Graph = site.node.graph
     hidden_size = example_value(hidden).shape[-1]
     for step in site.hidden_plan:
         if isinstance(step, Reshape):
@@ -239,8 +264,6 @@ def _hidden_states(site: Site, meta: dict) -> Node:
         else:  # replay the token-dim indexing of the logits on the hidden states
             node = step.node
             hidden = create_node(graph, node.op, node.target, (hidden, *node.args[1:]), node.kwargs, meta=meta)
-    if site.class_dim_moved is None and example_value(hidden).dim() == 1:
-        hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
     return hidden
 
 

@@ -74,6 +74,7 @@ class SitePlan:
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
     statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax nodes
+    head_rows: bool = False  # the replacement walks every head row, told which are the loss's (``rows=``)
 
 
 @dataclass
@@ -160,9 +161,9 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
     for plan in logits.sites:
         if _requires_grad(plan.site.node):
             continue
-        replacement = one_walk_replacement(plan.site, dead, options.tiles)
-        if replacement is not None:
-            plan.replacement = replacement
+        found = one_walk_replacement(plan.site, dead, options.tiles)
+        if found is not None:
+            plan.replacement, plan.head_rows = found
             return
 
 
@@ -213,20 +214,20 @@ def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
 
 
 def one_walk_replacement(site: Site, dead: set[Node],
-                         tiles: tuple[int | None, int | None]) -> Callable[..., Any] | None:
-    """``site``'s replacement that also returns the row statistics of its returned logits'
-    head, once the ``dead`` nodes are erased; None where the loss's walk cannot serve the reads:
-    a spelling without ``one_walk`` (or its refusal), token rows other than the head's (indexing
-    replayed on the hidden states), another scale than the returned logits', or logits that
-    the loss and the reads see as different values or accumulate in different dtypes."""
+                         tiles: tuple[int | None, int | None]) -> tuple[Callable[..., Any], bool] | None:
+    """``(replacement, head_rows)``: ``site``'s replacement that also returns the row statistics
+    of its returned logits' head, once the ``dead`` nodes are erased, and whether it walks every
+    head row to read the loss's own (``head_rows``: the loss read token rows other than the head's,
+    ``logits[:, :-1]``, indexing replayed on the row numbers, not on the hidden states); None where
+    the loss's walk cannot serve the reads: a spelling without ``one_walk`` (or its refusal),
+    another scale than the returned logits', or logits that the loss and the reads see as
+    different values or accumulate in different dtypes."""
     spelling = site.call.spelling.one_walk
     replacement = spelling(site.call, site.projection) if spelling is not None else None
     found = returned_head(site.projection, dead, tiles)
     if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
         return None
     head, chain = found
-    if not all(isinstance(step, Reshape) for step in site.hidden_plan):
-        return None
     if (site.scale is None) != (head.scale is None) or (site.scale is not None and site.scale.node not in chain):
         return None
     loss_dtype, returned_dtype = cast_chains(site)[-1][-1], head.logits_dtype
@@ -234,7 +235,8 @@ def one_walk_replacement(site: Site, dead: set[Node],
                                                    and holds(returned_dtype, head.computed_dtype))
     if not same_values or accumulate_dtype(loss_dtype) != accumulate_dtype(returned_dtype):
         return None
-    return partial(replacement, statistics_dtype=returned_dtype)
+    head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
+    return partial(replacement, statistics_dtype=returned_dtype), head_rows
 
 
 def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[Fate, bool]:
