@@ -13,7 +13,8 @@ the rewritten sites read, with its logits' :class:`compile_pass.graph.returned_l
 projection); ``LAZY`` / ``DROPPED``, only the graph output reads them, directly or through
 dtype casts, copies and a scale the pass absorbs, and ``returned_logits`` takes them out;
 ``KEPT``, computed in the step (another reader, ``"keep"``, a higher-order op's body, inputs a
-recipe cannot take, a ``loss_parallel`` head's ``Shard(-1)`` logits). The two are decided
+recipe cannot take, a ``loss_parallel`` head's ``Shard(-1)`` logits, or a caller that cannot take
+them out: ``take_out=False``, the pre-grad pass and ``fuse_linear_cross_entropy``, plan as ``"keep"``). The two are decided
 together: a site without grad whose logits stay ``KEPT`` is left as stock, since without grad
 Inductor fuses the upcast and the log-softmax into reductions over the logits, and the rewrite
 would only add a second projection.
@@ -103,12 +104,13 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         record = refused[0].record
         raise NotImplementedError(f"chunkce: cannot rewrite the cross-entropy at {record.source}: {record.reason} "
                                   "(strict=True; pass strict=False to leave such sites unfused)")
+    mode = options.returned_logits if take_out else "keep"  # nothing leaves the graph: it computes them
     groups: dict[Node, LogitsPlan] = {}
     for plan in plans:
         if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
     for logits in groups.values():
-        attempt(options.strict, partial(_plan_logits, logits, options.returned_logits, in_subgraph),
+        attempt(options.strict, partial(_plan_logits, logits, mode, in_subgraph),
                 lambda exc: None, "could not tell which rewritten sites' logits are kept; the graph is rewritten")
         if take_out and logits.fate is Fate.LAZY:
             attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,

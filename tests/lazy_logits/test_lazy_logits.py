@@ -379,12 +379,23 @@ def test_holding_the_output_across_backward_and_the_next_step_keeps_only_the_hid
     assert abs(lazy_next - free_next) <= hidden_bytes + 4096, (lazy_next, free_next)
 
 
+GRAPH_PASSES = {
+    "pre_grad": lambda graph: compile_pass.ChunkcePreGradPass()(graph),
+    "pre_grad_lazy": lambda graph: compile_pass.ChunkcePreGradPass({"returned_logits": "lazy"})(graph),
+    "fuse_linear_cross_entropy": lambda graph: compile_pass.fuse_linear_cross_entropy(graph),
+}
+
+
+@pytest.mark.parametrize("graph_pass", GRAPH_PASSES)
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "training"])
-def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stock(grad):
-    """The pre-grad pass cannot make returned logits lazy (it cannot wrap the compiled graph), so in a
-    graph without grad it would keep them and project again: it leaves that site as stock (the graph
-    after the pass runs stock's ops, outputs exact); in a training graph it rewrites the loss and keeps
-    the logits. The pass is run, as Inductor runs it, on the graph Dynamo captured."""
+def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stock(grad, graph_pass):
+    """The pre-grad pass and the public graph pass cannot make returned logits lazy (they cannot
+    wrap the compiled graph), so in a graph without grad they would keep them and project again:
+    they leave that site as stock (the graph after the pass runs stock's ops, outputs exact),
+    deciding the logits' fate as the backend does with what they can take out; in a training
+    graph they rewrite the loss and keep the logits. The pass is run, as Inductor runs it, on the
+    graph Dynamo captured. Failed before for ``fuse_linear_cross_entropy`` (``returned_logits``
+    'lazy' by default): the site rewritten, the logits still computed (a second projection)."""
     captured = []
 
     def capture(gm, example_inputs):
@@ -396,7 +407,7 @@ def test_pre_grad_pass_leaves_a_no_grad_site_whose_logits_it_must_return_as_stoc
     with torch.set_grad_enabled(grad):
         torch.compile(model, backend=capture)(h, labels)
         ((gm, example_inputs),) = captured
-        compile_pass.ChunkcePreGradPass()(gm.graph)
+        GRAPH_PASSES[graph_pass](gm.graph)
         gm.recompile()
         got, expected = gm(*example_inputs), model(h, labels)
     (record,) = compile_pass.last_report().records
