@@ -42,13 +42,14 @@ import torch
 from torch.fx import Graph, Node
 
 from compile_pass.graph import find, guard
-from compile_pass.graph.guard import cast_chains
+from compile_pass.graph.guard import cast_chains, mutates
 from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord, failed, module_of, source_of
 from compile_pass.graph.returned_logits import Fate, recipe_nodes, returned_chain, returned_head
-from compile_pass.graph.sites import Reshape, Site
+from compile_pass.graph.sites import Replay, Reshape, Site
+from compile_pass.graph.spellings.call import LossCall, SpellingKind
 from compile_pass.graph.stages import attempt, reached
 from compile_pass.lazy_logits.keys import holds
 from compile_pass.op.tiling import accumulate_dtype
@@ -76,6 +77,10 @@ class SitePlan:
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
     statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax nodes
     head_rows: bool = False  # the replacement walks every head row, told which are the loss's (``rows=``)
+    serves_reads: bool = False  # its statistics are those the returned logits' reads compute (_plan_one_walk)
+    walk_of: SitePlan | None = None  # a row statistic folded into that loss site's walk (_plan_fold)
+    at: Node | None = None  # a loss whose walk serves statistics before it: traced in before this node
+    moved: tuple[Node, ...] = ()  # the nodes making its labels, moved before ``at`` first
 
 
 @dataclass
@@ -115,6 +120,9 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         if take_out and logits.fate is Fate.LAZY:
             attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,
                     "could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
+        if not options.grads_in_forward:
+            attempt(options.strict, partial(_plan_fold, logits, order), lambda exc: None,
+                    "could not fold the row statistics into the loss's walk; each walks alone")
     return plans, list(groups.values())
 
 
@@ -166,7 +174,71 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
         found = one_walk_replacement(plan.site, dead, options.tiles)
         if found is not None:
             plan.replacement, plan.head_rows = found
+            plan.serves_reads = True
             return
+
+
+def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
+    """A loss site and row statistics (a z-loss's logsumexp, an entropy) of the same logits: the
+    statistics read the loss's walk (``walk_of``), which walks every head row and returns them
+    (its spelling's ``one_walk``), where they read the same values (the same casts and scale) and
+    the loss's inputs exist before the first of them (``at``: where the walk is traced in)."""
+    losses = [plan for plan in logits.sites if isinstance(plan.site.call, LossCall)]
+    statistics = [plan for plan in logits.sites if plan.site.call.spelling.kind is SpellingKind.STATISTIC]
+    if len(losses) != 1 or not statistics:
+        return
+    (loss,) = losses
+    site = loss.site
+    replacement, head_rows = loss.replacement, loss.head_rows
+    if not loss.serves_reads:
+        spelling = site.call.spelling.one_walk
+        replacement = spelling(site.call, site.projection) if spelling is not None else None
+        if replacement is None:
+            return
+        replacement = partial(replacement, statistics_dtype=cast_chains(site)[-1][-1])
+        head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
+    scale = site.scale.node if site.scale is not None else None
+    folded = [plan for plan in statistics if (plan.site.scale.node if plan.site.scale is not None else None) is scale
+              and cast_chains(plan.site) == cast_chains(site)]
+    early = [plan for plan in folded if order[plan.site.node] < order[site.node]]
+    moved: list[Node] = []
+    if early:  # the walk runs at the first statistic: the labels must be what the loss reads, and made by then
+        first = min(order[plan.site.node] for plan in early)
+        nodes = list(site.node.graph.nodes)[first:order[site.node]]
+        moved = _made_after(_loss_inputs(site), first, order)
+        if any(mutates(node) for node in nodes) or moved is None:
+            folded, moved = [plan for plan in folded if plan not in early], []
+    if not folded:
+        return
+    loss.replacement, loss.head_rows = replacement, head_rows
+    first_site = min((loss, *folded), key=lambda plan: order[plan.site.node])
+    loss.at = first_site.site.node if first_site is not loss else None
+    loss.moved = tuple(moved)
+    for plan in folded:
+        plan.walk_of = loss
+
+
+def _loss_inputs(site: Site) -> list[Node]:
+    """The nodes a loss's walk reads besides the head's: its labels, a scale, an indexing's arguments."""
+    inputs = [node for node in (site.call.target, site.scale and site.scale.node) if isinstance(node, Node)]
+    return inputs + [arg for step in site.hidden_plan if isinstance(step, Replay)  # a narrow's start, say
+                     for arg in step.node.all_input_nodes if arg is not step.node.args[0]]
+
+
+def _made_after(inputs: list[Node], first: int, order: dict[Node, int]) -> list[Node] | None:
+    """``inputs`` and their inputs the graph makes at or after position ``first``, in graph order
+    (moved before it, they make the same values where nothing between mutates); None when one is
+    not a plain call (moved, it could change what it computes)."""
+    made, stack = set(), list(inputs)
+    while stack:
+        node = stack.pop()
+        if order[node] < first or node in made:
+            continue
+        if node.op not in ("call_function", "call_method") or mutates(node):
+            return None
+        made.add(node)
+        stack.extend(node.all_input_nodes)
+    return sorted(made, key=order.__getitem__)
 
 
 def _requires_grad(loss: Node) -> bool:
