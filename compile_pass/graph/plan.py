@@ -26,6 +26,10 @@ class weight, no label smoothing) and those statistics are exactly what the lazy
 read would compute (:func:`compile_pass.graph.returned_logits.returned_head`), the site is
 replaced by one ``chunkce::linear_statistics`` walk that gives the loss and returns the
 statistics, which the lazy logits keep (:func:`compile_pass.lazy_logits.wrap.wrap_compiled`).
+Logits sliced before the loss (``logits[:, :-1]``) too: the walk covers every head row and the
+loss reads its own (``head_rows``). Row statistics of the same values beside a loss (a z-loss's
+logsumexp, an entropy) read that loss's walk too (``_plan_fold``): one op call forward and one
+backward where each walked on its own.
 """
 
 from __future__ import annotations

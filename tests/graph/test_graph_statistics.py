@@ -174,6 +174,30 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
     assert forms.count("logsumexp") + forms.count("entropy") == statistics, forms
 
 
+@pytest.mark.parametrize("name", ["z_loss", "entropy_bonus", "entropy_bonus_lse", "log_probs_and_entropy"])
+def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_backward(name, monkeypatch):
+    """The walks a training step runs, counted at the op's loops: a cross-entropy with a z-loss or
+    an entropy (written before or after it) is one statistics walk and one backward walk (were:
+    the cross-entropy op's and the statistics op's, two of each); per-token log-probs (a gather)
+    keep their own op beside the entropy's."""
+    from compile_pass.op import loops, statistics_loops
+    walks = Counter()
+    for module, function in ((loops, "chunked_forward"), (loops, "chunked_backward"),
+                             (statistics_loops, "statistics_walk"), (statistics_loops, "statistics_gradients")):
+        def counted(*args, _real=getattr(module, function), _name=function, **kwargs):
+            walks[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, function, counted)
+    loss = SPELLINGS[name][0]
+    compiled_and_references(Head(loss), [inputs()])
+    expected = {"statistics_walk": 1, "statistics_gradients": 1}
+    if name == "log_probs_and_entropy":
+        expected |= {"chunked_forward": 1, "chunked_backward": 1}
+    assert dict(walks) == expected, dict(walks)
+    assert counters["chunkce"]["statistics_folded"] == (0 if name == "log_probs_and_entropy" else
+                                                        SPELLINGS[name][2])
+
+
 @pytest.mark.parametrize("loss", [z_loss, entropy_bonus], ids=["z_loss", "entropy_bonus"])
 def test_bf16_statistics_of_fp32_logits_match_eager_and_stock(loss):
     """A bf16 head whose logits are cast to fp32 for the loss and the statistic (the op rounds the
