@@ -228,9 +228,10 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
     reached("traced", site)
     logits = example_value(projection.node)  # [..., V]
     vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
-    walked = loss.target if loss else site.node  # a row statistic's value: one per row
-    walked = example_value(walked if rows is None else projection.hidden)
-    num_rows = walked.numel() if rows is None else walked.numel() // walked.shape[-1]
+    if rows is None:  # the loss's rows, or a row statistic's values (one per row)
+        num_rows = example_value(loss.target if loss else site.node).numel()
+    else:  # every head row
+        num_rows = example_value(projection.hidden).shape[:-1].numel()
     tiles = planned_tiles(size_hint(num_rows), vocab, projection_dtype, logits.device.type,
                           reduction=loss.reduction if loss else "none", grads_in_forward=wanted,
                           **options.op_options())

@@ -185,8 +185,9 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
 def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
     """A loss site and row statistics (a z-loss's logsumexp, an entropy) of the same logits: the
     statistics read the loss's walk (``walk_of``), which walks every head row and returns them
-    (its spelling's ``one_walk``), where they read the same values (the same casts and scale) and
-    the loss's inputs exist before the first of them (``at``: where the walk is traced in)."""
+    (its spelling's ``one_walk``), where they read the same values (the same casts and scale) with
+    grad as the loss, and the loss's inputs exist before the first of them (``at``: where the walk
+    is traced in)."""
     losses = [plan for plan in logits.sites if isinstance(plan.site.call, LossCall)]
     statistics = [plan for plan in logits.sites if plan.site.call.spelling.kind is SpellingKind.STATISTIC]
     if len(losses) != 1 or not statistics:
@@ -202,8 +203,9 @@ def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
         replacement = partial(replacement, statistics_dtype=cast_chains(site)[-1][-1])
         head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
     scale = site.scale.node if site.scale is not None else None
+    grad = _requires_grad(site.node)  # a statistic under no_grad beside a loss with grad walks alone
     folded = [plan for plan in statistics if (plan.site.scale.node if plan.site.scale is not None else None) is scale
-              and cast_chains(plan.site) == cast_chains(site)]
+              and cast_chains(plan.site) == cast_chains(site) and _requires_grad(plan.site.node) == grad]
     early = [plan for plan in folded if order[plan.site.node] < order[site.node]]
     moved: list[Node] = []
     if early:  # the walk runs at the first statistic: the labels must be what the loss reads, and made by then
