@@ -79,11 +79,12 @@ class Recorder:
 
     def assert_counted(self, stats: Counter) -> None:
         """What the counters ``stats`` (of these graphs' compiles) say, proven on the graphs: one
-        op node a rewritten site, and, when every site was rewritten and none kept its logits,
-        no ``[N, V]`` logits node of any op node's shape."""
+        op node a rewritten site (a row statistic folded into a loss's walk has none of its own), and,
+        when every site was rewritten and none kept its logits, no ``[N, V]`` logits node of any op
+        node's shape."""
         assert self.graphs, "the inner backend was never called"
         sites = self.sites()
-        assert len(sites) == stats["sites_rewritten"], (
+        assert len(sites) == stats["sites_rewritten"] - stats["statistics_folded"], (
             f"{len(sites)} chunkce op node(s) in the graphs, counters say {dict(stats)}")
         if stats["sites_refused"] == 0 and stats["logits_kept"] == 0:
             for tokens, vocab in sites:

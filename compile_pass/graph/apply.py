@@ -60,12 +60,13 @@ from compile_pass.graph.report import (
 )
 from compile_pass.graph.returned_logits import Fate
 from compile_pass.graph.returned_logits import take_out as take_out_logits
-from compile_pass.graph.sites import Reshape, Site, StepKind
+from compile_pass.graph.sites import Replay, Reshape, Site, StepKind
 from compile_pass.graph.spellings.call import LossCall
 from compile_pass.graph.stages import attempt, reached
 from compile_pass.op.grads_in_forward import grads_wanted
 from compile_pass.op.kernels import HeadTransform
 from compile_pass.op.loss import planned_tiles
+from compile_pass.op.statistics import RowStatistics
 from compile_pass.op.tiling import Tiles
 from compile_pass.options import Options
 
@@ -73,7 +74,8 @@ from compile_pass.options import Options
 def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Options, take_out: bool) -> list[SiteRecord]:
     """The records of ``plans`` once carried out; ``take_out``: the caller wraps the compiled graph
     (:func:`compile_pass.graph.returned_logits.add_outputs`), so returned logits may leave it."""
-    for plan in plans:
+    # a loss before the row statistics folded into its walk (plan.py, _plan_fold), which read its nodes
+    for plan in sorted(plans, key=lambda plan: plan.walk_of is not None):
         if plan.action is Action.REWRITE:
             plan.record = attempt(options.strict, partial(_rewrite, plan, options), partial(_failed, plan),
                                   "rewriting %s failed; left it unfused", plan.site.node.format_node())
@@ -82,7 +84,7 @@ def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Option
         # a failed rewrite's loss still reads the logits
         fate, droppable = (group.fate, group.droppable) if len(done) == len(group.sites) else (Fate.KEPT, False)
         saved = None
-        statistics = next((plan.statistics for plan in done if plan.statistics), ())
+        statistics = next((plan.statistics for plan in done if plan.statistics and plan.serves_reads), ())
         if fate in (Fate.LAZY, Fate.DROPPED) and take_out:
             saved = attempt(options.strict, partial(_take_out, group, fate, options, statistics), lambda exc: None,
                             "taking the returned logits of %s out of the graph failed; the step computes them",
@@ -111,12 +113,18 @@ def take_out_returned(logits: list[LogitsPlan], options: Options) -> list[Return
 
 def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
     graph = plan.site.node.graph
+    for node in plan.moved:  # the labels of a loss whose walk runs at an earlier statistic (plan.py, _plan_fold)
+        plan.at.prepend(node)
     with Edit(graph) as edit:
         reached("rewrite", plan.site)
-        done = rewrite_site(plan.site, plan.replacement, edit, options)
+        loss = plan.walk_of  # a row statistic folded into that loss's walk: its statistics, if it was rewritten
+        walked = loss.statistics if loss is not None and loss.record.decision is Decision.REWRITTEN else None
+        done = rewrite_site(plan.site, plan.replacement, edit, options, head_rows=plan.head_rows,
+                            walked=walked, at=plan.at)
         graph.lint()
     plan.statistics = done.statistics
-    return dataclasses.replace(plan.record, logits_bytes_avoided=done.logits_bytes_avoided, tiles=done.tiles)
+    return dataclasses.replace(plan.record, logits_bytes_avoided=done.logits_bytes_avoided, tiles=done.tiles,
+                               folded=walked is not None)
 
 
 def _failed(plan: SitePlan, exc: Exception) -> SiteRecord:
@@ -164,18 +172,29 @@ class Rewritten:
     statistics: tuple[Node, ...] = ()  # a replacement's row statistics beside the loss (graph/plan.py)
 
 
-def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options) -> Rewritten:
+def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, options: Options,
+                 head_rows: bool = False, walked: tuple[Node, ...] | None = None, at: Node | None = None) -> Rewritten:
     """Replace an accepted ``site``'s loss node by ``replacement`` traced in (the spelling's:
     token-dim indexing replayed on the hidden states, then the op's nodes), as part of ``edit``,
     with the op's options from ``options`` (``grads_in_forward`` picks the grads-in-forward op
     where the site's loss wants gradients). A replacement returning a tuple gives the loss and
-    row statistics (:attr:`Rewritten.statistics`)."""
+    row statistics (:attr:`Rewritten.statistics`). ``head_rows``: the replacement walks every row of
+    the projection's hidden states, and gets ``rows=`` (the indexing replayed on their row numbers:
+    which rows the loss reads, shaped as its target). ``walked``: a row statistic's value read from
+    these ``(lse, entropy, max, argmax)`` nodes of every head row (the walk of the loss it is folded
+    into), no walk of its own; ``at``: the node to trace in before (None: the site's)."""
     graph: Graph = site.node.graph
     projection, call, scale = site.projection, site.call, site.scale
     meta = site.node.meta
     sharded = projection.sharded  # a vocabulary-sharded head (graph/tensor_parallel.py), or None
-    with graph.inserting_before(site.node):
-        hidden = _hidden_states(site, meta)  # [..., H]
+    rows = None  # head_rows: [..., 1] int64, the head row of each of the loss's rows
+    replayed = any(isinstance(step, Replay) for step in site.hidden_plan)
+    head_rows = head_rows or (walked is not None and replayed)
+    with graph.inserting_before(at or site.node):
+        if head_rows:
+            rows = _replayed(site, trace_into(graph, _row_numbers, projection.hidden, meta=meta), meta)
+            rows = create_node(graph, "call_method", "squeeze", (rows, -1), meta=meta)  # [...]
+        hidden = projection.hidden if head_rows and walked is None else _hidden_states(site, meta)  # [..., H]
         weight, bias = projection.weight, projection.bias
         if sharded is not None:  # this rank's shards, [V_local, H] and [V_local]
             _, weight, bias = tensor_parallel.local_operands(projection, graph, meta, hidden=False)
@@ -196,7 +215,8 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
             label_smoothing=float(loss.label_smoothing) if loss else 0.0, logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection.autocast_dtype(),
             transform=HeadTransform() if scale is None else scale.head_transform(meta),
-            grads_in_forward=wanted, meta=meta, **options.op_options(),
+            grads_in_forward=wanted, meta=meta, **options.op_options(), **({"rows": rows} if head_rows else {}),
+            **({"walked": RowStatistics(None, *walked)} if walked is not None else {}),
         )
         statistics = ()
         if isinstance(new, tuple):
@@ -206,8 +226,11 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
     reached("traced", site)
     logits = example_value(projection.node)  # [..., V]
     vocab = size_hint(logits.shape[-1]) if sharded is None else sharded.local_size  # the rows the op walks
-    rows = loss.target if loss else site.node  # a row statistic's value: one per row
-    tiles = planned_tiles(size_hint(example_value(rows).numel()), vocab, projection_dtype, logits.device.type,
+    if rows is None:  # the loss's rows, or a row statistic's values (one per row)
+        num_rows = example_value(loss.target if loss else site.node).numel()
+    else:  # every head row
+        num_rows = example_value(projection.hidden).shape[:-1].numel()
+    tiles = planned_tiles(size_hint(num_rows), vocab, projection_dtype, logits.device.type,
                           reduction=loss.reduction if loss else "none", grads_in_forward=wanted,
                           **options.op_options())
     # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
@@ -230,6 +253,22 @@ def _hidden_states(site: Site, meta: dict) -> Node:
     hidden = site.projection.hidden
     if site.projection.sharded is not None:  # the replicated DTensor's local tensor
         hidden, _, _ = tensor_parallel.local_operands(site.projection, graph, meta, weight=False)
+    hidden = _replayed(site, hidden, meta)
+    if site.class_dim_moved is None and example_value(hidden).dim() == 1:
+        hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
+    return hidden
+
+
+def _row_numbers(hidden_states: torch.Tensor) -> torch.Tensor:
+    """``[..., 1]`` int64: each row's number in ``hidden_states [..., H]`` flattened (read no size)."""
+    ones = torch.ones_like(hidden_states[..., :1], dtype=torch.int64)  # [..., 1]
+    return ones.flatten().cumsum(0).sub(1).view_as(ones)
+
+
+def _replayed(site: Site, hidden: Node, meta: dict) -> Node:
+    """``hidden [..., H]`` (or row numbers, ``[..., 1]``) through the site's hidden-states plan:
+    its reshapes of the token dims and their indexing replayed."""
+    graph: Graph = site.node.graph
     hidden_size = example_value(hidden).shape[-1]
     for step in site.hidden_plan:
         if isinstance(step, Reshape):
@@ -237,8 +276,6 @@ def _hidden_states(site: Site, meta: dict) -> Node:
         else:  # replay the token-dim indexing of the logits on the hidden states
             node = step.node
             hidden = create_node(graph, node.op, node.target, (hidden, *node.args[1:]), node.kwargs, meta=meta)
-    if site.class_dim_moved is None and example_value(hidden).dim() == 1:
-        hidden = create_node(graph, "call_method", "unsqueeze", (hidden, 0), meta=meta)  # one token, then [1, V]
     return hidden
 
 

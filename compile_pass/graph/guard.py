@@ -162,7 +162,7 @@ def _check_casts(site: Site) -> Reason | None:
     return None
 
 
-def _mutates(node: Node) -> bool:
+def mutates(node: Node) -> bool:
     if "out" in node.kwargs:
         return True
     if node.op == "call_method":
@@ -193,7 +193,7 @@ def _check_between(site: Site, order: dict[Node, int]) -> Reason | None:
             break
         if node.op == "call_function" and getattr(node.target, "__name__", "") in _MODE_SWITCHES:
             return Reason(Refusal.MODE_SWITCH, op=op_name(node))
-        if _mutates(node) and not _fresh_and_unread(node, read):
+        if mutates(node) and not _fresh_and_unread(node, read):
             return Reason(Refusal.MUTATION, op=op_name(node))
     return None
 
@@ -201,7 +201,7 @@ def _check_between(site: Site, order: dict[Node, int]) -> Reason | None:
 def _storage(node: Node) -> Node:
     """The node whose memory ``node`` views (itself when it is no view of another node; an
     in-place op's result is its input)."""
-    while node.op in ("call_method", "call_function") and (op_name(node) in _VIEWS or _mutates(node)) \
+    while node.op in ("call_method", "call_function") and (op_name(node) in _VIEWS or mutates(node)) \
             and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node

@@ -131,7 +131,7 @@ def create_node(graph: Graph, kind: str, target: Any, args: tuple, kwargs: Mappi
 def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[str, Any] | None = None,
                **kwargs: Any) -> Node:
     """Call ``fn`` with an FX ``Proxy`` for every node among ``args`` / ``kwargs`` (dataclass
-    fields included): its tensor ops become nodes of ``graph`` at the insertion point, each with
+    fields and tuples' items included): its tensor ops become nodes of ``graph`` at the insertion point, each with
     its ``example_value``. ``fn`` must read no tensor value or metadata. Returns the result's node
     (a tuple of them for a tuple result).
     """
@@ -141,6 +141,8 @@ def trace_into(graph: Graph, fn: Callable[..., Any], *args: Any, meta: Mapping[s
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return dataclasses.replace(value, **{field.name: wrap(getattr(value, field.name))
                                                  for field in dataclasses.fields(value) if field.init})
+        if isinstance(value, tuple):  # a NamedTuple of nodes too
+            return type(value)(*map(wrap, value)) if hasattr(value, "_fields") else tuple(map(wrap, value))
         return Proxy(value, tracer) if isinstance(value, Node) else value
 
     result = fn(*map(wrap, args), **{name: wrap(value) for name, value in kwargs.items()})

@@ -13,7 +13,8 @@ the rewritten sites read, with its logits' :class:`compile_pass.graph.returned_l
 projection); ``LAZY`` / ``DROPPED``, only the graph output reads them, directly or through
 dtype casts, copies and a scale the pass absorbs, and ``returned_logits`` takes them out;
 ``KEPT``, computed in the step (another reader, ``"keep"``, a higher-order op's body, inputs a
-recipe cannot take, a ``loss_parallel`` head's ``Shard(-1)`` logits). The two are decided
+recipe cannot take, a ``loss_parallel`` head's ``Shard(-1)`` logits, or a caller that cannot take
+them out: ``take_out=False``, the pre-grad pass and ``fuse_linear_cross_entropy``, plan as ``"keep"``). The two are decided
 together: a site without grad whose logits stay ``KEPT`` is left as stock, since without grad
 Inductor fuses the upcast and the log-softmax into reductions over the logits, and the rewrite
 would only add a second projection.
@@ -25,6 +26,10 @@ class weight, no label smoothing) and those statistics are exactly what the lazy
 read would compute (:func:`compile_pass.graph.returned_logits.returned_head`), the site is
 replaced by one ``chunkce::linear_statistics`` walk that gives the loss and returns the
 statistics, which the lazy logits keep (:func:`compile_pass.lazy_logits.wrap.wrap_compiled`).
+Logits sliced before the loss (``logits[:, :-1]``) too: the walk covers every head row and the
+loss reads its own (``head_rows``). Row statistics of the same values beside a loss (a z-loss's
+logsumexp, an entropy) read that loss's walk too (``_plan_fold``): one op call forward and one
+backward where each walked on its own.
 """
 
 from __future__ import annotations
@@ -41,13 +46,14 @@ import torch
 from torch.fx import Graph, Node
 
 from compile_pass.graph import find, guard
-from compile_pass.graph.guard import cast_chains
+from compile_pass.graph.guard import cast_chains, mutates
 from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord, failed, module_of, source_of
 from compile_pass.graph.returned_logits import Fate, recipe_nodes, returned_chain, returned_head
-from compile_pass.graph.sites import Reshape, Site
+from compile_pass.graph.sites import Replay, Reshape, Site
+from compile_pass.graph.spellings.call import LossCall, SpellingKind
 from compile_pass.graph.stages import attempt, reached
 from compile_pass.lazy_logits.keys import holds
 from compile_pass.op.tiling import accumulate_dtype
@@ -74,6 +80,11 @@ class SitePlan:
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
     statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax nodes
+    head_rows: bool = False  # the replacement walks every head row, told which are the loss's (``rows=``)
+    serves_reads: bool = False  # its statistics are those the returned logits' reads compute (_plan_one_walk)
+    walk_of: SitePlan | None = None  # a row statistic folded into that loss site's walk (_plan_fold)
+    at: Node | None = None  # a loss whose walk serves statistics before it: traced in before this node
+    moved: tuple[Node, ...] = ()  # the nodes making its labels, moved before ``at`` first
 
 
 @dataclass
@@ -102,16 +113,20 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         record = refused[0].record
         raise NotImplementedError(f"chunkce: cannot rewrite the cross-entropy at {record.source}: {record.reason} "
                                   "(strict=True; pass strict=False to leave such sites unfused)")
+    mode = options.returned_logits if take_out else "keep"  # nothing leaves the graph: it computes them
     groups: dict[Node, LogitsPlan] = {}
     for plan in plans:
         if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
     for logits in groups.values():
-        attempt(options.strict, partial(_plan_logits, logits, options.returned_logits, in_subgraph),
+        attempt(options.strict, partial(_plan_logits, logits, mode, in_subgraph),
                 lambda exc: None, "could not tell which rewritten sites' logits are kept; the graph is rewritten")
         if take_out and logits.fate is Fate.LAZY:
             attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,
                     "could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
+        if not options.grads_in_forward:
+            attempt(options.strict, partial(_plan_fold, logits, order), lambda exc: None,
+                    "could not fold the row statistics into the loss's walk; each walks alone")
     return plans, list(groups.values())
 
 
@@ -160,10 +175,76 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
     for plan in logits.sites:
         if _requires_grad(plan.site.node):
             continue
-        replacement = one_walk_replacement(plan.site, dead, options.tiles)
-        if replacement is not None:
-            plan.replacement = replacement
+        found = one_walk_replacement(plan.site, dead, options.tiles)
+        if found is not None:
+            plan.replacement, plan.head_rows = found
+            plan.serves_reads = True
             return
+
+
+def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
+    """A loss site and row statistics (a z-loss's logsumexp, an entropy) of the same logits: the
+    statistics read the loss's walk (``walk_of``), which walks every head row and returns them
+    (its spelling's ``one_walk``), where they read the same values (the same casts and scale) with
+    grad as the loss, and the loss's inputs exist before the first of them (``at``: where the walk
+    is traced in)."""
+    losses = [plan for plan in logits.sites if isinstance(plan.site.call, LossCall)]
+    statistics = [plan for plan in logits.sites if plan.site.call.spelling.kind is SpellingKind.STATISTIC]
+    if len(losses) != 1 or not statistics:
+        return
+    (loss,) = losses
+    site = loss.site
+    replacement, head_rows = loss.replacement, loss.head_rows
+    if not loss.serves_reads:
+        spelling = site.call.spelling.one_walk
+        replacement = spelling(site.call, site.projection) if spelling is not None else None
+        if replacement is None:
+            return
+        replacement = partial(replacement, statistics_dtype=cast_chains(site)[-1][-1])
+        head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
+    scale = site.scale.node if site.scale is not None else None
+    grad = _requires_grad(site.node)  # a statistic under no_grad beside a loss with grad walks alone
+    folded = [plan for plan in statistics if (plan.site.scale.node if plan.site.scale is not None else None) is scale
+              and cast_chains(plan.site) == cast_chains(site) and _requires_grad(plan.site.node) == grad]
+    early = [plan for plan in folded if order[plan.site.node] < order[site.node]]
+    moved: list[Node] = []
+    if early:  # the walk runs at the first statistic: the labels must be what the loss reads, and made by then
+        first = min(order[plan.site.node] for plan in early)
+        nodes = list(site.node.graph.nodes)[first:order[site.node]]
+        moved = _made_after(_loss_inputs(site), first, order)
+        if any(mutates(node) for node in nodes) or moved is None:
+            folded, moved = [plan for plan in folded if plan not in early], []
+    if not folded:
+        return
+    loss.replacement, loss.head_rows = replacement, head_rows
+    first_site = min((loss, *folded), key=lambda plan: order[plan.site.node])
+    loss.at = first_site.site.node if first_site is not loss else None
+    loss.moved = tuple(moved)
+    for plan in folded:
+        plan.walk_of = loss
+
+
+def _loss_inputs(site: Site) -> list[Node]:
+    """The nodes a loss's walk reads besides the head's: its labels, a scale, an indexing's arguments."""
+    inputs = [node for node in (site.call.target, site.scale and site.scale.node) if isinstance(node, Node)]
+    return inputs + [arg for step in site.hidden_plan if isinstance(step, Replay)  # a narrow's start, say
+                     for arg in step.node.all_input_nodes if arg is not step.node.args[0]]
+
+
+def _made_after(inputs: list[Node], first: int, order: dict[Node, int]) -> list[Node] | None:
+    """``inputs`` and their inputs the graph makes at or after position ``first``, in graph order
+    (moved before it, they make the same values where nothing between mutates); None when one is
+    not a plain call (moved, it could change what it computes)."""
+    made, stack = set(), list(inputs)
+    while stack:
+        node = stack.pop()
+        if order[node] < first or node in made:
+            continue
+        if node.op not in ("call_function", "call_method") or mutates(node):
+            return None
+        made.add(node)
+        stack.extend(node.all_input_nodes)
+    return sorted(made, key=order.__getitem__)
 
 
 def _requires_grad(loss: Node) -> bool:
@@ -213,20 +294,20 @@ def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
 
 
 def one_walk_replacement(site: Site, dead: set[Node],
-                         tiles: tuple[int | None, int | None]) -> Callable[..., Any] | None:
-    """``site``'s replacement that also returns the row statistics of its returned logits'
-    head, once the ``dead`` nodes are erased; None where the loss's walk cannot serve the reads:
-    a spelling without ``one_walk`` (or its refusal), token rows other than the head's (indexing
-    replayed on the hidden states), another scale than the returned logits', or logits that
-    the loss and the reads see as different values or accumulate in different dtypes."""
+                         tiles: tuple[int | None, int | None]) -> tuple[Callable[..., Any], bool] | None:
+    """``(replacement, head_rows)``: ``site``'s replacement that also returns the row statistics
+    of its returned logits' head, once the ``dead`` nodes are erased, and whether it walks every
+    head row to read the loss's own (``head_rows``: the loss read token rows other than the head's,
+    ``logits[:, :-1]``, indexing replayed on the row numbers, not on the hidden states); None where
+    the loss's walk cannot serve the reads: a spelling without ``one_walk`` (or its refusal),
+    another scale than the returned logits', or logits that the loss and the reads see as
+    different values or accumulate in different dtypes."""
     spelling = site.call.spelling.one_walk
     replacement = spelling(site.call, site.projection) if spelling is not None else None
     found = returned_head(site.projection, dead, tiles)
     if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
         return None
     head, chain = found
-    if not all(isinstance(step, Reshape) for step in site.hidden_plan):
-        return None
     if (site.scale is None) != (head.scale is None) or (site.scale is not None and site.scale.node not in chain):
         return None
     loss_dtype, returned_dtype = cast_chains(site)[-1][-1], head.logits_dtype
@@ -234,7 +315,8 @@ def one_walk_replacement(site: Site, dead: set[Node],
                                                    and holds(returned_dtype, head.computed_dtype))
     if not same_values or accumulate_dtype(loss_dtype) != accumulate_dtype(returned_dtype):
         return None
-    return partial(replacement, statistics_dtype=returned_dtype)
+    head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
+    return partial(replacement, statistics_dtype=returned_dtype), head_rows
 
 
 def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[Fate, bool]:

@@ -22,7 +22,8 @@ Counter keys: ``sites_found``, ``sites_rewritten``, ``sites_refused``, ``sites_l
 logits other users still need), ``logits_lazy`` (returned logits computed only when read, the
 default ``returned_logits="lazy"``, of a loss's graph or of a forward without labels),
 ``logits_dropped`` (returned logits not computed, ``returned_logits="drop"``),
-``logits_bytes_avoided`` and ``unmatched_projections``.
+``logits_bytes_avoided``, ``unmatched_projections`` and ``statistics_folded`` (rewritten row
+statistics read from the walk of a loss of the same logits: no op node of their own).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class SiteRecord:
     # what became of the logits, on the record that says so (``reason``): every rewritten site of
     # logits kept, the last rewritten site of logits taken out; None on the others
     fate: Fate | None = None
+    folded: bool = False  # a row statistic read from a loss's walk (graph/plan.py, _plan_fold): no op of its own
 
     def __post_init__(self) -> None:
         if self.decision is Decision.REFUSED and not self.fix:  # every refusal says what to do about it
@@ -285,6 +287,7 @@ def _publish(report: PassReport) -> None:
             stats["logits_kept"] += record.fate is Fate.KEPT
             stats["logits_dropped"] += record.fate is Fate.DROPPED
             stats["logits_lazy"] += record.fate is Fate.LAZY
+            stats["statistics_folded"] += record.folded
             log.info("chunkce: rewrote %s (%s, module %s, tiles %s, logits bytes avoided %s)%s",
                      record.source, record.form or "loss", record.module or "?", tiles_text(record.tiles),
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")

@@ -101,14 +101,17 @@ def cross_entropy_none_and_entropy(m, h, y):
     return -token.sum() + (entropy.detach().view(-1) * token).mean() - entropy.sum()
 
 
-SPELLINGS = {  # name: (loss, cross-entropy op nodes, statistics op nodes)
-    "z_loss": (z_loss, 1, 1),
-    "z_loss_flat_keepdim": (z_loss_flat_keepdim, 1, 1),
-    "z_loss_scaled": (z_loss_scaled, 1, 1),
-    "entropy_bonus": (entropy_bonus, 1, 1),
-    "entropy_bonus_lse": (entropy_bonus_lse, 1, 2),
-    "log_probs_and_entropy": (log_probs_and_entropy, 1, 1),
-    "cross_entropy_none_and_entropy": (cross_entropy_none_and_entropy, 1, 1),
+# name: (loss, loss sites, statistic sites, cross-entropy op nodes, statistics op nodes). A cross-entropy
+# and the statistics of the same values are one walk: one statistics op (graph/plan.py, _plan_fold);
+# per-token log-probabilities (a gather) keep the cross-entropy op.
+SPELLINGS = {
+    "z_loss": (z_loss, 1, 1, 0, 1),
+    "z_loss_flat_keepdim": (z_loss_flat_keepdim, 1, 1, 0, 1),
+    "z_loss_scaled": (z_loss_scaled, 1, 1, 0, 1),
+    "entropy_bonus": (entropy_bonus, 1, 1, 0, 1),
+    "entropy_bonus_lse": (entropy_bonus_lse, 1, 2, 0, 1),
+    "log_probs_and_entropy": (log_probs_and_entropy, 1, 1, 1, 1),
+    "cross_entropy_none_and_entropy": (cross_entropy_none_and_entropy, 1, 1, 0, 1),
 }
 
 
@@ -158,17 +161,41 @@ def assert_statistics_rewritten(recorder, losses, statistics, tokens=B * T, voca
                          ids=["static", "dynamic"])
 @pytest.mark.parametrize("name", list(SPELLINGS))
 def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(name, dynamic):
-    loss, losses, statistics = SPELLINGS[name]
+    loss, losses, statistics, loss_ops, statistics_ops = SPELLINGS[name]
     calls = [inputs(), inputs(tokens=7, seed=2)] if dynamic else [inputs()]
     before = Counter(counters["chunkce"])
     recorder = compiled_and_references(Head(loss), calls, dynamic=dynamic)
     assert len(recorder.graphs) == 1  # fullgraph; dynamic: no recompile for a new length
-    assert_statistics_rewritten(recorder, losses, statistics)
+    assert_statistics_rewritten(recorder, loss_ops, statistics_ops)
     stats = Counter(counters["chunkce"]) - before
     assert stats["sites_rewritten"] == losses + statistics and stats["sites_refused"] == 0, dict(stats)
     recorder.assert_counted(stats)
     forms = sorted(record.form for record in compile_pass.last_report().records)
     assert forms.count("logsumexp") + forms.count("entropy") == statistics, forms
+
+
+@pytest.mark.parametrize("name", ["z_loss", "entropy_bonus", "entropy_bonus_lse", "log_probs_and_entropy"])
+def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_backward(name, monkeypatch):
+    """The walks a training step runs, counted at the op's loops: a cross-entropy with a z-loss or
+    an entropy (written before or after it) is one statistics walk and one backward walk (were:
+    the cross-entropy op's and the statistics op's, two of each); per-token log-probs (a gather)
+    keep their own op beside the entropy's."""
+    from compile_pass.op import loops, statistics_loops
+    walks = Counter()
+    for module, function in ((loops, "chunked_forward"), (loops, "chunked_backward"),
+                             (statistics_loops, "statistics_walk"), (statistics_loops, "statistics_gradients")):
+        def counted(*args, _real=getattr(module, function), _name=function, **kwargs):
+            walks[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, function, counted)
+    loss = SPELLINGS[name][0]
+    compiled_and_references(Head(loss), [inputs()])
+    expected = {"statistics_walk": 1, "statistics_gradients": 1}
+    if name == "log_probs_and_entropy":
+        expected |= {"chunked_forward": 1, "chunked_backward": 1}
+    assert dict(walks) == expected, dict(walks)
+    assert counters["chunkce"]["statistics_folded"] == (0 if name == "log_probs_and_entropy" else
+                                                        SPELLINGS[name][2])
 
 
 @pytest.mark.parametrize("loss", [z_loss, entropy_bonus], ids=["z_loss", "entropy_bonus"])
@@ -177,7 +204,7 @@ def test_bf16_statistics_of_fp32_logits_match_eager_and_stock(loss):
     projection to bf16 once, as the graph): close to the unfused bf16 step."""
     h, y = inputs(dtype=torch.bfloat16)
     recorder = compiled_and_references(Head(loss, dtype=torch.bfloat16), [(h, y)], atol=2e-2, rtol=2e-2)
-    assert_statistics_rewritten(recorder, 1, 1)
+    assert_statistics_rewritten(recorder, 0, 1)  # one walk for the loss and the statistic
 
 
 # -- what is no statistic site, or stays refused --------------------------------------------------
@@ -281,7 +308,7 @@ def test_labels_edited_in_place_are_rewritten_and_match_eager_and_stock(loss, dy
     recorder = compiled_and_references(Head(loss), calls, dynamic=dynamic)
     stats = Counter(counters["chunkce"]) - before
     assert stats["sites_refused"] == 0 and stats["sites_rewritten"] >= 1, dict(stats)
-    assert op_nodes(recorder, OP) == len(recorder.graphs)
+    assert len(recorder.sites()) == len(recorder.graphs)  # one op node: a z-loss reads the loss's walk
     assert recorder.logits_like(B * T, V) == []
     recorder.assert_counted(stats)
 

@@ -5,9 +5,10 @@ The loss site is replaced by one ``chunkce::linear_statistics`` walk (graph/plan
 statistics the returned ``LazyLogits`` keeps: ``argmax(-1)``, ``logsumexp``, the entropy and a
 log-prob gather afterwards walk no more (a gather is one op call without a walk). Proven on the graph
 the inner backend got (the statistics op, no cross-entropy op, no ``[N, V]`` node), by the walks
-counted (``statistics_walk`` calls and the kernels run), and against stock compile's values. A loss
-the statistics cannot give (class weights, label smoothing, logits sliced before the loss) keeps
-today's path: the cross-entropy op, and an argmax read that walks again.
+counted (``statistics_walk`` calls and the kernels run), and against stock compile's values. Logits
+sliced before the loss (``logits[:, :-1]``, older models' shift) walk every row once, the loss reading
+its own. A loss the statistics cannot give (class weights, label smoothing) keeps today's path: the
+cross-entropy op, and an argmax read that walks again.
 """
 
 from __future__ import annotations
@@ -104,23 +105,30 @@ def reads(z, ids):
             "log_probs": z.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)}
 
 
-@pytest.mark.parametrize("dtype, reduction", [(torch.float32, "mean"), (torch.float32, "sum"),
-                                              (torch.float32, "none"), (torch.bfloat16, "mean")],
-                         ids=["fp32-mean", "fp32-sum", "fp32-none", "bf16-mean"])
-def test_eval_loss_and_reads_of_the_returned_logits_take_one_walk(walks, dtype, reduction):
+@pytest.mark.parametrize("dtype, reduction, shift", [
+    (torch.float32, "mean", "labels"), (torch.float32, "sum", "labels"), (torch.float32, "none", "labels"),
+    (torch.bfloat16, "mean", "labels"), (torch.float32, "mean", "logits"), (torch.float32, "none", "logits"),
+    (torch.bfloat16, "sum", "logits")],
+    ids=["fp32-mean", "fp32-sum", "fp32-none", "bf16-mean", "sliced-fp32-mean", "sliced-fp32-none",
+         "sliced-bf16-sum"])
+def test_eval_loss_and_reads_of_the_returned_logits_take_one_walk(walks, dtype, reduction, shift):
     """The step walks once (the statistics op, no cross-entropy op, no [N, V] node in its graph);
     argmax, max, logsumexp and entropy reads walk no more, a log-prob gather gathers without a walk;
     loss and reads equal stock's (bf16: the argmax's column holds stock's maximum), and the kept
-    statistics are bit for bit those a fresh read of the logits computes. Failed before: a
-    cross-entropy op in the graph and a second walk (maximum only) for the argmax."""
-    (loss, logits), (expected_loss, expected_logits), recorder = evaluate(EvalLM(dtype, reduction), dtype)
+    statistics are bit for bit those a fresh read of the logits computes. Logits sliced before the
+    loss too: the walk covers every row (the loss reads the first T - 1 of each sequence). Failed
+    before: a cross-entropy op in the graph and a second walk (maximum only) for the argmax."""
+    (loss, logits), (expected_loss, expected_logits), recorder = evaluate(EvalLM(dtype, reduction, shift), dtype)
     assert isinstance(logits, LazyLogits) and not logits.is_computed
     nodes = [fact.target for graph in recorder.graphs for fact in graph]
     assert nodes.count(STATISTICS) == 1 and recorder.op_count() == 0 and F.cross_entropy not in nodes
     assert recorder.logits_like(N, V) == []
     assert (walks["walks"], set(walks["kernels"])) == (1, {"statistics_forward"})
     assert counters["chunkce"]["sites_rewritten"] == 1 and counters["chunkce"]["logits_lazy"] == 1
+    (node,) = [fact for graph in recorder.graphs for fact in graph if fact.target is STATISTICS]
+    assert node.site == (N, V)  # every head row walked
     tolerance = {} if dtype == torch.float32 else {"atol": 1e-4, "rtol": 1e-4}  # the fp32 loss of bf16 logits
+    assert loss.shape == expected_loss.shape
     torch.testing.assert_close(loss, expected_loss, **tolerance)
 
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(5))
@@ -147,12 +155,13 @@ def test_eval_loss_and_reads_of_the_returned_logits_take_one_walk(walks, dtype, 
         assert torch.equal(got[name], fresh[name]), name
 
 
-@pytest.mark.parametrize("model", [EvalLM(label_smoothing=0.1), EvalLM(weight=True), EvalLM(shift="logits")],
-                         ids=["label_smoothing", "class_weight", "sliced_logits"])
+@pytest.mark.parametrize("model", [EvalLM(label_smoothing=0.1), EvalLM(weight=True),
+                                   EvalLM(shift="logits", label_smoothing=0.1)],
+                         ids=["label_smoothing", "class_weight", "sliced_logits_label_smoothing"])
 def test_eval_loss_the_statistics_cannot_give_keeps_the_cross_entropy_op(walks, model):
-    """Class weights, label smoothing, or logits sliced before the loss (its rows are not the
-    returned logits'): the cross-entropy op as before, and the argmax read walks for the maximum;
-    loss and argmax equal stock's."""
+    """Class weights or label smoothing (the loss reads more than one column per row): the
+    cross-entropy op as before, and the argmax read walks for the maximum; loss and argmax equal
+    stock's."""
     (loss, logits), (expected_loss, expected_logits), recorder = evaluate(model)
     nodes = [fact.target for graph in recorder.graphs for fact in graph]
     assert recorder.op_count() == 1 and STATISTICS not in nodes and recorder.logits_like(N, V) == []

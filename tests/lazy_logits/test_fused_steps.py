@@ -87,7 +87,9 @@ def test_a_dpo_step_gets_stocks_loss_metrics_and_gradients():
     torch.testing.assert_close(results["lazy"][:2], results["stock"][:2])
     assert_same_grads(model, reference)
     calls = results["lazy"][2]
-    assert calls.walks == 2 and calls.walk_backwards == 1  # policy and reference log-probs; argmax shares the policy's
+    # the policy's log-probs; the reference's gather the statistics its no-grad step's loss walk kept (the
+    # sliced logits' loss walks every row: graph/plan.py), and argmax shares the policy's
+    assert calls.walks == 1 and calls.walk_backwards == 1
     assert calls.recipes == 1  # logits[mask].mean(): an index read computes the logits (forward only)
 
 
@@ -100,7 +102,9 @@ def test_an_eval_metric_under_no_grad_computes_no_logits():
     with torch.no_grad():
         expected = eval_argmax(stock(h, labels)[1])
     assert torch.equal(predicted, expected) and not logits.is_computed
-    assert (calls.walks, calls.maximum_walks, calls.recipes) == (1, 1, 0)  # the maximum only: no exponential
+    # the argmax reads the statistics the step's one walk kept (its loss over the sliced logits walks every
+    # row: graph/plan.py); was a maximum walk at the read
+    assert (calls.walks, calls.maximum_walks, calls.recipes) == (0, 0, 0)
 
 
 class AutocastLM(LM):

@@ -106,21 +106,32 @@ def one_walk_cross_entropy(call: LossCall, projection: Projection) -> Callable[.
 def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                         class_weight: None, *, reduction: str, ignore_index: int, logits_dtype: torch.dtype,
                         statistics_dtype: torch.dtype, transform: Any, projection_dtype: torch.dtype | None,
-                        chunk_size: int | None, chunk_bytes: int | None, **unused: Any) -> tuple[Tensor, ...]:
+                        chunk_size: int | None, chunk_bytes: int | None, rows: Tensor | None = None,
+                        **unused: Any) -> tuple[Tensor, ...]:
     """``(loss, lse, entropy, max, argmax)``: :func:`chunked_cross_entropy`'s loss with no class
     weight or label smoothing, computed as ``lse - z[target]`` from one
     ``chunkce::linear_statistics`` walk of ``z = transform(hidden_states @ weight.T + bias)
-    .to(statistics_dtype)`` (``hidden_states [..., H]``, ``target`` its leading shape), and that
-    walk's row statistics ``[N]`` (fp32; fp64 for fp64). ``statistics_dtype`` rounds as
-    ``logits_dtype`` does and has its accumulate dtype (the caller checks)."""
-    flat_target = target.reshape(-1)  # [N]
-    valid = flat_target != ignore_index  # [N]
-    indices = flat_target.masked_fill(~valid, 0).unsqueeze(-1)  # [N, 1]: an ignored row gathers column 0
-    statistics = chunked_statistics(hidden_states.flatten(0, -2), weight, bias, indices, None,
+    .to(statistics_dtype)`` (``hidden_states [..., H]``), and that walk's row statistics ``[N]``
+    (fp32; fp64 for fp64). ``target`` has the leading shape of ``hidden_states``, or, given
+    ``rows`` (int64, ``target``'s shape: the row of ``hidden_states`` each label is for, no row
+    twice), of the loss's rows: the walk covers every row, the loss reads its own (logits sliced
+    before the loss, ``logits[:, :-1]``). ``statistics_dtype`` rounds as ``logits_dtype`` does
+    and has its accumulate dtype (the caller checks)."""
+    flat_target = target.reshape(-1)  # [n]
+    valid = flat_target != ignore_index  # [n]
+    picked = flat_target.masked_fill(~valid, 0)  # [n]: an ignored row gathers column 0
+    flat_hidden = hidden_states.flatten(0, -2)  # [N, H]
+    if rows is not None:
+        flat_rows = rows.reshape(-1)  # [n]
+        picked = torch.zeros_like(flat_hidden[:, 0], dtype=torch.int64).index_put((flat_rows,), picked)  # [N]
+    statistics = chunked_statistics(flat_hidden, weight, bias, picked.unsqueeze(-1), None,
                                     logits_dtype=statistics_dtype, statistics_dtype=statistics_dtype,
                                     transform=transform, projection_dtype=projection_dtype, chunk_size=chunk_size,
                                     chunk_bytes=chunk_bytes)
-    loss = (statistics.lse - statistics.selected.squeeze(-1)).masked_fill(~valid, 0.0)  # [N]
+    lse, selected = statistics.lse, statistics.selected.squeeze(-1)  # [N]
+    if rows is not None:
+        lse, selected = lse.index_select(0, flat_rows), selected.index_select(0, flat_rows)  # [n]
+    loss = (lse - selected).masked_fill(~valid, 0.0)  # [n]
     if reduction == "none":
         loss = loss.view_as(target).to(logits_dtype)
     else:

@@ -55,18 +55,22 @@ Value = Callable[[RowStatistics], Tensor]  # the statistic of each row, [N], fro
 def row_statistic(hidden_states: Tensor, weight: Tensor, target: None, bias: Tensor | None,
                   class_weight: None, *, value: Value, shape: tuple[int, ...] | None, keepdim: bool,
                   logits_dtype: torch.dtype, projection_dtype: torch.dtype | None, transform: Any,
-                  chunk_size: int | None, chunk_bytes: int | None,
-                  **unused: Any) -> Tensor:
+                  chunk_size: int | None, chunk_bytes: int | None, walked: RowStatistics | None = None,
+                  rows: Tensor | None = None, **unused: Any) -> Tensor:
     """``value`` of the op's row statistics of ``z = transform(hidden_states @ weight.T + bias)
     .to(logits_dtype)`` (``hidden_states [..., H]``, ``weight [V, H]``): reshaped to ``shape``
     (None: ``hidden_states.shape[:-1]``), a trailing 1 added with ``keepdim``, in ``logits_dtype``.
     The signature is :func:`compile_pass.op.loss.chunked_cross_entropy`'s (a statistic reads
-    no target, class weight or loss argument: ``unused``)."""
-    statistics = chunked_statistics(hidden_states.flatten(0, -2), weight, bias, None, None,
-                                    projection_dtype=projection_dtype, logits_dtype=logits_dtype,
-                                    statistics_dtype=logits_dtype, transform=transform, chunk_size=chunk_size,
-                                    chunk_bytes=chunk_bytes)
+    no target, class weight or loss argument: ``unused``). ``walked``: the statistics of every head
+    row from a loss's walk of the same values (no walk here; graph/plan.py, ``_plan_fold``), and
+    ``rows`` the head rows this statistic reads (None: all, in order)."""
+    statistics = walked if walked is not None else chunked_statistics(
+        hidden_states.flatten(0, -2), weight, bias, None, None, projection_dtype=projection_dtype,
+        logits_dtype=logits_dtype, statistics_dtype=logits_dtype, transform=transform, chunk_size=chunk_size,
+        chunk_bytes=chunk_bytes)
     row = value(statistics)  # [N], fp32 (fp64 for fp64 logits)
+    if rows is not None:
+        row = row.index_select(0, rows.reshape(-1))  # [n]
     row = row.view_as(hidden_states[..., 0]) if shape is None else row.reshape(shape)  # [...]
     if keepdim:
         row = row.unsqueeze(-1)  # [..., 1]
