@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import statistics
 import sys
@@ -102,6 +103,7 @@ def _walks(hidden_states, weight, target):
 _OMP_LOOP = re.compile(r"#pragma omp (for|single)\b")
 
 
+@functools.cache
 def _omp_loops(kernel_record: str) -> int:
     """The ``omp for`` / ``omp single`` loops (each one barrier) in the generated C++ of the Inductor
     kernel whose profiler record is ``kernel_record`` (``graph_K_cpp_fused_...``); 1 if not found."""
@@ -120,6 +122,8 @@ def _omp_loops(kernel_record: str) -> int:
 
 @dataclass
 class Count:
+    """One walk's units of work (the module docstring's columns), summed over its tiles."""
+
     tiles: int
     matmul: int = 0
     inductor: int = 0
@@ -143,6 +147,7 @@ def _leaves(events):
 
 
 def count_walk(prepare, run, device: torch.device) -> Count:
+    """What ``run(prepare())`` ran (only ``run`` profiled), and the tiles it walked."""
     tiles = collections.Counter()
 
     def hook(fn_name, _variant):
@@ -156,10 +161,13 @@ def count_walk(prepare, run, device: torch.device) -> Count:
         harness.synchronize(device)
     count = Count(tiles=sum(tiles.values()))
     events = prof.events()
+    cuda = torch.autograd.DeviceType.CUDA
     for event in events:
-        if "cpp_fused" in event.name or event.name.startswith(("triton_", "graph_")) and "fused" in event.name:
+        if device.type == "cpu" and "cpp_fused" in event.name:  # Inductor's record around a C++ kernel
             count.inductor += 1
-            count.parallel += _omp_loops(event.name) if device.type == "cpu" else 0
+            count.parallel += _omp_loops(event.name)
+        elif device.type != "cpu" and event.device_type == cuda and event.name.startswith("triton_"):
+            count.inductor += 1  # a Triton kernel, on the device
     for event in _leaves(events):
         if event.name in MATMULS:
             count.matmul += 1
@@ -169,7 +177,7 @@ def count_walk(prepare, run, device: torch.device) -> Count:
     if device.type == "cpu":
         count.parallel += count.matmul + count.other
     else:
-        count.parallel = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        count.parallel = sum(1 for e in events if e.device_type == cuda)
     return count
 
 
@@ -229,8 +237,8 @@ def curve_points(args) -> None:
             tile = tiling.choose_tiles(tokens, vocab, 4, chunk_bytes=budget, min_tokens=floor)
             points.append(({"floor": floor, "budget_mib": mib, "tokens": tile.tokens,
                             "vocab_block": tile.vocab_block}, _step(tensors, tile.tokens, budget), []))
-    for point, step, _ in points:  # the first call compiles; the second is measured for memory
-        step()
+    points[0][1]()  # compiles the kernels (dynamic shapes: no tile size compiles again)
+    for point, step, _ in points:  # one call each measured for memory, which also warms its tile
         point["working_set_mib"] = working_set(step, tensors) / MiB
     for _ in range(args.reps):
         for _, step, times in points:
@@ -293,11 +301,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="count, memory")
     p.add_argument("--vocab", type=int, default=32000, help="count")
     p.add_argument("--vocabs", type=int, nargs="+", default=[32000, 128256, 262144], help="memory")
-    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES), help="curve")
+    p.add_argument("--shapes", nargs="+", choices=SHAPES, default=["example-32k", "example-128k"],
+                   help="curve; large: about 11 min more on 2 idle cores")
     p.add_argument("--budgets-mib", type=float, nargs="+", default=[2, 4, 7, 16, 32], help="curve")
     p.add_argument("--floors", type=int, nargs="+", default=[256, 512, 1024], help="curve")
-    p.add_argument("--reps", type=int, default=3, help="curve: timed rounds (after one compile call and "
-                   "one memory call per point)")
+    p.add_argument("--reps", type=int, default=3, help="curve: timed rounds (after one call per point "
+                   "measured for memory)")
     p.add_argument("--timeout", type=float, default=900, help="curve: seconds per shape's process")
     isolate.add_result_argument(p)
     args = p.parse_args(argv)
