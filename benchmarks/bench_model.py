@@ -27,6 +27,10 @@ loop, ``Trainer.evaluate()`` without ``compute_metrics``) or read after the step
 (``eval-read``: ``out.logits.argmax(-1)``, what ``preprocess_logits_for_metrics``
 usually does). Peak is that of one step (the output dropped before the next), above the
 parameters; time is the median step.
+
+``--busy N`` (``--busy-kind matmul|python``): after the idle timed steps, the same number of steps
+again with ``N`` competing busy processes running (``benchmarks.busy``: another user's job on the
+machine); a second table prints each backend's busy and idle ratio to Inductor side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks import harness, isolate
+from benchmarks import busy, harness, isolate
 from benchmarks.tables import fmt, markdown, num, ratio
 
 MiB = harness.MiB
@@ -168,6 +172,7 @@ def run_eval(name: str, backend: str, args: argparse.Namespace) -> dict:
         losses.append(step(ids))
     stats = harness.time_region(lambda _: losses.append(step(ids)), lambda: None, device, warmup=0,
                                 reps=args.steps)
+    busy_stats = _busy_time(lambda _: step(ids), lambda: None, args)
     chunkce_counters = dict(torch._dynamo.utils.counters.get("chunkce", {}))
     static = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
@@ -179,8 +184,17 @@ def run_eval(name: str, backend: str, args: argparse.Namespace) -> dict:
         "tokens_per_s": config.tokens / (stats.p50 / 1e3), "peak_mib": mem.peak_bytes / MiB,
         "peak_fwd_bwd_mib": "", "static_mib": static / MiB, "warmup_s": warmup_s,
         "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
-        "losses": [float(x) for x in losses],
+        "losses": [float(x) for x in losses], **busy_stats,
     }
+
+
+def _busy_time(run, prepare, args: argparse.Namespace) -> dict:
+    """``--busy``: the median of ``args.steps`` steps with the busy processes running, else nothing."""
+    if not args.busy:
+        return {}
+    with busy.competing(args.busy, args.busy_kind):
+        stats = harness.time_region(run, prepare, args.device, warmup=1, reps=args.steps)
+    return {"busy": f"{args.busy} {args.busy_kind}", "busy_step_ms_p50": stats.p50}
 
 
 def _start(name: str, backend: str, args: argparse.Namespace):
@@ -238,6 +252,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
         losses.append(step())
 
     stats = harness.time_region(timed, prepare, device, warmup=0, reps=args.steps)
+    busy_stats = _busy_time(lambda _: step(), prepare, args)
     chunkce_counters = dict(torch._dynamo.utils.counters.get("chunkce", {}))
     return {
         "config": name, "backend": backend, "step": "train", "compile": args.compile if backend != "eager" else "-",
@@ -250,7 +265,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
         "static_mib": static / MiB,
         "warmup_s": warmup_s,
         "sites_rewritten": chunkce_counters.get("sites_rewritten", ""),
-        "losses": [float(x) for x in losses],
+        "losses": [float(x) for x in losses], **busy_stats,
     }
 
 
@@ -324,7 +339,7 @@ def run_isolated(name: str, backend: str, args: argparse.Namespace) -> dict:
     child = isolate.run(["-m", "benchmarks.bench_model", "--configs", name, "--backends", backend,
                          "--device", str(args.device), "--warmup", str(args.warmup), "--steps", str(args.steps),
                          "--lr", str(args.lr), "--seed", str(args.seed), "--compile", args.compile,
-                         "--step", args.step,
+                         "--step", args.step, "--busy", str(args.busy), "--busy-kind", args.busy_kind,
                          *(["--chunk-size", str(args.chunk_size)] if args.chunk_size else []),
                          *(["--cap-mib", str(args.cap_mib), "--max-batch", str(args.max_batch)]
                            if args.cap_mib else [])], timeout=args.run_timeout)
@@ -337,7 +352,7 @@ COLUMNS = ("config", "backend", "step", "compile", "chunk_size", "device", "dtyp
            "step_ms_p20", "step_ms_p50", "step_ms_p80", "tokens_per_s", "peak_mib", "peak_fwd_bwd_mib",
            "static_mib",
            "warmup_s", "loss_first", "loss_last", "max_loss_diff_vs_eager", "max_loss_diff_vs_inductor",
-           "sites_rewritten", "note")
+           "sites_rewritten", "busy", "busy_step_ms_p50", "note")
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -446,6 +461,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(parameters + optimizer state + step peak)")
     p.add_argument("--max-batch", type=int, default=256, help="upper end of the --cap-mib search")
     p.add_argument("--plot", default=None, help="with --cap-mib: PNG of memory against tokens per step")
+    p.add_argument("--busy", type=int, default=0,
+                   help="also time the steps with this many competing busy processes (benchmarks.busy)")
+    p.add_argument("--busy-kind", choices=busy.KINDS, default="matmul",
+                   help="the busy process: a 1-thread torch matmul loop, or a pure-Python spin")
     p.add_argument("--csv", default=None)
     isolate.add_result_argument(p)  # child -> parent
     args = p.parse_args(argv)
@@ -492,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         return report_cap(results, args)
     rows = summarize(results)
     print("\n" + step_table(rows))
+    if args.busy:
+        print("\n" + busy.busy_table(rows))
     if args.csv:
         print(f"\nwrote {len(rows)} rows to {args.csv}")
     return 0 if all(r.get("losses") for r in results) else 1  # every backend must run

@@ -27,6 +27,7 @@ from compile_pass.op.loops import (
     _product_scratch,
     op_body,
     row_statistics,
+    walk_buffers,
 )
 from compile_pass.op.schema import INPUTS, LOSS_NAME, OUTPUT_MASK, OpSchema, ResolvedCall
 from compile_pass.op.tiling import accumulate_dtype, spans
@@ -81,7 +82,7 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
     target, class_weight = _dense(target), _dense(class_weight)
     accumulate = accumulate_dtype(plan.options["logits_dtype"])
     weight_accumulate = accumulate_dtype(weight.dtype)
-    loss = hidden_states.new_empty(num_tokens, dtype=accumulate)  # [N]
+    state = walk_buffers(plan, hidden_states, num_tokens)  # loss, row_max, row_log_sum [N], ...
     ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
     chunks = spans(num_tokens, plan.tiles.tokens)
     vocab_blocks = spans(vocab_size, plan.tiles.vocab_block)
@@ -99,10 +100,11 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
     scratch = _product_scratch(grad_hidden, hidden_states, chunks, hidden_size)  # [n, H]
     for start, end in chunks:
         hidden_chunk = hidden_states[start:end]  # [n, H]
-        loss[start:end], row_max, row_log_sum, logits_chunk = row_statistics(
-            plan, buffer, hidden_chunk, weight, target[start:end], bias, class_weight, vocab_blocks)  # [n, V]
+        logits_chunk = row_statistics(plan, buffer, state, start, end, hidden_states, weight, target, bias,
+                                      class_weight, vocab_blocks)  # [n, V]
         if want_hidden or want_weight or want_bias:
-            grad_logits = _backward_kernel(plan, logits_chunk, row_max, row_log_sum, target[start:end],
+            grad_logits = _backward_kernel(plan, logits_chunk, state.row_max[start:end],
+                                           state.row_log_sum[start:end], target[start:end],
                                            class_weight, ones[start:end], 0)  # [n, V]
             del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
             if want_hidden:
@@ -113,7 +115,7 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
                 grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
             del grad_logits
     counted = target != plan.options["ignore_index"]  # [N] bool
-    return loss.sum(), grad_hidden, grad_weight, grad_bias, counted
+    return state.loss.sum(), grad_hidden, grad_weight, grad_bias, counted
 
 
 @SCHEMA.custom_op

@@ -73,58 +73,85 @@ def chunk_forward(
     logits: Tensor,  # [n, Vb] projection dtype: vocabulary columns [vocab_start, vocab_start + Vb)
     target: Tensor,  # [n] int64
     class_weight: Tensor | None,  # [V] (the whole vocabulary) or None
-    row_max: Tensor,  # [n] the running state over the row's earlier blocks (initial_state) ...
+    loss: Tensor,  # [n] written: the loss of the columns seen so far
+    row_max: Tensor,  # [n] the running state over the row's earlier blocks (forward_state), updated ...
+    row_log_sum: Tensor,  # [n] written
     sum_exp: Tensor,  # [n]
     z_target: Tensor,  # [n]
     smooth: Tensor | None,  # [n], None without label smoothing
     args: KernelArgs,  # the tile's block is the columns [args.vocab_start, args.vocab_start + Vb)
-) -> tuple[Tensor, ...]:
-    """One vocabulary block of the log-sum-exp, online across the row's blocks.
+) -> None:
+    """One vocabulary block of the log-sum-exp, online across the row's blocks, in place.
 
-    Returns ``(loss, row_max, row_log_sum, sum_exp, z_target, smooth)``, ``[n]`` each in
-    ``accumulate_dtype`` (``smooth`` None without smoothing); the last four are the state the
-    next block takes (:func:`initial_state` starts it). After a row's last block ``loss`` is
-    its per-token loss and ``row_max + row_log_sum`` its log-sum-exp, kept in two parts as
-    ``F.log_softmax`` keeps it. A row with ``+inf`` or only ``-inf`` gives nan, as torch.
+    Updates the running state ``row_max``, ``sum_exp``, ``z_target``, ``smooth`` (``[n]`` each
+    in ``accumulate_dtype``; :func:`forward_state` starts it) and writes ``loss`` and
+    ``row_log_sum`` of the columns seen so far: after a row's last block ``loss`` is its per-token
+    loss and ``row_max + row_log_sum`` its log-sum-exp, kept in two parts as ``F.log_softmax``
+    keeps it. A row with ``+inf`` or only ``-inf`` gives nan, as torch. Written in place, the
+    compiled kernel stores straight into the walk's buffers, and the row maximum is one pass of
+    ``max(z, row_max)`` (docs/op.md, "Per-chunk kernels").
     """
     ignore_index, label_smoothing, logits_dtype, vocab_start, vocab_size, transform = args
     block = logits.shape[-1]
     z = transform.apply(logits)
     z = z.to(logits_dtype).to(accumulate_dtype(logits_dtype))  # [n, Vb], fused, never stored
-    new_max = torch.maximum(row_max, torch.amax(z, dim=-1))  # [n]
+    new_max = torch.maximum(z, row_max.unsqueeze(1)).amax(dim=-1)  # [n]: max(row_max, amax(z))
     old_shift = torch.where(row_max == float("-inf"), 0.0, row_max)  # [n]
     shift = torch.where(new_max == float("-inf"), 0.0, new_max)  # [n]
     shifted = z - shift.unsqueeze(1)  # [n, Vb]
-    sum_exp = sum_exp * torch.exp(row_max - shift) + torch.exp(shifted).sum(dim=-1)  # [n]
+    new_sum_exp = sum_exp * torch.exp(row_max - shift) + torch.exp(shifted).sum(dim=-1)  # [n]
     valid, safe_target = _safe_target(target, ignore_index)
     local = safe_target - vocab_start  # [n]: the target's column in this block
     in_block = (local >= 0) & (local < block)
     picked = z.gather(1, local.clamp(0, block - 1).unsqueeze(1)).squeeze(1)
-    z_target = torch.where(in_block, picked, z_target)  # [n]
-    row_log_sum = sum_exp.log()  # [n]
-    nll = row_log_sum - (z_target - new_max)
+    new_z_target = torch.where(in_block, picked, z_target)  # [n]
+    new_row_log_sum = new_sum_exp.log()  # [n]
+    nll = new_row_log_sum - (new_z_target - new_max)
     w = None if class_weight is None else class_weight.to(z.dtype)  # [V]
     if w is not None:
         nll = nll * w[safe_target]
-    loss = nll
+    value = nll
     if label_smoothing is not None:
         if w is None:
             seen, total, block_terms = vocab_start, vocab_size, shifted.sum(dim=-1)
         else:
             seen, total = w.narrow(0, 0, vocab_start).sum(), w.sum()
             block_terms = (shifted * w.narrow(0, vocab_start, block)).sum(dim=-1)
-        smooth = smooth + seen * (old_shift - shift) + block_terms  # [n]
-        smoothing_term = total * row_log_sum - smooth  # sum_c w_c (lse - z_c) over the columns seen
-        loss = (1.0 - label_smoothing) * nll + (label_smoothing / vocab_size) * smoothing_term
-    return torch.where(valid, loss, 0.0), new_max, row_log_sum, sum_exp, z_target, smooth
+        new_smooth = smooth + seen * (old_shift - shift) + block_terms  # [n]
+        smoothing_term = total * new_row_log_sum - new_smooth  # sum_c w_c (lse - z_c) over the columns seen
+        value = (1.0 - label_smoothing) * nll + (label_smoothing / vocab_size) * smoothing_term
+        smooth.copy_(new_smooth)
+    loss.copy_(torch.where(valid, value, 0.0))
+    row_max.copy_(new_max)
+    row_log_sum.copy_(new_row_log_sum)
+    sum_exp.copy_(new_sum_exp)
+    z_target.copy_(new_z_target)
 
 
-def initial_state(num_tokens: int, like: Tensor, smoothing: bool) -> tuple[Tensor, ...]:
-    """The state :func:`chunk_forward` takes for a row's first block: ``row_max = -inf``,
-    ``sum_exp = 0``, ``z_target = 0``, ``smooth = 0`` (None without smoothing), ``[n]`` each
-    in ``like``'s dtype and device."""
-    zeros = [like.new_zeros(num_tokens) for _ in range(3 if smoothing else 2)]
-    return (like.new_full((num_tokens,), float("-inf")), *zeros, *([] if smoothing else [None]))
+class ForwardState(NamedTuple):
+    """The forward walk's buffers, ``[N]`` each in the accumulate dtype: what :func:`chunk_forward`
+    writes (``loss``, ``row_log_sum``) and the running state it carries across a row's blocks."""
+
+    loss: Tensor
+    row_max: Tensor
+    row_log_sum: Tensor
+    sum_exp: Tensor
+    z_target: Tensor
+    smooth: Tensor | None  # None without label smoothing
+
+    def rows(self, start: int, end: int) -> tuple[Tensor | None, ...]:
+        """The rows ``[start, end)`` of each buffer, as :func:`chunk_forward` takes them."""
+        return tuple(None if buffer is None else buffer[start:end] for buffer in self)
+
+
+def forward_state(num_tokens: int, like: Tensor, smoothing: bool) -> ForwardState:
+    """The state :func:`chunk_forward` takes for the rows' first blocks: ``row_max = -inf``,
+    ``sum_exp = 0``, ``z_target = 0``, ``smooth = 0`` (None without smoothing), ``loss`` and
+    ``row_log_sum`` uninitialised; ``[N]`` each in ``like``'s dtype and device, for a whole walk
+    (its fills are a call's, not a tile's)."""
+    return ForwardState(like.new_empty(num_tokens), like.new_full((num_tokens,), float("-inf")),
+                        like.new_empty(num_tokens), like.new_zeros(num_tokens), like.new_zeros(num_tokens),
+                        like.new_zeros(num_tokens) if smoothing else None)
 
 
 def _gradient_coefficients(

@@ -100,15 +100,13 @@ class TileBuffer:
 
 
 def _forward_kernel(plan: ResolvedCall, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
-                    state: tuple, vocab_start: int) -> tuple[Tensor, ...]:
+                    rows: tuple, vocab_start: int) -> None:
     """``kernels.chunk_forward`` of one tile ``logits_chunk [n, Vb]`` (columns from
-    ``vocab_start``): ``(loss, row_max, row_log_sum, *state)``, ``[n]`` each in the accumulate
-    dtype, the whole row's after its last block."""
-    loss, row_max, row_log_sum, *state = kernel_runner.run(
+    ``vocab_start``) on ``rows``, a :class:`kernels.ForwardState`'s rows, updated in place."""
+    kernel_runner.run(
         "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, target, class_weight, *state, plan.kernel_args(vocab_start),
+        logits_chunk, target, class_weight, *rows, plan.kernel_args(vocab_start),
     )
-    return loss, row_max, row_log_sum, (row_max, *state)
 
 
 def _backward_kernel(plan: ResolvedCall, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
@@ -122,38 +120,42 @@ def _backward_kernel(plan: ResolvedCall, logits_chunk: Tensor, row_max: Tensor, 
     return logits_chunk
 
 
-def row_statistics(plan: ResolvedCall, buffer: TileBuffer, hidden_chunk: Tensor, weight: Tensor,
-                   target: Tensor, bias: Tensor | None, class_weight: Tensor | None,
-                   vocab_blocks: list) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """One token chunk's walk over its vocabulary blocks: ``loss [n]``, ``row_max [n]``,
-    ``row_log_sum [n]`` of the whole rows, and the last block's logits ``[n, Vb]`` (in ``buffer``)."""
+def walk_buffers(plan: ResolvedCall, like: Tensor, num_tokens: int) -> kernels.ForwardState:
+    """The forward walk's ``[N]`` buffers (:func:`kernels.forward_state`) in the accumulate dtype."""
     accumulate = accumulate_dtype(plan.options["logits_dtype"])
-    state = kernels.initial_state(hidden_chunk.shape[0], hidden_chunk.new_empty(0, dtype=accumulate),
-                                  plan.kernel_label_smoothing is not None)
+    return kernels.forward_state(num_tokens, like.new_empty(0, dtype=accumulate),
+                                 plan.kernel_label_smoothing is not None)
+
+
+def row_statistics(plan: ResolvedCall, buffer: TileBuffer, state: kernels.ForwardState, start: int, end: int,
+                   hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                   class_weight: Tensor | None, vocab_blocks: list) -> Tensor:
+    """The token chunk ``[start, end)``'s walk over its vocabulary blocks: writes the whole rows'
+    ``loss``, ``row_max`` and ``row_log_sum`` into ``state`` (:func:`walk_buffers`); returns the
+    last block's logits ``[n, Vb]`` (in ``buffer``)."""
+    rows, hidden_chunk, target = state.rows(start, end), hidden_states[start:end], target[start:end]
     for vocab_start, vocab_end in vocab_blocks:
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
         logits = buffer.project(hidden_chunk, weight[vocab_start:vocab_end], bias_block)  # [n, Vb]
-        loss, row_max, row_log_sum, state = _forward_kernel(plan, logits, target, class_weight, state,
-                                                            vocab_start)
-    return loss, row_max, row_log_sum, logits
+        _forward_kernel(plan, logits, target, class_weight, rows, vocab_start)
+    return logits
 
 
 def chunked_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` in the accumulate dtype,
     from the op's tensors (``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
-    ``bias`` / ``class_weight`` ``[V]`` or None). Holds one ``[n, Vb]`` tile."""
+    ``bias`` / ``class_weight`` ``[V]`` or None). Holds one ``[n, Vb]`` tile; each tile's kernel
+    writes straight into the ``[N]`` buffers."""
     num_tokens, vocab_size = hidden_states.shape[0], weight.shape[0]
     target, class_weight = _dense(target), _dense(class_weight)
-    accumulate = accumulate_dtype(plan.options["logits_dtype"])
-    loss, row_max, row_log_sum = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))  # [N]
+    state = walk_buffers(plan, hidden_states, num_tokens)
     vocab_blocks, token_chunks = spans(vocab_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = TileBuffer(hidden_states, token_chunks, vocab_blocks)
     for start, end in token_chunks:
-        loss[start:end], row_max[start:end], row_log_sum[start:end], _ = row_statistics(
-            plan, buffer, hidden_states[start:end], weight, target[start:end], bias, class_weight,
-            vocab_blocks)
-    return loss, row_max, row_log_sum
+        row_statistics(plan, buffer, state, start, end, hidden_states, weight, target, bias, class_weight,
+                       vocab_blocks)
+    return state.loss, state.row_max, state.row_log_sum
 
 
 def chunked_backward(plan: ResolvedCall, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
@@ -187,8 +189,9 @@ def backward_walk(tiles: Tiles, hidden_states: Tensor, weight: Tensor, bias: Ten
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
     scratch = _product_scratch(grad_hidden, hidden_states, walk.token_chunks, hidden_size)  # [n, H]
-    for vocab_start, vocab_end in walk.vocab_blocks:
+    for block, (vocab_start, vocab_end) in enumerate(walk.vocab_blocks):
         weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
+        hidden_sums = walk.hidden_sums and not (block == 0 and walk.hidden_first_written)
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
         grad_weight_block = None  # [Vb, H]: the block's sum over token chunks
         if walk.weight_block_accumulator:
@@ -202,7 +205,7 @@ def backward_walk(tiles: Tiles, hidden_states: Tensor, weight: Tensor, bias: Ten
             del logits_chunk
             if walk.want_hidden:
                 _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight_block, scratch,
-                                         walk.hidden_sums)
+                                         hidden_sums)
             if walk.want_weight:  # as F.linear's backward
                 _matmul_into(grad_weight_block, grad_logits.t(), hidden_chunk, walk.weight_sums)
             if walk.want_bias:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 MiB = 1024 * 1024
+# The default tiles: a budget and a token floor per device kind, this one place. Choose them from
+# ``python -m benchmarks.tile_kernels curve`` (time and working set against both; docs/op.md, "Tiles").
 DEFAULT_CHUNK_BYTES = 7 * MiB  # bytes of one tile of logits: the default budget on CPU
 DEFAULT_CHUNK_BYTES_ACCELERATOR = 64 * MiB  # and on accelerators
 MIN_FULL_SPEED_TOKENS_CPU = 512  # tokens
@@ -152,13 +154,15 @@ class BackwardPlan:
     accumulate_dtype: torch.dtype  # of the weight-gradient accumulator and grad_bias (fp32 for half)
     grad_hidden_dtype: torch.dtype  # of the [N, H] buffer: the accumulate dtype when it sums over blocks
     hidden_sums: bool  # grad_hidden sums one product per vocabulary block; else out= fills each chunk
+    hidden_first_written: bool  # the first block's product is written by out= (full precision), not added
     weight_sums: bool  # the weight gradient sums one product per token chunk; else out= fills each block
     weight_block_accumulator: bool  # those sums go to a [Vb, H] accumulator, copied into grad_weight
 
     @property
     def zero_grad_hidden(self) -> bool:
-        """grad_hidden starts at zero: it sums, or no tile writes it (N = 0, or V = 0: an empty shard)."""
-        return self.hidden_sums or not self.token_chunks or not self.vocab_blocks
+        """grad_hidden starts at zero: it sums onto zeros, or no tile writes it (N = 0, or V = 0: an
+        empty shard)."""
+        return (self.hidden_sums and not self.hidden_first_written) or not self.token_chunks or not self.vocab_blocks
 
     @property
     def zero_grad_weight(self) -> bool:
@@ -188,6 +192,7 @@ def plan_backward(num_tokens: int, vocab_size: int, tiles: Tiles, hidden_dtype: 
         accumulate_dtype=accumulate,
         grad_hidden_dtype=accumulate_dtype(hidden_dtype) if blocked else hidden_dtype,
         hidden_sums=blocked,
+        hidden_first_written=hidden_dtype == weight_dtype == accumulate_dtype(hidden_dtype),
         weight_sums=weight_sums,
         weight_block_accumulator=want_weight and weight_sums and accumulate != weight_dtype,
     )

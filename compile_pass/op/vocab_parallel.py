@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 import compile_pass.torch_internals as internals
-from compile_pass.op import kernel_runner, kernels, loops
+from compile_pass.op import kernel_runner, loops
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
 from compile_pass.op.schema import (
     GROUP_NAME,
@@ -242,28 +242,23 @@ def shard_statistics(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, 
     Holds one ``[n, Vb]`` tile."""
     num_tokens, shard_size = hidden_states.shape[0], weight.shape[0]
     accumulate = accumulate_dtype(plan.options["logits_dtype"])
-    smoothing = plan.kernel_label_smoothing is not None
     in_shard = _in_shard(target, vocab_start, shard_size, plan.options["ignore_index"])  # [N]
     local_target = torch.where(in_shard, target - vocab_start, _OUTSIDE)  # [N] in the shard's columns
     local_weight = None if class_weight is None else class_weight.narrow(0, vocab_start, shard_size)  # [V_local]
-    row_max, sum_exp, z_target = (hidden_states.new_empty(num_tokens, dtype=accumulate) for _ in range(3))
-    smooth = hidden_states.new_empty(num_tokens if smoothing else 0, dtype=accumulate)
+    state = loops.walk_buffers(plan, hidden_states, num_tokens)
     vocab_blocks, token_chunks = spans(shard_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
     for start, end in token_chunks:
-        hidden_chunk = hidden_states[start:end]  # [n, H]
-        state = kernels.initial_state(end - start, hidden_states.new_empty(0, dtype=accumulate), smoothing)
+        hidden_chunk, rows = hidden_states[start:end], state.rows(start, end)  # [n, H], [n] each
         for block_start, block_end in vocab_blocks:
             bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
             logits = buffer.project(hidden_chunk, weight[block_start:block_end], bias_block)  # [n, Vb]
-            _, block_max, _, *rest = kernel_runner.run(
-                "chunk_forward", plan.variant(logits, local_weight), plan.eager_kernels,
-                logits, local_target[start:end], local_weight, *state,
-                plan.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
-            state = (block_max, *rest)
-        row_max[start:end], sum_exp[start:end], z_target[start:end] = state[:3]
-        if smoothing:
-            smooth[start:end] = state[3]
+            kernel_runner.run("chunk_forward", plan.variant(logits, local_weight), plan.eager_kernels,
+                              logits, local_target[start:end], local_weight, *rows,
+                              plan.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
+    row_max, sum_exp, z_target, smooth = state.row_max, state.sum_exp, state.z_target, state.smooth
+    if smooth is None:
+        smooth = hidden_states.new_empty(0, dtype=accumulate)
     z_target = torch.where(in_shard, z_target, 0.0)  # the kernel picked column 0 for the others
     if local_weight is None:
         weight_sum = hidden_states.new_full((), float(shard_size), dtype=accumulate)

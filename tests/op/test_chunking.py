@@ -3,6 +3,7 @@ how the arguments and the environment combine, and the working set it buys, meas
 
 from __future__ import annotations
 
+import collections
 import itertools
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from builders import Head
+from torch.profiler import profile
 
 from compile_pass import Options, last_report, linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
@@ -240,6 +242,39 @@ def test_grads_in_forward_working_set_is_one_whole_row_chunk():
     assert tiles.bytes(4) <= measured <= tiles.bytes(4) + 1 * MiB, measured / MiB
     smaller = working_set(n, h, v, grads_in_forward=True, chunk_bytes=4 * MiB)  # 128 tokens
     assert smaller <= 4 * MiB + 1 * MiB, smaller / MiB
+
+
+def _bookkeeping(hidden, weight, target, **kwargs) -> collections.Counter:
+    """The aten fills, zeroings, copies and adds of one forward + backward (compiled kernels: their
+    own work is no aten op), after a first call that compiles them."""
+    def step():
+        hidden.grad = weight.grad = None
+        loss = linear_cross_entropy(hidden, weight, target, **kwargs)
+        loss.backward()
+        return loss
+
+    step()
+    with profile() as prof:
+        loss = step()
+    reference = F.cross_entropy(F.linear(hidden, weight), target)
+    torch.testing.assert_close(loss, reference)
+    for grad, expected in zip((hidden.grad, weight.grad), torch.autograd.grad(reference, (hidden, weight))):
+        torch.testing.assert_close(grad, expected)
+    names = ("aten::fill_", "aten::zero_", "aten::copy_", "aten::add_")
+    return collections.Counter(event.name for event in prof.events() if event.name in names)
+
+
+def test_a_walk_does_no_bookkeeping_per_tile():
+    """The forward fills its state once a call and its kernel writes the outputs in place; the
+    backward's first vocabulary block writes the hidden-state gradient by ``out=``: a walk of one
+    tile and one of 4 x 4 tiles fill and copy alike; the second zeroes the weight gradient it sums
+    over token chunks (once a call) and adds each later block's hidden-state product (4 x 3)."""
+    hidden, weight, target = make_inputs(n=128, h=16, v=512)
+    one = _bookkeeping(hidden, weight, target, chunk_size=128, chunk_bytes=128 * 512 * 4)
+    many = _bookkeeping(hidden, weight, target, chunk_size=32, chunk_bytes=32 * 128 * 4)
+    assert (many["aten::fill_"], many["aten::copy_"]) == (one["aten::fill_"], one["aten::copy_"]), (one, many)
+    assert many["aten::zero_"] == one["aten::zero_"] + 1, (one, many)
+    assert many["aten::add_"] == one["aten::add_"] + 4 * 3, (one, many)
 
 
 def test_documented_tuning_is_the_rule_s():
