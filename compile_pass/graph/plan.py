@@ -73,7 +73,7 @@ class SitePlan:
     action: Action
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
-    statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax nodes
+    statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax, row_sum nodes
 
 
 @dataclass

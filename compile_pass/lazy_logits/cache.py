@@ -3,7 +3,7 @@
 One forward pass serves many reads: the row statistics of a :class:`compile_pass.lazy_logits.keys.Key`,
 computed once per head row and kept.
 
-The first read of a key computes every statistic (``lse``, ``entropy``, ``max``, ``argmax``) for the
+The first read of a key computes every statistic (``lse``, ``entropy``, ``max``, ``argmax``, ``row_sum``) for the
 rows of its extent (the head rows it was made on, :attr:`Key.extent`, not only the rows read) in one
 op call, and keeps them, differentiably: later reads of those rows (a loop over rows, 128-row chunks)
 index the kept vectors, so autograd sums their gradients into that call's one backward. Gathered
@@ -25,12 +25,14 @@ from compile_pass.lazy_logits.keys import Key
 
 
 class Statistics(NamedTuple):
-    """Per read row: ``lse``, ``entropy``, ``max``, ``argmax`` ``[n]``; ``selected`` ``[n, K]`` or None."""
+    """Per read row: ``lse``, ``entropy``, ``max``, ``argmax``, ``row_sum`` ``[n]``; ``selected``
+    ``[n, K]`` or None (:class:`compile_pass.op.statistics.RowStatistics`' fields)."""
 
     lse: Tensor
     entropy: Tensor
     max: Tensor
     argmax: Tensor
+    row_sum: Tensor
     selected: Tensor | None
 
 
@@ -87,22 +89,22 @@ class RowCache:
                 full = indices.new_zeros((missing.numel(), indices.shape[-1]))
                 full[where.to(indices.device)] = indices
             stats = self._call(missing, full, grad, row_statistics=True)
-            kept.add(missing, (stats.lse, stats.entropy, stats.max, stats.argmax))
+            kept.add(missing, (stats.lse, stats.entropy, stats.max, stats.argmax, stats.row_sum))
             if gather_now:
                 selected = stats.selected.index_select(0, where.to(stats.selected.device))
-        lse, entropy, maximum, argmax = kept.take(head_rows)
+        lse, entropy, maximum, argmax, row_sum = kept.take(head_rows)
         if not grad:
-            lse, entropy, maximum = lse.detach(), entropy.detach(), maximum.detach()
+            lse, entropy, maximum, row_sum = lse.detach(), entropy.detach(), maximum.detach(), row_sum.detach()
         if indices is not None and selected is None:
             selected = self._call(head_rows, indices, grad, row_statistics=False).selected
-        return Statistics(lse, entropy, maximum, argmax, selected)
+        return Statistics(lse, entropy, maximum, argmax, row_sum, selected)
 
-    def keep(self, lse: Tensor, entropy: Tensor, maximum: Tensor, argmax: Tensor) -> None:
+    def keep(self, lse: Tensor, entropy: Tensor, maximum: Tensor, argmax: Tensor, row_sum: Tensor) -> None:
         """Keep statistics of every head row (``[N]`` each, in head row order) computed elsewhere
         (the step's own walk), as this key's op call computes them; they serve reads without grad."""
         kept = self.kept[False]
         if not kept.covers(self.key.extent):
-            kept.add(self.key.extent, tuple(t.detach() for t in (lse, entropy, maximum, argmax)))
+            kept.add(self.key.extent, tuple(t.detach() for t in (lse, entropy, maximum, argmax, row_sum)))
 
     def argmax(self, head_rows: Tensor) -> Tensor:
         """The argmax ``[n]`` of head rows ``head_rows`` (as :meth:`read` takes them): kept, or a
@@ -126,7 +128,7 @@ class RowCache:
             stats = key.head.statistics(tensors, rows, indices, row_statistics=row_statistics,
                                         maximum_only=maximum_only,
                                         **key.op_arguments(head_rows, device))
-        return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.selected)
+        return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.row_sum, stats.selected)
 
 
 def cache_of(key: Key) -> RowCache:
