@@ -157,6 +157,15 @@ def copied(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
     return _new_storage(storage, rows, lambda key, head_rows: key, value_dtype=value_dtype)
 
 
+def selected(tensor: Tensor, rows: Tensor) -> Storage | None:
+    """The storage of a copy of the rows ``rows`` (ids into the root's rows, any shape) of
+    ``tensor`` (a LazyLogits): ``tensor[mask]`` of its token dims."""
+    storage = getattr(tensor._root(), "_storage", None)
+    if storage is None:
+        return None
+    return _new_storage(storage, rows.reshape(-1), lambda key, head_rows: key, value_dtype=storage.value_dtype)
+
+
 def scaled(tensor: Tensor, other: object, multiplies: bool, dtype: torch.dtype) -> Storage | None:
     """The storage of ``tensor * other`` (``/ other``) rounded to ``dtype`` (in place: the
     tensor's own), or None."""

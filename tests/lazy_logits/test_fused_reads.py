@@ -63,6 +63,15 @@ READS = {
     "split_rows_entropy": lambda z: torch.cat([-(c.softmax(-1) * c.log_softmax(-1)).sum(-1)
                                                for c in z.reshape(-1, V).split(5)]),
     "chunk_unbind_lse": lambda z: torch.stack([torch.logsumexp(r, -1) for c in z.chunk(2) for r in c.unbind(0)]),
+    "row_sum": lambda z: z.sum(-1),
+    "row_mean_keepdim": lambda z: torch.mean(z, dim=-1, keepdim=True),
+    "sum_of_every_value": lambda z: torch.sum(z),
+    "mean_of_every_value": lambda z: z.mean(),
+    "masked_mean": lambda z: z[ids_like(z) > 10].mean(),  # TRL DPO's metric: an index read of token rows
+    "indexed_rows_lse_and_argmax": lambda z: (lambda rows: (rows.logsumexp(-1), rows.argmax(-1)))(
+        z[ids_like(z) > 10]),
+    "log_probs_row_mean": lambda z: z.log_softmax(-1).mean(-1),
+    "entropy_row_mean": lambda z: (z.softmax(-1) * z.log_softmax(-1)).mean(-1),
 }
 
 
@@ -170,8 +179,8 @@ FALLBACKS = {  # not fused: computed by the recipe, exact
                                                                reduction="none", label_smoothing=0.1),
     "cross_entropy_weight": lambda z: F.cross_entropy(z.reshape(-1, V), ids_like(z).reshape(-1),
                                                       weight=torch.rand(V, generator=torch.Generator().manual_seed(3))),
-    "logits_sum": lambda z: z.sum(-1),
-    "masked_mean": lambda z: z[ids_like(z) > 10].mean(),
+    "logits_sum_of_squares": lambda z: (z * z).sum(-1),
+    "masked_mean_of_a_vocabulary_slice": lambda z: z[..., torch.arange(V) % 3 == 0].mean(),
     "temperature_requiring_grad": lambda z: torch.logsumexp(z / per_row(z).requires_grad_()[..., None], -1),
     "vocabulary_slice": lambda z: torch.logsumexp(z[..., :20], -1),
     "log_softmax_over_tokens": lambda z: z.log_softmax(1).gather(-1, ids_like(z)[..., None]),
@@ -190,10 +199,10 @@ def test_a_copy_made_before_an_in_place_edit_keeps_its_values_and_views_see_the_
         copy, log_p, view = z.clone(), z.log_softmax(-1), z[:, 1:]
         z.div_(0.5)  # recorded on the rows: nothing computed
         return (torch.logsumexp(copy, -1), log_p.gather(-1, ids_like(z)[..., None]), torch.logsumexp(view, -1),
-                torch.logsumexp(z, -1), copy.sum(-1))  # the last falls back: the copy's values before the edit
+                torch.logsumexp(z, -1), (copy * copy).sum(-1))  # the last falls back: the copy's values before the edit
     calls = _check(user, VIEWS["plain"])
     assert calls.walks == 2  # before the edit (the copy; the log-probs share it), after it (the view, z)
-    assert calls.recipes >= 1  # copy.sum(-1)
+    assert calls.recipes >= 1  # (copy * copy).sum(-1)
 
 
 def test_rows_edited_and_not_are_read_together():
