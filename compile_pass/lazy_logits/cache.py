@@ -71,6 +71,8 @@ class RowCache:
     def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> Statistics:
         """The statistics of head rows ``head_rows`` (``[n]`` CPU int64, in read order, all in the
         key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``."""
+        if not head_rows.numel():  # no rows (an empty view or mask): the op on none, for stock's dtypes and autograd
+            return self._call(head_rows, indices, grad, row_statistics=True)
         kept = self._kept_for(head_rows, grad)
         selected = None
         if not kept.covers(head_rows):
@@ -110,7 +112,7 @@ class RowCache:
         """The argmax ``[n]`` of head rows ``head_rows`` (as :meth:`read` takes them): kept, or a
         walk of those rows for the maximum only."""
         kept = self._kept_for(head_rows, grad=False)
-        if kept.covers(head_rows):
+        if head_rows.numel() and kept.covers(head_rows):
             return kept.take(head_rows)[3]
         return self._call(head_rows, None, False, row_statistics=True, maximum_only=True).argmax
 

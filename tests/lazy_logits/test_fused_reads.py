@@ -251,3 +251,28 @@ def test_reads_under_autocast_equal_stocks_reads_under_it():
                     z.log_softmax(-1).gather(-1, ids_like(z)[..., None]))
     calls = _check(user, VIEWS["div_number"])
     assert (calls.walks, calls.recipes) == (1, 0)
+
+
+EMPTY_READS = {  # rows of none: stock's empty results and nan means, and their (zero) gradients
+    "lse_of_no_rows": (lambda z: z[:, :0].logsumexp(-1), 0),
+    "argmax_of_no_rows": (lambda z: z[:, :0].argmax(-1), 0),
+    "mean_of_no_rows": (lambda z: z[:, :0].mean(), 0),
+    "mean_of_an_empty_mask": (lambda z: z[torch.zeros(z.shape[:-1], dtype=torch.bool)].mean(), 1),
+}
+
+
+@pytest.mark.parametrize("read", EMPTY_READS)
+def test_reads_of_no_rows_equal_stock(read):
+    """A view of no rows reads through the op on none; a copy of no rows (an all-False mask) has no
+    key left and computes the values (an edge: no rows to read)."""
+    user, recipes = EMPTY_READS[read]
+    lazy_side, stock_side = leaves()
+    with counting() as calls:
+        got, got_grads = run_side(user, lazy_side, lazy=True)
+    expected, expected_grads = run_side(user, stock_side, lazy=False)
+    assert (type(got), got.shape, got.dtype, got.requires_grad) == (torch.Tensor, expected.shape, expected.dtype,
+                                                                       expected.requires_grad)
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, equal_nan=True)
+    assert calls.recipes >= recipes and (recipes or calls.recipes == 0)
