@@ -181,12 +181,17 @@ def _sum_or_mean(node: Node) -> tuple[Node, bool, bool] | None:
 
 
 def read_row_sum(node: Node) -> ReductionCall | None:
-    """A sum or mean of ``z`` (``Call.input``) over its last dim or of every value, or None (a
-    product is :data:`ENTROPY`'s, read first)."""
+    """A sum or mean of ``z`` (``Call.input``) over its last dim or of every value, or None. A sum
+    of a product of two tensors (an entropy's, a one-hot loss's) or of a softmax is no row sum of
+    logits: left to the spellings that read those (an entropy is :data:`ENTROPY`'s, read first)."""
     reduced = _sum_or_mean(node)
     if reduced is None:
         return None
     logits, keepdim, every = reduced
+    function = function_of(logits)
+    if function in (*_SOFTMAX, *_LOG_SOFTMAX, *_EXP) or (
+            function in _MUL and sum(is_tensor_node(arg) for arg in logits.args) > 1):
+        return None
     return ReductionCall(input=logits, spelling=ROW_SUM, class_dim=-1, keepdim=keepdim, every=every,
                          reduction=REDUCTIONS[function_of(node)])
 
