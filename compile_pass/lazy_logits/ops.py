@@ -84,7 +84,8 @@ def metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
     device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
     if func in COPY_OPS:
         layout = Layout(out.shape, out.stride(), out.dtype, device)
-        return _copy(base, func, args, kwargs, layout, forms.copied(base, out.dtype))
+        storage = forms.copied(base, out.dtype) if device == base.device else None  # elsewhere: its reads there
+        return _copy(base, func, args, kwargs, layout, storage)
     if func in _MULTI:
         views = [type(base)(Layout(o.shape, o.stride(), o.dtype, device), parent=(base, Pick(func, i), args[1:],
                                                                                  kwargs))
