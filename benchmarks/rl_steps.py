@@ -55,8 +55,8 @@ def sequence_log_probs(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tens
 def dpo_loss(logits: torch.Tensor, reference_logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
              beta: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's sigmoid DPO loss of a batch whose first half is chosen, second half rejected, and
-    its metrics: the accuracy of ``argmax(-1)`` on the masked rows (fused) and the chosen logits'
-    masked mean (``logits[mask].mean()``: an index read, which computes the logits)."""
+    its metrics: the accuracy of ``argmax(-1)`` on the masked rows and the chosen logits' masked
+    mean (``logits[mask].mean()``: the row sums of the masked rows), both fused."""
     policy = sequence_log_probs(logits, ids, mask)
     with torch.no_grad():
         reference = sequence_log_probs(reference_logits, ids, mask)

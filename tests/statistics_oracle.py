@@ -42,7 +42,7 @@ def case_errors(spread: float, offset: float, temperature) -> tuple[list[float],
     options = {} if temperature is None else {"temperature": temperature}
     leaves64 = [leaf.detach().double().requires_grad_() for leaf in (hidden, weight, bias)]
     reference = unfused(*leaves64, indices, **options)
-    grads = upstream(reference)
+    grads = upstream(reference, vocab_size=weight.shape[0])
 
     def values_and_grads(outputs, leaves):
         return [getattr(outputs, name).detach().double() for name in OUTPUTS] + [

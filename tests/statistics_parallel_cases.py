@@ -40,7 +40,7 @@ def run_both(shard: Shard, hidden, weight, bias, indices, *, wanted=OUTPUTS, ref
     theirs = reference(hidden, weight, bias, indices, **options)
     pairs = {name: (getattr(ours, name), getattr(theirs, name)) for name in (*OUTPUTS, "argmax")
              if getattr(ours, name) is not None and getattr(ours, name).numel()}
-    grads = upstream(theirs, [name for name in wanted if name in pairs])
+    grads = upstream(theirs, [name for name in wanted if name in pairs], vocab_size=weight.shape[0])
     mine = gradients(ours, [leaf for leaf in (hidden, w, b) if leaf is not None], grads)
     reference = gradients(theirs, [leaf for leaf in (hidden, weight, bias) if leaf is not None], grads)
     rows = slice(start, start + size)

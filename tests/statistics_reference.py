@@ -2,7 +2,7 @@
 its tests share (a helper of ``tests/op/test_statistics_*.py`` and the rank cases; not a test module).
 
 :func:`unfused` is the docstring's code (``F.linear``, the transform, the casts, the temperature,
-``gather`` / ``logsumexp`` / ``softmax * log_softmax`` / ``max``); :func:`check` runs both on the
+``gather`` / ``logsumexp`` / ``softmax * log_softmax`` / ``max`` / ``sum``); :func:`check` runs both on the
 same leaves with the same random upstream gradients (for every output, or a subset) and asserts
 every output and every gradient with ``torch.testing.assert_close``.
 """
@@ -16,7 +16,7 @@ from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.statistics import RowStatistics, linear_statistics
 from compile_pass.op.kernels import HeadTransform
 
-OUTPUTS = ("selected", "lse", "entropy", "max")  # the differentiable outputs (argmax is an index)
+OUTPUTS = ("selected", "lse", "entropy", "max", "row_sum")  # the differentiable outputs (argmax is an index)
 
 
 def unfused(hidden_states, weight, bias=None, indices=None, *, logits_dtype=None, projection_dtype=None,
@@ -38,7 +38,7 @@ def unfused(hidden_states, weight, bias=None, indices=None, *, logits_dtype=None
     lp = z.log_softmax(-1)
     values, argmax = z.max(-1)
     selected = None if indices is None else z.gather(-1, indices)
-    return RowStatistics(selected, z.logsumexp(-1), -(lp.exp() * lp).sum(-1), values, argmax)
+    return RowStatistics(selected, z.logsumexp(-1), -(lp.exp() * lp).sum(-1), values, argmax, z.sum(-1))
 
 
 def problem(num_tokens=37, hidden_size=24, vocab_size=509, *, num_indices=3, bias=True, dtype=torch.float32,
@@ -58,11 +58,16 @@ def problem(num_tokens=37, hidden_size=24, vocab_size=509, *, num_indices=3, bia
     return leaves[0], leaves[1], leaves[2] if bias else None, indices
 
 
-def upstream(outputs: RowStatistics, wanted=OUTPUTS, seed=1) -> dict:
-    """A random gradient for each output in ``wanted`` (a fixed seed), by name."""
+def upstream(outputs: RowStatistics, wanted=OUTPUTS, seed=1, vocab_size=None) -> dict:
+    """A random gradient for each output in ``wanted`` (a fixed seed), by name; ``row_sum``'s
+    divided by ``vocab_size`` (a row mean's: each of the row's columns gets it, so undivided its
+    terms in ``d hidden`` would be ``V`` times the others', and their fp32 summation error with them)."""
     gen = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(getattr(outputs, name).shape, generator=gen, dtype=torch.float64).to(
+    grads = {name: torch.randn(getattr(outputs, name).shape, generator=gen, dtype=torch.float64).to(
         getattr(outputs, name).dtype) for name in wanted if getattr(outputs, name) is not None}
+    if "row_sum" in grads and vocab_size:
+        grads["row_sum"] = grads["row_sum"] / vocab_size
+    return grads
 
 
 def gradients(outputs: RowStatistics, leaves: list, grads: dict) -> list:
@@ -89,7 +94,7 @@ def check(hidden, weight, bias, indices, *, wanted=OUTPUTS, tolerances=None, ref
                                    msg=lambda m, name=name: f"{name}: {m}")
     leaves = [leaf for leaf in (hidden, weight, bias) if leaf is not None and leaf.requires_grad]
     if leaves and wanted:
-        grads = upstream(ours, wanted)
+        grads = upstream(ours, wanted, vocab_size=weight.shape[0])
         for name, got, expected in zip(("hidden", "weight", "bias"), gradients(ours, leaves, grads),
                                        gradients(theirs, leaves, grads)):
             torch.testing.assert_close(got, expected, **tolerances, msg=lambda m, name=name: f"grad {name}: {m}")

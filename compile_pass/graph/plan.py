@@ -79,7 +79,7 @@ class SitePlan:
     action: Action
     record: SiteRecord
     replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
-    statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax nodes
+    statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax, row_sum nodes
     head_rows: bool = False  # the replacement walks every head row, told which are the loss's (``rows=``)
     serves_reads: bool = False  # its statistics are those the returned logits' reads compute (_plan_one_walk)
     walk_of: SitePlan | None = None  # a row statistic folded into that loss site's walk (_plan_fold)

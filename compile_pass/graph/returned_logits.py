@@ -60,7 +60,7 @@ class TakenOut:
 
     recipe: Recipe | DroppedRecipe
     inputs: tuple[Node, ...]  # the recipe's inputs, nodes of the graph
-    statistics: tuple[Node, ...] = ()  # lse, entropy, max, argmax [N] of the head's rows, computed in the step
+    statistics: tuple[Node, ...] = ()  # lse, entropy, max, argmax, row_sum [N] of the head's rows, computed in the step
 
 
 def take_out(projection: Projection, edit: Edit, fate: Fate,

@@ -3,7 +3,7 @@
 One forward pass serves many reads: the row statistics of a :class:`compile_pass.lazy_logits.keys.Key`,
 computed once per head row and kept.
 
-The first read of a key computes every statistic (``lse``, ``entropy``, ``max``, ``argmax``) for the
+The first read of a key computes every statistic (``lse``, ``entropy``, ``max``, ``argmax``, ``row_sum``) for the
 rows of its extent (the head rows it was made on, :attr:`Key.extent`, not only the rows read) in one
 op call, and keeps them, differentiably: later reads of those rows (a loop over rows, 128-row chunks)
 index the kept vectors, so autograd sums their gradients into that call's one backward. Gathered
@@ -25,12 +25,14 @@ from compile_pass.lazy_logits.keys import Key
 
 
 class Statistics(NamedTuple):
-    """Per read row: ``lse``, ``entropy``, ``max``, ``argmax`` ``[n]``; ``selected`` ``[n, K]`` or None."""
+    """Per read row: ``lse``, ``entropy``, ``max``, ``argmax``, ``row_sum`` ``[n]``; ``selected``
+    ``[n, K]`` or None (:class:`compile_pass.op.statistics.RowStatistics`' fields)."""
 
     lse: Tensor
     entropy: Tensor
     max: Tensor
     argmax: Tensor
+    row_sum: Tensor
     selected: Tensor | None
 
 
@@ -69,6 +71,8 @@ class RowCache:
     def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> Statistics:
         """The statistics of head rows ``head_rows`` (``[n]`` CPU int64, in read order, all in the
         key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``."""
+        if not head_rows.numel():  # no rows (an empty view or mask): the op on none, for stock's dtypes and autograd
+            return self._call(head_rows, indices, grad, row_statistics=True)
         kept = self._kept_for(head_rows, grad)
         selected = None
         if not kept.covers(head_rows):
@@ -87,28 +91,28 @@ class RowCache:
                 full = indices.new_zeros((missing.numel(), indices.shape[-1]))
                 full[where.to(indices.device)] = indices
             stats = self._call(missing, full, grad, row_statistics=True)
-            kept.add(missing, (stats.lse, stats.entropy, stats.max, stats.argmax))
+            kept.add(missing, (stats.lse, stats.entropy, stats.max, stats.argmax, stats.row_sum))
             if gather_now:
                 selected = stats.selected.index_select(0, where.to(stats.selected.device))
-        lse, entropy, maximum, argmax = kept.take(head_rows)
+        lse, entropy, maximum, argmax, row_sum = kept.take(head_rows)
         if not grad:
-            lse, entropy, maximum = lse.detach(), entropy.detach(), maximum.detach()
+            lse, entropy, maximum, row_sum = lse.detach(), entropy.detach(), maximum.detach(), row_sum.detach()
         if indices is not None and selected is None:
             selected = self._call(head_rows, indices, grad, row_statistics=False).selected
-        return Statistics(lse, entropy, maximum, argmax, selected)
+        return Statistics(lse, entropy, maximum, argmax, row_sum, selected)
 
-    def keep(self, lse: Tensor, entropy: Tensor, maximum: Tensor, argmax: Tensor) -> None:
+    def keep(self, lse: Tensor, entropy: Tensor, maximum: Tensor, argmax: Tensor, row_sum: Tensor) -> None:
         """Keep statistics of every head row (``[N]`` each, in head row order) computed elsewhere
         (the step's own walk), as this key's op call computes them; they serve reads without grad."""
         kept = self.kept[False]
         if not kept.covers(self.key.extent):
-            kept.add(self.key.extent, tuple(t.detach() for t in (lse, entropy, maximum, argmax)))
+            kept.add(self.key.extent, tuple(t.detach() for t in (lse, entropy, maximum, argmax, row_sum)))
 
     def argmax(self, head_rows: Tensor) -> Tensor:
         """The argmax ``[n]`` of head rows ``head_rows`` (as :meth:`read` takes them): kept, or a
         walk of those rows for the maximum only."""
         kept = self._kept_for(head_rows, grad=False)
-        if kept.covers(head_rows):
+        if head_rows.numel() and kept.covers(head_rows):
             return kept.take(head_rows)[3]
         return self._call(head_rows, None, False, row_statistics=True, maximum_only=True).argmax
 
@@ -126,7 +130,7 @@ class RowCache:
             stats = key.head.statistics(tensors, rows, indices, row_statistics=row_statistics,
                                         maximum_only=maximum_only,
                                         **key.op_arguments(head_rows, device))
-        return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.selected)
+        return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.row_sum, stats.selected)
 
 
 def cache_of(key: Key) -> RowCache:

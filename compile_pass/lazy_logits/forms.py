@@ -61,8 +61,8 @@ class Form:
     keys: tuple[Key, ...]
 
     def groups(self) -> list[tuple[Key, Tensor | None]]:
-        """``(key, positions)`` per key of these rows (positions None: every row)."""
-        ids = torch.unique(self.key_ids).tolist()
+        """``(key, positions)`` per key of these rows (positions None: every row; no rows: the first key's)."""
+        ids = torch.unique(self.key_ids).tolist() or [0]
         if len(ids) == 1:
             return [(self.keys[ids[0]], None)]
         return [(self.keys[i], (self.key_ids == i).nonzero().squeeze(-1)) for i in ids]
@@ -86,7 +86,7 @@ def root_storage(source: object, head: Head, shape: torch.Size) -> Storage:
 def form_of(tensor: Tensor) -> Form | None:
     """``tensor``'s form (a LazyLogits), or None when some row has none."""
     storage, rows = getattr(tensor._root(), "_storage", None), tensor._rows
-    if storage is None or rows is None:
+    if storage is None or rows is None or not storage.keys:  # no keys: a copy of no rows
         return None
     flat = rows.reshape(-1)
     ids = storage.row_keys[flat]
@@ -155,6 +155,15 @@ def copied(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
             return None  # the values were rounded already: a second rounding
         value_dtype = dtype
     return _new_storage(storage, rows, lambda key, head_rows: key, value_dtype=value_dtype)
+
+
+def selected(tensor: Tensor, rows: Tensor) -> Storage | None:
+    """The storage of a copy of the rows ``rows`` (ids into the root's rows, any shape) of
+    ``tensor`` (a LazyLogits): ``tensor[mask]`` of its token dims."""
+    storage = getattr(tensor._root(), "_storage", None)
+    if storage is None:
+        return None
+    return _new_storage(storage, rows.reshape(-1), lambda key, head_rows: key, value_dtype=storage.value_dtype)
 
 
 def scaled(tensor: Tensor, other: object, multiplies: bool, dtype: torch.dtype) -> Storage | None:

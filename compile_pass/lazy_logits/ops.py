@@ -2,6 +2,7 @@
 
     views (METADATA_OPS, split / unbind)    another LazyLogits over the same values (:func:`metadata_op`)
     copies (clone, _to_copy)                a lazy copy: the values of the moment it is made
+    z[mask], z[idx] (index of token dims)   a lazy copy of the rows it selects (:func:`indexed`)
     z / t, z * t, log_softmax, softmax,     a derived LazyLogits with a form (:func:`derived`), computed
     exp(lp), p * lp, p * z                  from its operands' values as they were when it was made
     div_ / mul_ by a temperature            recorded on the root's rows (:func:`edit`), replayed when the
@@ -84,7 +85,8 @@ def metadata_op(func: Any, args: tuple, kwargs: dict) -> Any:
     device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else base.device
     if func in COPY_OPS:
         layout = Layout(out.shape, out.stride(), out.dtype, device)
-        return _copy(base, func, args, kwargs, layout, forms.copied(base, out.dtype))
+        storage = forms.copied(base, out.dtype) if device == base.device else None  # elsewhere: its reads there
+        return _copy(base, func, args, kwargs, layout, storage)
     if func in _MULTI:
         views = [type(base)(Layout(o.shape, o.stride(), o.dtype, device), parent=(base, Pick(func, i), args[1:],
                                                                                  kwargs))
@@ -111,6 +113,8 @@ def _copy(base: Any, func: Any, args: tuple, kwargs: dict, layout: Layout, stora
 
 def derived(func: Any, args: tuple, kwargs: dict) -> Any:
     """``func(*args)`` as a derived LazyLogits when its result has a form, else None."""
+    if func is _aten.index.Tensor:
+        return indexed(args, kwargs)
     if kwargs or not args or func not in _DERIVED:
         return None
     lazy = [a for a in args if is_lazy(a)]
@@ -123,6 +127,28 @@ def derived(func: Any, args: tuple, kwargs: dict) -> Any:
     if storage is None:
         return None
     return _copy(lazy[0], func, args, kwargs, Layout(out.shape, out.stride(), out.dtype, lazy[0].device), storage)
+
+
+def indexed(args: tuple, kwargs: dict) -> Any:
+    """``tensor[indices]`` (``aten.index``) of a LazyLogits whose indices (boolean masks or
+    integer tensors) select token rows only, the vocabulary dim kept last: a lazy copy of those
+    rows (their form), else None. The selected rows are found on the CPU, as a mask's count is
+    (a host sync, which stock's boolean indexing makes too)."""
+    tensor, indices = args
+    if (kwargs or not is_lazy(tensor) or tensor.dim() == 0 or tensor._rows is None
+            or any(is_lazy(index) for index in indices)):
+        return None
+    indices = [None if index is None else index.detach().clone() for index in indices]  # the values of now
+    try:  # the rows' ids indexed as the values would be: an index of the vocabulary dim raises here
+        rows = _aten.index.Tensor(tensor._rows, [None if index is None else index.cpu() for index in indices])
+    except (IndexError, RuntimeError):  # torch's own error, from the values
+        return None
+    storage = forms.selected(tensor, rows)
+    if storage is None:
+        return None
+    shape = (*rows.shape, tensor.shape[-1])
+    layout = Layout(torch.Size(shape), torch.empty(shape, device="meta").stride(), tensor.dtype, tensor.device)
+    return _copy(tensor, _aten.index.Tensor, (tensor, indices), {}, layout, storage)
 
 
 def _derived_storage(func: Any, args: tuple, dtype: torch.dtype) -> forms.Storage | None:

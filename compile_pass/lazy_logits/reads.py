@@ -5,7 +5,9 @@ Recognised at ``__torch_function__`` level (above autograd), on a tensor with a 
 
     gather / take_along_dim(x, idx, -1)     x logits z, log-probs lp (z - lse) or probs p (exp(z - lse))
     logsumexp(z, -1)                        lse
+    z.sum(-1), lp.sum(-1)                   row_sum, row_sum - V lse
     (p * lp).sum(-1), (p * z).sum(-1)       -entropy, lse - entropy
+    x.mean(-1); x.sum(), x.mean()           a sum over V; over every value (x: any of the four above)
     F.cross_entropy(z, t, reduction=r)      lse - z[t] (0 where t == ignore_index), r "none", "sum" or
                                             "mean" (over rows not ignored); 1-D or 2-D z, no weight,
                                             no label smoothing
@@ -15,12 +17,19 @@ each with ``keepdim`` where torch has it. The result has stock's dtype and shape
 accumulate dtype, rounded once as stock rounds its log-probs), and gradients to the head's hidden
 states, weight and bias through the op; detached when the tensor does not require grad or grad mode
 is off. :func:`fused` returns ``NotImplemented`` for anything else (the caller runs it as torch does).
+
+The reductions (``logsumexp``, ``sum``, ``mean``) are one table, :data:`REDUCTIONS` and
+:func:`row_value`: which functions, over which row values, give which statistic. The graph pass
+reads the same table for the same reductions written inside a compiled graph
+(:mod:`compile_pass.graph.spellings.statistics`).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from enum import Enum
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -117,25 +126,61 @@ def _take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None, *, o
     return _gather(input, dim, indices, out=out)
 
 
-def _logsumexp(input: Tensor, dim: object, keepdim: bool = False, *, out: Tensor | None = None) -> object:
-    form = form_of(input)
-    if form is None or form.kind is not RowValues.LOGITS or out is not None or not _last(input, dim):
-        return NotImplemented
-    dtype = _read_dtype(torch.logsumexp, input, -1)
-    if not _reads_in(form, dtype):
-        return NotImplemented
-    return _rows_out(_statistics(form, _grad(input)).lse.to(dtype), input, keepdim)
+class Reduction(Enum):
+    """A reduction of the row values over the last dim that the row statistics give."""
+
+    LOGSUMEXP = "logsumexp"
+    SUM = "sum"
+    MEAN = "mean"  # the sum over the vocabulary's size
 
 
-def _sum(input: Tensor, dim: object = None, keepdim: bool = False, *, dtype: torch.dtype | None = None,
-         out: Tensor | None = None) -> object:
-    form = form_of(input)
-    if (form is None or form.kind not in (RowValues.P_LOG_P, RowValues.P_Z) or dtype is not None or out is not None
-            or not _last(input, dim)):
+REDUCTIONS: dict[object, Reduction] = {
+    torch.logsumexp: Reduction.LOGSUMEXP, Tensor.logsumexp: Reduction.LOGSUMEXP,
+    torch.special.logsumexp: Reduction.LOGSUMEXP, torch.sum: Reduction.SUM, Tensor.sum: Reduction.SUM,
+    torch.mean: Reduction.MEAN, Tensor.mean: Reduction.MEAN,
+}
+"""The torch functions (as a graph's nodes and ``__torch_function__`` see them) of each reduction."""
+
+RowValue = Callable[[Statistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
+_ROW_SUMS: dict[RowValues, RowValue] = {
+    RowValues.LOGITS: lambda stats, vocab_size: stats.row_sum,
+    RowValues.LOG_PROBS: lambda stats, vocab_size: stats.row_sum - vocab_size * stats.lse,
+    RowValues.P_LOG_P: lambda stats, vocab_size: -stats.entropy,
+    RowValues.P_Z: lambda stats, vocab_size: stats.lse - stats.entropy,
+}
+
+
+def row_value(reduction: Reduction, kind: RowValues) -> RowValue | None:
+    """The value per row of ``reduction`` over the last dim of rows holding ``kind``, from the op's
+    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics` or
+    :class:`~compile_pass.lazy_logits.cache.Statistics`) and the vocabulary's size; None where
+    no statistic gives it."""
+    if reduction is Reduction.LOGSUMEXP:
+        return (lambda stats, vocab_size: stats.lse) if kind is RowValues.LOGITS else None
+    row_sum = _ROW_SUMS.get(kind)
+    if row_sum is None or reduction is Reduction.SUM:
+        return row_sum
+    return lambda stats, vocab_size: row_sum(stats, vocab_size) / vocab_size
+
+
+def _reduce(function: Callable, input: Tensor, dim: object = None, keepdim: bool = False, *,
+            dtype: torch.dtype | None = None, out: Tensor | None = None) -> object:
+    """``function`` (one of :data:`REDUCTIONS`) of ``input`` over its last dim, or of every value
+    (``dim`` None: a sum or mean)."""
+    reduction, form = REDUCTIONS[function], form_of(input)
+    value = None if form is None else row_value(reduction, form.kind)
+    every = dim is None and reduction is not Reduction.LOGSUMEXP
+    if value is None or dtype is not None or out is not None or not (every or _last(input, dim)):
         return NotImplemented
-    stats = _statistics(form, _grad(input))
-    values = -stats.entropy if form.kind is RowValues.P_LOG_P else stats.lse - stats.entropy
-    return _rows_out(_rounded(values, form, input.dtype), input, keepdim)
+    read_dtype = input.dtype  # a derived form was made only where its dtype reads in the op's precision
+    if form.kind is RowValues.LOGITS:
+        read_dtype = _read_dtype(function, input, -1)
+        if not _reads_in(form, read_dtype):
+            return NotImplemented
+    values = value(_statistics(form, _grad(input)), input.shape[-1])  # [n]
+    if every:  # every row's values, as torch reduces them: in the accumulate dtype, rounded once
+        return _rounded(values.mean() if reduction is Reduction.MEAN else values.sum(), form, read_dtype)
+    return _rows_out(_rounded(values, form, read_dtype), input, keepdim)
 
 
 def _cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, size_average: object = None,
@@ -185,7 +230,7 @@ def _max(input: Tensor, dim: object = None, keepdim: bool = False, *, out: objec
 
 _READS: dict[object, Callable] = {
     torch.gather: _gather, Tensor.gather: _gather, torch.take_along_dim: _take_along_dim,
-    Tensor.take_along_dim: _take_along_dim, torch.logsumexp: _logsumexp, Tensor.logsumexp: _logsumexp,
-    torch.sum: _sum, Tensor.sum: _sum, F.cross_entropy: _cross_entropy, torch.argmax: _argmax,
+    Tensor.take_along_dim: _take_along_dim, F.cross_entropy: _cross_entropy, torch.argmax: _argmax,
     Tensor.argmax: _argmax, torch.max: _max, Tensor.max: _max,
+    **{function: partial(_reduce, function) for function in REDUCTIONS},
 }

@@ -102,7 +102,7 @@ def lazy_logits(recipe: Recipe | DroppedRecipe, tensors: Sequence[torch.Tensor],
     """The :class:`LazyLogits` of ``recipe`` over ``tensors`` (as the step returned them;
     a :class:`DroppedLogits` for a refusing recipe), shaped as ``stand_in`` (the graph's
     stand-in: an expanded scalar of the logits' shape, dtype and device; the logits
-    themselves are contiguous). ``statistics``: ``(lse, entropy, max, argmax)`` of every head
+    themselves are contiguous). ``statistics``: ``(lse, entropy, max, argmax, row_sum)`` of every head
     row as the recipe's head computes them without grad (:meth:`compile_pass.lazy_logits.cache.RowCache.keep`), or empty."""
     source = Inputs(recipe, tensors)
     layout = Layout(stand_in.shape, _contiguous_strides(stand_in.shape), stand_in.dtype, stand_in.device)

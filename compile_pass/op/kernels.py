@@ -19,8 +19,8 @@ accumulate_dtype(statistics_dtype)``::
 The online state across vocabulary blocks (``shift``: the running maximum, 0 where infinite)::
 
     s = sum_c exp(z_c - shift),   t = sum_c exp(z_c - shift) (z_c - shift)    (0 log 0 = 0)
-    lse = shift + log s,          entropy = log s - t / s
-    dz = p (g_lse + g_ent (t / s - (z - shift))) + g_max [c == argmax]
+    lse = shift + log s,          entropy = log s - t / s,     row_sum = sum_c z_c
+    dz = p (g_lse + g_ent (t / s - (z - shift))) + g_max [c == argmax] + g_sum
 
 with ``p = exp((z - shift) - log s)``; derivation: docs/op.md, "Row statistics".
 
@@ -265,11 +265,11 @@ def row_shift(row_max: Tensor) -> Tensor:
 
 def initial_statistics(num_tokens: int, num_indices: int | None, like: Tensor) -> tuple:
     """A row's state before its first block: ``(row_max -inf, s 0, t 0, argmax 0, selected 0
-    [n, K] or None)``, in ``like``'s dtype and device."""
+    [n, K] or None, row_sum 0)``, in ``like``'s dtype and device."""
     zeros = [like.new_zeros(num_tokens) for _ in range(2)]
     selected = None if num_indices is None else like.new_zeros(num_tokens, num_indices)
     return (like.new_full((num_tokens,), float("-inf")), *zeros,
-            like.new_zeros(num_tokens, dtype=torch.int64), selected)
+            like.new_zeros(num_tokens, dtype=torch.int64), selected, like.new_zeros(num_tokens))
 
 
 def statistics_forward(
@@ -281,23 +281,25 @@ def statistics_forward(
     sum_shifted: Tensor,  # [n] t
     argmax: Tensor,  # [n] int64
     selected: Tensor | None,  # [n, K]
+    row_sum: Tensor,  # [n]
     args: StatisticsArgs,
 ) -> tuple[Tensor, ...]:
     """One block of the online state (module docstring): the new ``(row_max, sum_exp,
-    sum_shifted, argmax, selected)``. A new maximum must be strictly larger (or the first nan)
+    sum_shifted, argmax, selected, row_sum)``. A new maximum must be strictly larger (or the first nan)
     to move ``argmax``, so ties keep the first column."""
     z = values(logits, temperature_rows, args)  # [n, Vb], fused, never stored
     new_max, argmax = _maximum(z, row_max, argmax, args.vocab_start)
     old_shift, shift = row_shift(row_max), row_shift(new_max)
     rescale = torch.where(row_max == float("-inf"), 0.0, torch.exp(old_shift - shift))  # [n]
     selected = _selected(z, indices, selected, args.vocab_start)
+    row_sum = row_sum + z.sum(dim=-1)
     shifted = z - shift.unsqueeze(1)  # [n, Vb]
     exp = torch.exp(shifted)
     block_sum = exp.sum(dim=-1)
     terms = shifted.mul_(exp).masked_fill_(exp == 0.0, 0.0)  # in place (eager: fewer tiles); 0 log 0 = 0
     sum_shifted = rescale * (sum_shifted + (old_shift - shift) * sum_exp) + terms.sum(dim=-1)
     sum_exp = sum_exp * rescale + block_sum
-    return new_max, sum_exp, sum_shifted, argmax, selected
+    return new_max, sum_exp, sum_shifted, argmax, selected, row_sum
 
 
 def maximum_forward(
@@ -351,6 +353,7 @@ def statistics_backward(
     grad_lse: Tensor | None,  # [n] each, accumulate dtype, or None (no term)
     grad_entropy: Tensor | None,
     grad_max: Tensor | None,
+    grad_sum: Tensor | None,
     args: StatisticsArgs,
 ) -> None:
     """The tile's gradient (module docstring), written over ``logits`` in the projection dtype
@@ -368,6 +371,8 @@ def statistics_backward(
     if grad_max is not None:
         columns = torch.arange(z.shape[-1], device=z.device) + args.vocab_start  # [Vb]
         grad = grad + torch.where(columns == argmax.unsqueeze(1), grad_max.unsqueeze(1), 0.0)
+    if grad_sum is not None:  # every column of the row
+        grad = grad + grad_sum.unsqueeze(1)
     logits.copy_(values_backward(grad, logits, temperature_rows, args))
 
 

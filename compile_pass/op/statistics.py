@@ -8,10 +8,11 @@ The custom ops and their autograd:
 ``chunkce::linear_statistics`` walks the ``[n, Vb]`` tiles once
 (:func:`compile_pass.op.statistics_loops.statistics_walk`), or with ``row_statistics=False``
 gathers the selected logits only (:func:`~compile_pass.op.statistics_loops.selected_forward`).
-Its outputs: ``selected [N, K]``, ``lse``, ``entropy``, ``max``, ``argmax`` and the two ``[N]``
+Its outputs: ``selected [N, K]``, ``lse``, ``entropy``, ``max``, ``argmax``, the two ``[N]``
 parts backward takes, ``row_log_sum = log s`` and ``row_mean = t / s``
-(:mod:`compile_pass.op.kernels`); with ``maximum_only=True`` the walk computes ``max``
-and ``argmax`` (and ``selected``) only, no exponential, and the other four are empty ``[0]``. Autograd saves its tensor inputs and the ``[N]``
+(:mod:`compile_pass.op.kernels`), and ``row_sum`` (appended last, differentiable); with
+``maximum_only=True`` the walk computes ``max`` and ``argmax`` (and ``selected``) only, no
+exponential, and the other five are empty ``[0]``. Autograd saves its tensor inputs and the ``[N]``
 statistics; ``chunkce::linear_statistics_backward`` recomputes (its own autograd refuses double
 backward). A gradient not given (None: ``ctx.set_materialize_grads(False)``) costs no term.
 
@@ -54,6 +55,7 @@ class RowStatistics(NamedTuple):
     entropy: Tensor  # [N]: -sum_c p_ic log p_ic, p = softmax(z) (differentiable)
     max: Tensor  # [N]: max_c z_ic (differentiable: the gradient goes to the argmax column, as torch.max(dim))
     argmax: Tensor  # [N] int64: the first column holding the maximum (torch.argmax's rule)
+    row_sum: Tensor  # [N]: sum_c z_ic, of the values rounded as z holds them (differentiable)
 
 
 def linear_statistics(
@@ -83,6 +85,7 @@ def linear_statistics(
                                                        # * temperature with temperature_multiplies
         selected = z.gather(-1, indices); lse = z.logsumexp(-1)
         entropy = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1); max, argmax = z.max(-1)
+        row_sum = z.sum(-1)
 
     with ``0 log 0 = 0`` in the entropy and a row holding ``+inf`` or only ``-inf`` as torch's
     (docs/op.md, "Row statistics").
@@ -100,13 +103,13 @@ def linear_statistics(
         statistics_dtype: the dtype of ``z``; None = ``logits_dtype``.
         row_statistics: False: only ``selected``, from the gathered weight rows (no vocabulary
             walk); the others empty ``[0]``.
-        maximum_only: only ``max`` / ``argmax`` (and ``selected``), no exponential; ``lse`` and
-            ``entropy`` empty ``[0]`` (a sharded head computes them all).
+        maximum_only: only ``max`` / ``argmax`` (and ``selected``), no exponential; ``lse``,
+            ``entropy`` and ``row_sum`` empty ``[0]`` (a sharded head computes them all).
         chunk_size, chunk_bytes: the tiles, as :func:`compile_pass.op.loss.linear_cross_entropy`.
 
     Returns:
         :class:`RowStatistics`. Gradients flow to ``hidden_states``, ``weight`` and ``bias`` from
-        ``selected``, ``lse``, ``entropy`` and ``max``; a backward recomputes the tiles.
+        ``selected``, ``lse``, ``entropy``, ``max`` and ``row_sum``; a backward recomputes the tiles.
 
     Raises:
         ValueError / TypeError: an argument of the wrong shape, dtype or type.
@@ -171,15 +174,16 @@ def chunked_statistics(
         bias = None if bias is None else bias.to(projection_dtype)
     if indices is None and not row_statistics:  # nothing to compute
         empty = hidden_states.new_empty(0, dtype=accumulate_dtype(statistics_dtype))
-        return RowStatistics(None, empty, empty, empty, empty.long())
+        return RowStatistics(None, empty, empty, empty, empty.long(), empty)
     inputs = (hidden_states, weight, bias, indices, None if number else temperature, scale_tensor)
     if vocab_parallel is None:
-        selected, lse, entropy, row_max, argmax, _, _ = torch.ops.chunkce.linear_statistics.default(*inputs, **arguments)
+        selected, lse, entropy, row_max, argmax, _, _, row_sum = torch.ops.chunkce.linear_statistics.default(
+            *inputs, **arguments)
     else:
         vocab_start, group_name, vocab_size = vocab_parallel
-        selected, lse, entropy, row_max, argmax = vocab_parallel_statistics(
+        selected, lse, entropy, row_max, argmax, row_sum = vocab_parallel_statistics(
             inputs, {**arguments, "vocab_start": vocab_start, "vocab_size": vocab_size}, group_name)
-    return RowStatistics(None if indices is None else selected, lse, entropy, row_max, argmax)
+    return RowStatistics(None if indices is None else selected, lse, entropy, row_max, argmax, row_sum)
 
 
 def _bad_argument(kind: type[Exception], message: str) -> None:
@@ -247,8 +251,8 @@ STATISTICS_OPTIONS = (
     Argument("chunk_bytes", "SymInt?", None), Argument("vocab_start", "SymInt", 0),
     Argument("vocab_size", "SymInt?", None),
 )
-GRADS = tuple(Argument(f"grad_{name}", "Tensor?") for name in ("selected", "lse", "entropy", "max"))
-STATISTICS_FORWARD_SCHEMA = OpSchema("chunkce::linear_statistics", TENSORS, returns=7, options=STATISTICS_OPTIONS)
+GRADS = tuple(Argument(f"grad_{name}", "Tensor?") for name in ("selected", "lse", "entropy", "max", "sum"))
+STATISTICS_FORWARD_SCHEMA = OpSchema("chunkce::linear_statistics", TENSORS, returns=8, options=STATISTICS_OPTIONS)
 STATISTICS_BACKWARD_SCHEMA = OpSchema("chunkce::linear_statistics_backward", (*GRADS, *TENSORS, *STATISTICS),
                                       returns=3, own=(OUTPUT_MASK,), options=STATISTICS_OPTIONS)
 
@@ -267,8 +271,8 @@ def _check_indices(indices: Tensor | None, vocab_size: int) -> None:
 def _linear_statistics_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, indices: Tensor | None,
                           temperature: Tensor | None, logit_scale_tensor: Tensor | None,
                           **arguments) -> tuple[Tensor, ...]:
-    """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (module docstring);
-    with ``row_statistics=False`` the last six are empty ``[0]``."""
+    """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean, row_sum)`` (module
+    docstring); with ``row_statistics=False`` the last seven are empty ``[0]``."""
     arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start, vocab_size = arguments["vocab_start"], arguments["vocab_size"]
     _check_indices(indices, weight.shape[0] if vocab_size is None else vocab_size)
@@ -283,7 +287,7 @@ def _linear_statistics_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | 
 
 def _empty_statistics(like: Tensor) -> tuple[Tensor, ...]:
     empty = like.new_empty(0)
-    return empty, empty.clone(), empty.clone(), empty.long(), empty.clone(), empty.clone()
+    return empty, empty.clone(), empty.clone(), empty.long(), empty.clone(), empty.clone(), empty.clone()
 
 
 @_linear_statistics_op.register_fake
@@ -295,19 +299,20 @@ def _(hidden_states, weight, bias, indices, temperature, logit_scale_tensor, **a
     selected = hidden_states.new_empty(num_tokens, num_indices, dtype=accumulate)
     if not arguments["row_statistics"]:
         return (selected, *_empty_statistics(selected))
-    lse, entropy, row_max, row_log_sum, row_mean = (
+    lse, entropy, row_max, row_log_sum, row_mean, row_sum = (
         hidden_states.new_empty(0 if arguments["maximum_only"] and k != 2 else num_tokens, dtype=accumulate)
-        for k in range(5))
-    return selected, lse, entropy, row_max, hidden_states.new_empty(num_tokens, dtype=torch.int64), row_log_sum, row_mean
+        for k in range(6))
+    argmax = hidden_states.new_empty(num_tokens, dtype=torch.int64)
+    return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean, row_sum
 
 
 @STATISTICS_BACKWARD_SCHEMA.custom_op
 def _linear_statistics_backward_op(grad_selected: Tensor | None, grad_lse: Tensor | None,
-                                   grad_entropy: Tensor | None, grad_max: Tensor | None, hidden_states: Tensor,
-                                   weight: Tensor, bias: Tensor | None, indices: Tensor | None,
-                                   temperature: Tensor | None, logit_scale_tensor: Tensor | None, row_max: Tensor,
-                                   row_log_sum: Tensor, row_mean: Tensor, argmax: Tensor,
-                                   **arguments) -> tuple[Tensor, Tensor, Tensor]:
+                                   grad_entropy: Tensor | None, grad_max: Tensor | None, grad_sum: Tensor | None,
+                                   hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                                   indices: Tensor | None, temperature: Tensor | None,
+                                   logit_scale_tensor: Tensor | None, row_max: Tensor, row_log_sum: Tensor,
+                                   row_mean: Tensor, argmax: Tensor, **arguments) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients w.r.t. hidden_states ``[N, H]``, weight ``[V_local, H]``, bias ``[V_local]`` (each in
     its parameter's dtype; empty where ``output_mask`` does not ask) of the given output gradients
     (accumulate dtype; None: no term), from the forward's ``[N]`` statistics."""
@@ -316,12 +321,12 @@ def _linear_statistics_backward_op(grad_selected: Tensor | None, grad_lse: Tenso
     vocab_start = arguments["vocab_start"]
     with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
         return statistics_loops.statistics_gradients(
-            plan, (grad_selected, grad_lse, grad_entropy, grad_max), hidden_states, weight, bias, indices,
+            plan, (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum), hidden_states, weight, bias, indices,
             temperature, (row_max, row_log_sum, row_mean, argmax), output_mask, vocab_start)
 
 
 @_linear_statistics_backward_op.register_fake
-def _(grad_selected, grad_lse, grad_entropy, grad_max, hidden_states, weight, bias, *rest, **arguments):
+def _(grad_selected, grad_lse, grad_entropy, grad_max, grad_sum, hidden_states, weight, bias, *rest, **arguments):
     return fake_gradients(hidden_states, weight, bias, arguments["output_mask"])
 
 
@@ -331,10 +336,10 @@ def backward(grads: tuple, saved: tuple[Tensor, ...], arguments: dict[str, Any],
     needed, or where no output gradient is given): ``saved`` are the forward op's six tensors and
     its ``(row_max, row_log_sum, row_mean, argmax)``; shared with the vocabulary-parallel op."""
     want = list(needs_input_grad[:3])
-    if not arguments.get("row_statistics", True):  # lse, entropy, max, argmax are empty
-        grads = (grads[0], None, None, None)
-    elif arguments.get("maximum_only", False):  # lse and entropy were not computed (empty): no term
-        grads = (grads[0], None, None, grads[3])
+    if not arguments.get("row_statistics", True):  # lse, entropy, max, argmax, row_sum are empty
+        grads = (grads[0], None, None, None, None)
+    elif arguments.get("maximum_only", False):  # lse, entropy and row_sum were not computed (empty): no term
+        grads = (grads[0], None, None, grads[3], None)
     if all(grad is None for grad in grads) or not any(want):
         return None, None, None
     gradients = torch.ops.chunkce.linear_statistics_backward(*grads, *saved, output_mask=want, **arguments)
@@ -342,7 +347,7 @@ def backward(grads: tuple, saved: tuple[Tensor, ...], arguments: dict[str, Any],
 
 
 def _linear_statistics_setup_context(ctx, inputs, keyword_only_inputs, output):
-    _, _, _, row_max, argmax, row_log_sum, row_mean = output
+    _, _, _, row_max, argmax, row_log_sum, row_mean, _ = output
     ctx.mark_non_differentiable(argmax, row_log_sum, row_mean)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*inputs, row_max, row_log_sum, row_mean, argmax)
@@ -350,8 +355,9 @@ def _linear_statistics_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _linear_statistics_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, *_non_differentiable):
-    grads = (grad_selected, grad_lse, grad_entropy, grad_max)
+def _linear_statistics_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, _argmax, _row_log_sum,
+                                _row_mean, grad_sum):
+    grads = (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum)
     grad_hidden, grad_weight, grad_bias = backward(grads, ctx.saved_tensors, ctx.arguments, ctx.needs_input_grad)
     return input_grads(ctx, {0: grad_hidden, 1: grad_weight, 2: grad_bias})
 
@@ -364,16 +370,16 @@ _linear_statistics_backward_op.register_autograd(refuse_double_backward(STATISTI
 PARALLEL_STATISTICS_NAME = "chunkce.vocab_parallel_row_statistics"
 ROW_STATISTICS_SCHEMA = OpSchema(
     "chunkce::vocab_parallel_row_statistics",
-    (*(Argument(name, "Tensor") for name in ("selected", "lse", "entropy", "max")), *TENSORS, *STATISTICS),
-    returns=4, own=(GROUP_NAME,), options=STATISTICS_OPTIONS)
+    (*(Argument(name, "Tensor") for name in ("selected", "lse", "entropy", "max", "row_sum")), *TENSORS, *STATISTICS),
+    returns=5, own=(GROUP_NAME,), options=STATISTICS_OPTIONS)
 
 
 def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_name: str) -> tuple[Tensor, ...]:
-    """``(selected [N, K], lse, entropy, max, argmax)`` of the whole vocabulary on every rank;
+    """``(selected [N, K], lse, entropy, max, argmax, row_sum)`` of the whole vocabulary on every rank;
     ``inputs`` / ``arguments`` as ``chunkce::linear_statistics`` takes them (this rank's shard,
     ``vocab_start``, the global ``vocab_size``). Traceable."""
     hidden_states, weight, bias, indices, temperature, scale_tensor = inputs
-    selected, lse, entropy, local_max, local_argmax, local_log_sum, local_mean = torch.ops.chunkce.linear_statistics.default(
+    selected, lse, entropy, local_max, local_argmax, local_log_sum, local_mean, row_sum = torch.ops.chunkce.linear_statistics.default(
         hidden_states.detach(), weight.detach(), None if bias is None else bias.detach(), indices, temperature,
         scale_tensor, **arguments)
     if not arguments["row_statistics"]:
@@ -384,47 +390,48 @@ def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_na
         shift, local_shift = kernels.row_shift(row_max), kernels.row_shift(local_max)
         share = torch.exp(local_log_sum + local_shift - shift)  # [N] w_r
         shifted = torch.where(share > 0.0, share * (local_mean + local_shift - shift), 0.0)  # [N]
-        sums = all_reduce(torch.cat([share.unsqueeze(1), shifted.unsqueeze(1), selected], dim=1), "sum", group_name)
+        parts = [share.unsqueeze(1), shifted.unsqueeze(1), row_sum.unsqueeze(1), selected]
+        sums = all_reduce(torch.cat(parts, dim=1), "sum", group_name)
         lse, entropy, row_log_sum, row_mean = kernels.finish(row_max, sums[:, 0], sums[:, 1])
-        selected = sums[:, 2:]  # [N, K]
+        row_sum, selected = sums[:, 2], sums[:, 3:]  # [N], [N, K]
         candidates = torch.where(local_max == row_max, local_argmax, arguments["vocab_size"])
         argmax = all_reduce(candidates, "min", group_name)  # [N] the first column of the maximum
         statistics, local_max = (row_max, row_log_sum, row_mean, argmax), row_max
-    selected, lse, entropy, row_max = torch.ops.chunkce.vocab_parallel_row_statistics.default(
-        selected, lse, entropy, local_max, *inputs, *statistics, group_name=group_name, **arguments)
-    return selected, lse, entropy, row_max, statistics[3]
+    selected, lse, entropy, row_max, row_sum = torch.ops.chunkce.vocab_parallel_row_statistics.default(
+        selected, lse, entropy, local_max, row_sum, *inputs, *statistics, group_name=group_name, **arguments)
+    return selected, lse, entropy, row_max, statistics[3], row_sum
 
 
 @ROW_STATISTICS_SCHEMA.custom_op
-def _row_statistics_op(selected: Tensor, lse: Tensor, entropy: Tensor, max: Tensor, *tensors,
-                       **arguments) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The global ``selected``, ``lse``, ``entropy`` and ``max`` copied; then
+def _row_statistics_op(selected: Tensor, lse: Tensor, entropy: Tensor, max: Tensor, row_sum: Tensor, *tensors,
+                       **arguments) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The global ``selected``, ``lse``, ``entropy``, ``max`` and ``row_sum`` copied; then
     ``chunkce::linear_statistics``' tensors (this rank's shard), the global ``row_max``,
     ``row_log_sum``, ``row_mean`` and ``argmax``, the group, and the options."""
-    return selected.clone(), lse.clone(), entropy.clone(), max.clone()
+    return selected.clone(), lse.clone(), entropy.clone(), max.clone(), row_sum.clone()
 
 
 @_row_statistics_op.register_fake
-def _(selected, lse, entropy, max, *tensors, **arguments):
-    return tuple(torch.empty_like(value) for value in (selected, lse, entropy, max))
+def _(selected, lse, entropy, max, row_sum, *tensors, **arguments):
+    return tuple(torch.empty_like(value) for value in (selected, lse, entropy, max, row_sum))
 
 
 def _parallel_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*inputs[4:])  # the six tensors, then the four statistics
+    ctx.save_for_backward(*inputs[5:])  # the six tensors, then the four statistics
     arguments = dict(keyword_only_inputs)
     ctx.group_name = arguments.pop("group_name")
     ctx.arguments = arguments
     ctx.num_inputs = len(inputs)
 
 
-def _parallel_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max):
+def _parallel_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, grad_sum):
     grad_hidden, grad_weight, grad_bias = backward(
-        (grad_selected, grad_lse, grad_entropy, grad_max), ctx.saved_tensors, ctx.arguments,
-        ctx.needs_input_grad[4:7])
+        (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum), ctx.saved_tensors, ctx.arguments,
+        ctx.needs_input_grad[5:8])
     if grad_hidden is not None:
         grad_hidden = all_reduce(grad_hidden, "sum", ctx.group_name)  # every shard's terms
-    return input_grads(ctx, {4: grad_hidden, 5: grad_weight, 6: grad_bias})
+    return input_grads(ctx, {5: grad_hidden, 6: grad_weight, 7: grad_bias})
 
 
 _row_statistics_op.register_autograd(_parallel_backward, setup_context=_parallel_setup_context)

@@ -37,11 +37,11 @@ def variant(plan: ResolvedCall, logits: Tensor, *present) -> tuple:
 
 def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                     indices: Tensor | None, temperature: Tensor | None, vocab_start: int) -> tuple[Tensor, ...]:
-    """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean)`` (``[N]`` each,
-    ``argmax`` int64 in whole-vocabulary columns, the rest in the statistics' accumulate dtype;
-    ``selected [N, 0]`` without indices) of the columns ``weight [V_local, H]`` holds. With the
-    option ``maximum_only`` the tiles take no exponential: ``lse``, ``entropy``, ``row_log_sum``
-    and ``row_mean`` are empty ``[0]``."""
+    """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean, row_sum)`` (``[N]``
+    each, ``argmax`` int64 in whole-vocabulary columns, the rest in the statistics' accumulate
+    dtype; ``selected [N, 0]`` without indices) of the columns ``weight [V_local, H]`` holds. With
+    the option ``maximum_only`` the tiles take no exponential: ``lse``, ``entropy``,
+    ``row_log_sum``, ``row_mean`` and ``row_sum`` are empty ``[0]``."""
     maximum_only = plan.options["maximum_only"]
     num_tokens = hidden_states.shape[0]
     accumulate = accumulate_dtype(plan.options["statistics_dtype"])
@@ -49,8 +49,8 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
     num_indices = None if indices is None else indices.shape[1]
     selected = hidden_states.new_zeros(num_tokens, num_indices or 0, dtype=accumulate)
     argmax = hidden_states.new_zeros(num_tokens, dtype=torch.int64)
-    lse, entropy, row_max, row_log_sum, row_mean = (
-        hidden_states.new_empty(0 if maximum_only and k != 2 else num_tokens, dtype=accumulate) for k in range(5))
+    lse, entropy, row_max, row_log_sum, row_mean, row_sum = (
+        hidden_states.new_empty(0 if maximum_only and k != 2 else num_tokens, dtype=accumulate) for k in range(6))
     vocab_blocks, token_chunks = spans(weight.shape[0], plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
     for start, end in token_chunks:
@@ -70,11 +70,11 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
         if maximum_only:
             row_max[rows], argmax[rows], picked = state
         else:
-            row_max[rows], _, _, argmax[rows], picked = state
+            row_max[rows], _, _, argmax[rows], picked, row_sum[rows] = state
             lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = kernels.finish(*state[:3])
         if picked is not None:
             selected[rows] = picked
-    return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean
+    return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean, row_sum
 
 
 def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor, weight: Tensor,
@@ -83,7 +83,7 @@ def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor
                          vocab_start: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_hidden_states [N, H], grad_weight [V_local, H], grad_bias [V_local])`` (empty where
     ``output_mask`` does not ask) of ``grads = (grad_selected [N, K], grad_lse, grad_entropy,
-    grad_max [N])`` (None: no term), given the forward's ``statistics = (row_max, row_log_sum,
+    grad_max, grad_sum [N])`` (None: no term), given the forward's ``statistics = (row_max, row_log_sum,
     row_mean, argmax)`` of the whole rows. The walk runs only for a dense term."""
     grad_selected, *dense = (_dense(grad) for grad in grads)
     temperature = _dense(temperature)

@@ -1,6 +1,6 @@
-"""Row statistics of the logits inside a compiled graph: the z-loss's ``logsumexp(z, -1)`` and an
-entropy (``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``),
-beside a cross-entropy or per-token log-probabilities of the same projection, are rewritten to
+"""Row statistics of the logits inside a compiled graph: the z-loss's ``logsumexp(z, -1)``, an
+entropy (``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``)
+and row sums and means (``z.sum(-1)``, ``z.mean()``: a metric of the logits), beside a cross-entropy or per-token log-probabilities of the same projection, are rewritten to
 ``chunkce::linear_statistics`` (compile_pass/graph/spellings/statistics.py, entropy.py): loss and every
 gradient equal to eager's and stock compile's (fullgraph, static and dynamic shapes), the graph
 holds the ops and no ``[N, V]`` node, and a step's measured peak stays under a quarter of one ``[N, V]``.
@@ -101,6 +101,19 @@ def cross_entropy_none_and_entropy(m, h, y):
     return -token.sum() + (entropy.detach().view(-1) * token).mean() - entropy.sum()
 
 
+def logits_mean_and_row_sums(m, h, y):  # a metric of the logits (TRL DPO's mean) and a penalty on row sums
+    logits = F.linear(h, m.weight, m.bias)
+    ce = F.cross_entropy(logits.view(-1, V).float(), y.view(-1))
+    return ce + 1e-2 * logits.mean() + 1e-3 * logits.float().sum(-1).pow(2).mean()
+
+
+def row_means_keepdim_and_entropy_mean(m, h, y):
+    logits = F.linear(h, m.weight, m.bias).float()
+    entropy_over_v = (logits.softmax(-1) * logits.log_softmax(-1)).mean(-1)  # -entropy / V
+    centred = logits.mean(-1, keepdim=True) * 0.1  # [B, T, 1]
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + (centred.squeeze(-1) - entropy_over_v).sum()
+
+
 # name: (loss, loss sites, statistic sites, cross-entropy op nodes, statistics op nodes). A cross-entropy
 # and the statistics of the same values are one walk: one statistics op (graph/plan.py, _plan_fold);
 # per-token log-probabilities (a gather) keep the cross-entropy op.
@@ -112,6 +125,8 @@ SPELLINGS = {
     "entropy_bonus_lse": (entropy_bonus_lse, 1, 2, 0, 1),
     "log_probs_and_entropy": (log_probs_and_entropy, 1, 1, 1, 1),
     "cross_entropy_none_and_entropy": (cross_entropy_none_and_entropy, 1, 1, 0, 1),
+    "logits_mean_and_row_sums": (logits_mean_and_row_sums, 1, 2, 0, 1),
+    "row_means_keepdim_and_entropy_mean": (row_means_keepdim_and_entropy_mean, 1, 2, 0, 1),
 }
 
 
@@ -171,7 +186,7 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
     assert stats["sites_rewritten"] == losses + statistics and stats["sites_refused"] == 0, dict(stats)
     recorder.assert_counted(stats)
     forms = sorted(record.form for record in compile_pass.last_report().records)
-    assert forms.count("logsumexp") + forms.count("entropy") == statistics, forms
+    assert sum(forms.count(form) for form in ("logsumexp", "entropy", "row_sum")) == statistics, forms
 
 
 @pytest.mark.parametrize("name", ["z_loss", "entropy_bonus", "entropy_bonus_lse", "log_probs_and_entropy"])
@@ -198,7 +213,8 @@ def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_bac
                                                         SPELLINGS[name][2])
 
 
-@pytest.mark.parametrize("loss", [z_loss, entropy_bonus], ids=["z_loss", "entropy_bonus"])
+@pytest.mark.parametrize("loss", [z_loss, entropy_bonus, logits_mean_and_row_sums],
+                         ids=["z_loss", "entropy_bonus", "logits_mean_and_row_sums"])
 def test_bf16_statistics_of_fp32_logits_match_eager_and_stock(loss):
     """A bf16 head whose logits are cast to fp32 for the loss and the statistic (the op rounds the
     projection to bf16 once, as the graph): close to the unfused bf16 step."""

@@ -63,6 +63,15 @@ READS = {
     "split_rows_entropy": lambda z: torch.cat([-(c.softmax(-1) * c.log_softmax(-1)).sum(-1)
                                                for c in z.reshape(-1, V).split(5)]),
     "chunk_unbind_lse": lambda z: torch.stack([torch.logsumexp(r, -1) for c in z.chunk(2) for r in c.unbind(0)]),
+    "row_sum": lambda z: z.sum(-1),
+    "row_mean_keepdim": lambda z: torch.mean(z, dim=-1, keepdim=True),
+    "sum_of_every_value": lambda z: torch.sum(z),
+    "mean_of_every_value": lambda z: z.mean(),
+    "masked_mean": lambda z: z[ids_like(z) > 10].mean(),  # TRL DPO's metric: an index read of token rows
+    "indexed_rows_lse_and_argmax": lambda z: (lambda rows: (rows.logsumexp(-1), rows.argmax(-1)))(
+        z[ids_like(z) > 10]),
+    "log_probs_row_mean": lambda z: z.log_softmax(-1).mean(-1),
+    "entropy_row_mean": lambda z: (z.softmax(-1) * z.log_softmax(-1)).mean(-1),
 }
 
 
@@ -170,8 +179,8 @@ FALLBACKS = {  # not fused: computed by the recipe, exact
                                                                reduction="none", label_smoothing=0.1),
     "cross_entropy_weight": lambda z: F.cross_entropy(z.reshape(-1, V), ids_like(z).reshape(-1),
                                                       weight=torch.rand(V, generator=torch.Generator().manual_seed(3))),
-    "logits_sum": lambda z: z.sum(-1),
-    "masked_mean": lambda z: z[ids_like(z) > 10].mean(),
+    "logits_sum_of_squares": lambda z: (z * z).sum(-1),
+    "masked_mean_of_a_vocabulary_slice": lambda z: z[..., torch.arange(V) % 3 == 0].mean(),
     "temperature_requiring_grad": lambda z: torch.logsumexp(z / per_row(z).requires_grad_()[..., None], -1),
     "vocabulary_slice": lambda z: torch.logsumexp(z[..., :20], -1),
     "log_softmax_over_tokens": lambda z: z.log_softmax(1).gather(-1, ids_like(z)[..., None]),
@@ -190,10 +199,10 @@ def test_a_copy_made_before_an_in_place_edit_keeps_its_values_and_views_see_the_
         copy, log_p, view = z.clone(), z.log_softmax(-1), z[:, 1:]
         z.div_(0.5)  # recorded on the rows: nothing computed
         return (torch.logsumexp(copy, -1), log_p.gather(-1, ids_like(z)[..., None]), torch.logsumexp(view, -1),
-                torch.logsumexp(z, -1), copy.sum(-1))  # the last falls back: the copy's values before the edit
+                torch.logsumexp(z, -1), (copy * copy).sum(-1))  # the last falls back: the copy's values before the edit
     calls = _check(user, VIEWS["plain"])
     assert calls.walks == 2  # before the edit (the copy; the log-probs share it), after it (the view, z)
-    assert calls.recipes >= 1  # copy.sum(-1)
+    assert calls.recipes >= 1  # (copy * copy).sum(-1)
 
 
 def test_rows_edited_and_not_are_read_together():
@@ -242,3 +251,28 @@ def test_reads_under_autocast_equal_stocks_reads_under_it():
                     z.log_softmax(-1).gather(-1, ids_like(z)[..., None]))
     calls = _check(user, VIEWS["div_number"])
     assert (calls.walks, calls.recipes) == (1, 0)
+
+
+EMPTY_READS = {  # rows of none: stock's empty results and nan means, and their (zero) gradients
+    "lse_of_no_rows": (lambda z: z[:, :0].logsumexp(-1), 0),
+    "argmax_of_no_rows": (lambda z: z[:, :0].argmax(-1), 0),
+    "mean_of_no_rows": (lambda z: z[:, :0].mean(), 0),
+    "mean_of_an_empty_mask": (lambda z: z[torch.zeros(z.shape[:-1], dtype=torch.bool)].mean(), 1),
+}
+
+
+@pytest.mark.parametrize("read", EMPTY_READS)
+def test_reads_of_no_rows_equal_stock(read):
+    """A view of no rows reads through the op on none; a copy of no rows (an all-False mask) has no
+    key left and computes the values (an edge: no rows to read)."""
+    user, recipes = EMPTY_READS[read]
+    lazy_side, stock_side = leaves()
+    with counting() as calls:
+        got, got_grads = run_side(user, lazy_side, lazy=True)
+    expected, expected_grads = run_side(user, stock_side, lazy=False)
+    assert (type(got), got.shape, got.dtype, got.requires_grad) == (torch.Tensor, expected.shape, expected.dtype,
+                                                                       expected.requires_grad)
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, equal_nan=True)
+    assert calls.recipes >= recipes and (recipes or calls.recipes == 0)

@@ -82,7 +82,7 @@ def test_half_precision_head(options):
     """Tiny bf16 head (bf16 matmuls are emulated on CPU): against the unfused bf16 path."""
     hidden, weight, bias, indices = problem(9, 8, 67, dtype=torch.bfloat16)
     check(hidden, weight, bias, indices, chunk_size=4, chunk_bytes=4 * 16 * 2,
-          tolerances={"rtol": 1e-2, "atol": 1e-2}, **options)
+          tolerances={"rtol": 1.6e-2, "atol": 1e-2}, **options)  # rtol: torch's for bf16 (two roundings of ~11)
 
 
 @pytest.mark.usefixtures("eager_kernels")
@@ -90,17 +90,16 @@ def test_random_subsets_of_output_gradients(kernel_calls):
     """Each non-empty subset of the outputs' gradients (the others None): the gradients as torch's;
     the walk runs only for a dense term, and a term absent is None in the backward kernel."""
     hidden, weight, bias, indices = problem()
-    subsets = [subset for size in range(1, 5) for subset in itertools.combinations(OUTPUTS, size)]
-    for subset in random.Random(0).sample(subsets, 8) + [("selected",), ("entropy",)]:
+    subsets = [subset for size in range(1, len(OUTPUTS)) for subset in itertools.combinations(OUTPUTS, size)]
+    for subset in random.Random(0).sample(subsets, 8) + [("selected",), ("entropy",), ("row_sum",)]:
         kernel_calls.clear()
         check(hidden, weight, bias, indices, wanted=subset, **TILES)
         backward_calls = [args for name, args in kernel_calls if name == "statistics_backward"]
-        dense = [name for name in ("lse", "entropy", "max") if name in subset]
-        assert bool(backward_calls) == bool(dense), subset
+        dense = ("lse", "entropy", "max", "row_sum")
+        assert bool(backward_calls) == any(name in subset for name in dense), subset
         for args in backward_calls:
-            grad_lse, grad_entropy, grad_max = args[8:11]  # after variant, eager, 6 tensors
-            assert [grad is not None for grad in (grad_lse, grad_entropy, grad_max)] == [
-                name in subset for name in ("lse", "entropy", "max")], subset
+            tile_grads = args[8:12]  # after variant, eager, 6 tensors: grad_lse, grad_entropy, grad_max, grad_sum
+            assert [grad is not None for grad in tile_grads] == [name in subset for name in dense], subset
 
 
 @pytest.mark.usefixtures("eager_kernels")
@@ -145,10 +144,18 @@ def test_rows_with_minus_infinity():
     position = torch.full((509,), -1, dtype=torch.int64)
     position[keep] = torch.arange(keep.numel())
     expected = unfused(hidden, weight[keep], bias[keep], position[indices])
-    for name in OUTPUTS:
+    softmax_outputs = [name for name in OUTPUTS if name != "row_sum"]  # the row sum is -inf, as torch's
+    for name in softmax_outputs:
         torch.testing.assert_close(getattr(ours, name), getattr(expected, name))
     assert torch.equal(ours.argmax, keep[expected.argmax])
-    grads = upstream(ours)
+    with_minus_inf = unfused(hidden, weight, bias.masked_fill(masked, float("-inf")), indices)
+    assert torch.equal(ours.row_sum, with_minus_inf.row_sum) and bool((ours.row_sum == float("-inf")).all())
+    summed = linear_statistics(hidden, weight, bias.masked_fill(masked, float("-inf")), indices, **TILES)
+    grads = upstream(summed, ["row_sum"], vocab_size=509)  # every column's gradient, the -inf ones too
+    for got, want in zip(gradients(summed, [hidden, weight, bias], grads),
+                         gradients(with_minus_inf, [hidden, weight, bias], grads)):
+        torch.testing.assert_close(got, want)
+    grads = upstream(ours, softmax_outputs)
     got = gradients(ours, [hidden, weight, bias], grads)
     want = gradients(expected, [hidden, weight, bias], grads)
     torch.testing.assert_close(got[0], want[0])
@@ -180,7 +187,7 @@ def test_selected_only_takes_no_walk(kernel_calls):
         for got, want in zip(gradients(ours, [hidden, weight, bias], grads),
                              gradients(expected, [hidden, weight, bias], grads)):
             torch.testing.assert_close(got, want)
-        assert all(getattr(ours, name).shape == (0,) for name in ("lse", "entropy", "max", "argmax"))
+        assert all(getattr(ours, name).shape == (0,) for name in ("lse", "entropy", "max", "argmax", "row_sum"))
     assert kernel_calls == []
     empty = linear_statistics(hidden, weight, bias, None, row_statistics=False)
     assert empty.selected is None and empty.lse.shape == (0,) and empty.argmax.dtype == torch.int64
@@ -206,7 +213,7 @@ def test_maximum_only_walks_without_the_sums(kernel_calls, monkeypatch, eager):
     assert ours.argmax[0] == 141 and torch.equal(ours.argmax, expected.argmax)
     torch.testing.assert_close(ours.max, expected.max)
     torch.testing.assert_close(ours.selected, expected.selected)
-    assert ours.lse.shape == ours.entropy.shape == (0,)
+    assert ours.lse.shape == ours.entropy.shape == ours.row_sum.shape == (0,)
     grads = upstream(ours, ("selected", "max"))
     for got, want in zip(gradients(ours, [hidden, weight, bias], grads),
                          gradients(expected, [hidden, weight, bias], grads)):
@@ -220,7 +227,8 @@ def test_returns_row_statistics_in_the_accumulate_dtype():
     with torch.no_grad():
         ours = linear_statistics(hidden, weight, bias, indices, chunk_size=2)
     assert isinstance(ours, RowStatistics)
-    assert [getattr(ours, name).dtype for name in OUTPUTS] == [torch.float32] * 4 and ours.argmax.dtype == torch.int64
+    assert [getattr(ours, name).dtype for name in OUTPUTS] == [torch.float32] * len(OUTPUTS)
+    assert ours.argmax.dtype == torch.int64
     assert ours.selected.shape == (5, 3) and ours.lse.shape == (5,)
 
 
@@ -295,7 +303,7 @@ def test_saved_tensor_hooks_see_the_inputs_and_row_statistics_only():
     assert {storage for _, _, storage in recorder.packed} >= inputs
     statistics = [(shape, dtype) for shape, dtype, storage in recorder.packed if storage not in inputs]
     assert sorted(statistics, key=str) == sorted([((37,), torch.float32)] * 3 + [((37,), torch.int64)], key=str)
-    grads = upstream(ours)
+    grads = upstream(ours, vocab_size=509)
     expected = gradients(unfused(hidden, weight, bias, indices, temperature=temperature), [hidden, weight, bias], grads)
     with torch.autograd.graph.save_on_cpu():
         offloaded = linear_statistics(hidden, weight, bias, indices, temperature=temperature, **TILES)
@@ -379,12 +387,14 @@ _TENSORS = ("Tensor hidden_states, Tensor weight, Tensor? bias, Tensor? indices,
             "Tensor? logit_scale_tensor")
 _STATISTICS = "Tensor row_max, Tensor row_log_sum, Tensor row_mean, Tensor argmax"
 SCHEMAS = {
-    "linear_statistics": f"({_TENSORS}, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "linear_statistics": f"({_TENSORS}, *, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+                         "Tensor)",
     "linear_statistics_backward": "(Tensor? grad_selected, Tensor? grad_lse, Tensor? grad_entropy, Tensor? grad_max, "
-                                  f"{_TENSORS}, {_STATISTICS}, *, bool[] output_mask, {_OPTIONS}) "
+                                  f"Tensor? grad_sum, {_TENSORS}, {_STATISTICS}, *, bool[] output_mask, {_OPTIONS}) "
                                   "-> (Tensor, Tensor, Tensor)",
-    "vocab_parallel_row_statistics": f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, {_TENSORS}, "
-                                     f"{_STATISTICS}, *, str group_name, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    "vocab_parallel_row_statistics": f"(Tensor selected, Tensor lse, Tensor entropy, Tensor max, Tensor row_sum, "
+                                     f"{_TENSORS}, {_STATISTICS}, *, str group_name, {_OPTIONS}) "
+                                     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 
 

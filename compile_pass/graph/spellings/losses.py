@@ -108,7 +108,7 @@ def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, b
                         statistics_dtype: torch.dtype, transform: Any, projection_dtype: torch.dtype | None,
                         chunk_size: int | None, chunk_bytes: int | None, rows: Tensor | None = None,
                         **unused: Any) -> tuple[Tensor, ...]:
-    """``(loss, lse, entropy, max, argmax)``: :func:`chunked_cross_entropy`'s loss with no class
+    """``(loss, lse, entropy, max, argmax, row_sum)``: :func:`chunked_cross_entropy`'s loss with no class
     weight or label smoothing, computed as ``lse - z[target]`` from one
     ``chunkce::linear_statistics`` walk of ``z = transform(hidden_states @ weight.T + bias)
     .to(statistics_dtype)`` (``hidden_states [..., H]``), and that walk's row statistics ``[N]``
@@ -136,7 +136,7 @@ def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, b
         loss = loss.view_as(target).to(logits_dtype)
     else:
         loss = reduce_total(loss.sum(), flat_target, None, reduction, ignore_index, 0.0, logits_dtype)
-    return loss, statistics.lse, statistics.entropy, statistics.max, statistics.argmax
+    return loss, statistics.lse, statistics.entropy, statistics.max, statistics.argmax, statistics.row_sum
 
 
 CROSS_ENTROPY = Spelling("cross_entropy", read_cross_entropy, replace_cross_entropy,

@@ -1,11 +1,18 @@
-"""The spellings of a row statistic (logsumexp, entropy) and their shared replacement.
+"""The spellings of a row statistic (logsumexp, entropy, row sum) and their shared replacement.
 
-The spellings of a row statistic, ``logsumexp`` and ``entropy``, and their shared replacement: a
-value per row of the logits from ``chunkce::linear_statistics`` (:func:`compile_pass.op.statistics.chunked_statistics`).
+The spellings of a row statistic, ``logsumexp``, ``entropy`` and ``row_sum``, and their shared
+replacement: a value per row of the logits from ``chunkce::linear_statistics``
+(:func:`compile_pass.op.statistics.chunked_statistics`).
 
     torch.logsumexp(z, -1)                          -> lse (z.logsumexp, torch.special.logsumexp; keepdim)
     (softmax(z, -1) * log_softmax(z, -1)).sum(-1)   -> -entropy
     (softmax(z, -1) * z).sum(-1)                    -> lse - entropy
+    z.sum(-1), z.sum()                              -> row_sum, its sum over the rows
+    .mean(-1), .mean() of z or of the products      -> the sum over V (and over the rows)
+
+Which function is which reduction, and what each gives over which row values, is the lazy reads'
+table (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`, :func:`~compile_pass.lazy_logits.reads.row_value`):
+one definition for a reduction read inside a compiled graph and of the lazy logits it returns.
 
 ``logsumexp`` is the z-loss's (``logsumexp(logits.float(), -1).pow(2)``, masked and averaged after
 it: those ops stay as written). For ``entropy`` the probabilities are ``softmax(z, -1)`` or
@@ -24,7 +31,6 @@ import inspect
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from functools import partial
 from typing import Any
 
@@ -45,21 +51,24 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.projection import Projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import Spelling, SpellingKind, StatisticCall
+from compile_pass.lazy_logits.forms import RowValues
 from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.lazy_logits.reads import REDUCTIONS, Reduction, RowValue, row_value
 from compile_pass.op.statistics import RowStatistics, chunked_statistics
 
 _REDUCTION = inspect.signature(lambda input, dim, keepdim=False: None)  # logsumexp's, sum's without dtype=
-Value = Callable[[RowStatistics], Tensor]  # the statistic of each row, [N], from the op's
+_EVERY_VALUE = inspect.signature(lambda input: None)  # sum's and mean's of every value, without dtype=
 
 
 def row_statistic(hidden_states: Tensor, weight: Tensor, target: None, bias: Tensor | None,
-                  class_weight: None, *, value: Value, shape: tuple[int, ...] | None, keepdim: bool,
+                  class_weight: None, *, value: RowValue, shape: tuple[int, ...] | None, keepdim: bool,
                   logits_dtype: torch.dtype, projection_dtype: torch.dtype | None, transform: Any,
-                  chunk_size: int | None, chunk_bytes: int | None, walked: RowStatistics | None = None,
-                  rows: Tensor | None = None, **unused: Any) -> Tensor:
+                  chunk_size: int | None, chunk_bytes: int | None, every: Reduction | None = None,
+                  walked: RowStatistics | None = None, rows: Tensor | None = None, **unused: Any) -> Tensor:
     """``value`` of the op's row statistics of ``z = transform(hidden_states @ weight.T + bias)
     .to(logits_dtype)`` (``hidden_states [..., H]``, ``weight [V, H]``): reshaped to ``shape``
-    (None: ``hidden_states.shape[:-1]``), a trailing 1 added with ``keepdim``, in ``logits_dtype``.
+    (None: ``hidden_states.shape[:-1]``), a trailing 1 added with ``keepdim``, in ``logits_dtype``;
+    with ``every`` (``SUM`` or ``MEAN``), that reduction of the rows' values instead (0-d).
     The signature is :func:`compile_pass.op.loss.chunked_cross_entropy`'s (a statistic reads
     no target, class weight or loss argument: ``unused``). ``walked``: the statistics of every head
     row from a loss's walk of the same values (no walk here; graph/plan.py, ``_plan_fold``), and
@@ -68,25 +77,40 @@ def row_statistic(hidden_states: Tensor, weight: Tensor, target: None, bias: Ten
         hidden_states.flatten(0, -2), weight, bias, None, None, projection_dtype=projection_dtype,
         logits_dtype=logits_dtype, statistics_dtype=logits_dtype, transform=transform, chunk_size=chunk_size,
         chunk_bytes=chunk_bytes)
-    row = value(statistics)  # [N], fp32 (fp64 for fp64 logits)
+    row = value(statistics, weight.shape[0])  # [N], fp32 (fp64 for fp64 logits)
     if rows is not None:
         row = row.index_select(0, rows.reshape(-1))  # [n]
+    if every is not None:  # every row's values, reduced in the accumulate dtype and rounded once, as torch's
+        return (row.mean() if every is Reduction.MEAN else row.sum()).to(logits_dtype)
     row = row.view_as(hidden_states[..., 0]) if shape is None else row.reshape(shape)  # [...]
     if keepdim:
         row = row.unsqueeze(-1)  # [..., 1]
     return row.to(logits_dtype)
 
 
-def statistic_replacement(call: StatisticCall, projection: Projection, value: Value,
-                          keepdim: bool = False) -> Callable[..., Any] | Reason:
-    """:func:`row_statistic` with ``value`` for ``call``'s rows (:func:`row_shape`), or why not."""
+@dataclass(frozen=True, kw_only=True)
+class ReductionCall(StatisticCall):
+    """A reduction of row values over the last dim (``every``: of every value, a sum or mean):
+    which (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`), of which values of ``z``."""
+
+    reduction: Reduction
+    values: RowValues = RowValues.LOGITS
+    every: bool = False
+
+
+def replace_reduction(call: ReductionCall, projection: Projection) -> Callable[..., Any] | Reason:
+    """:func:`row_statistic` with the value :func:`compile_pass.lazy_logits.reads.row_value`
+    gives ``call``'s reduction of its values, for its rows (:func:`row_shape`), or why not."""
     if projection.sharded is not None:
         return Reason(Refusal.TENSOR_PARALLEL, detail="a row statistic of a vocabulary-sharded head (the "
                                                       "vocabulary-parallel op computes a loss)")
+    value = row_value(call.reduction, call.values)
+    if call.every:
+        return partial(row_statistic, value=value, shape=None, keepdim=False, every=call.reduction)
     shape = row_shape(call.input, projection)
     if isinstance(shape, Reason):
         return shape
-    return partial(row_statistic, value=value, shape=shape, keepdim=keepdim)
+    return partial(row_statistic, value=value, shape=shape, keepdim=call.keepdim)
 
 
 def row_shape(logits: Node, projection: Projection) -> tuple[int, ...] | None | Reason:
@@ -125,26 +149,61 @@ def last_dim_reduction(node: Node, functions: tuple[Any, ...],
     return source, keepdim
 
 
-_LOGSUMEXP = (torch.logsumexp, torch.Tensor.logsumexp, torch.special.logsumexp)
+def _functions(*reductions: Reduction) -> tuple[Any, ...]:
+    return tuple(function for function, reduction in REDUCTIONS.items() if reduction in reductions)
 
 
-def read_logsumexp(node: Node) -> StatisticCall | None:
+_LOGSUMEXP = _functions(Reduction.LOGSUMEXP)
+_SUM_OR_MEAN = _functions(Reduction.SUM, Reduction.MEAN)
+
+
+def read_logsumexp(node: Node) -> ReductionCall | None:
     """The logsumexp over the last dim of ``z`` (``Call.input``), or None."""
     reduced = last_dim_reduction(node, _LOGSUMEXP)
     if reduced is None:
         return None
     logits, keepdim = reduced
-    return StatisticCall(input=logits, spelling=LOGSUMEXP, class_dim=-1, keepdim=keepdim)
+    return ReductionCall(input=logits, spelling=LOGSUMEXP, class_dim=-1, keepdim=keepdim,
+                         reduction=Reduction.LOGSUMEXP)
 
 
-def replace_logsumexp(call: StatisticCall, projection: Projection) -> Callable[..., Any] | Reason:
-    return statistic_replacement(call, projection, lambda statistics: statistics.lse, keepdim=call.keepdim)
+LOGSUMEXP = Spelling("logsumexp", read_logsumexp, replace_reduction, kind=SpellingKind.STATISTIC)
 
 
-LOGSUMEXP = Spelling("logsumexp", read_logsumexp, replace_logsumexp, kind=SpellingKind.STATISTIC)
+def _sum_or_mean(node: Node) -> tuple[Node, bool, bool] | None:
+    """``(input, keepdim, every)`` of a sum or mean over the last dim of a tensor, or of every
+    value (``every``; no dim, no dtype), else None."""
+    reduced = last_dim_reduction(node, _SUM_OR_MEAN)
+    if reduced is not None:
+        return (*reduced, False)
+    if function_of(node) not in _SUM_OR_MEAN:
+        return None
+    try:
+        source = _EVERY_VALUE.bind(*node.args, **node.kwargs).arguments["input"]
+    except TypeError:
+        return None
+    return (source, False, True) if is_tensor_node(source) and example_value(source).dim() > 0 else None
 
 
-_SUM = (torch.sum, torch.Tensor.sum)
+def read_row_sum(node: Node) -> ReductionCall | None:
+    """A sum or mean of ``z`` (``Call.input``) over its last dim or of every value, or None. A sum
+    of a product of two tensors (an entropy's, a one-hot loss's) or of a softmax is no row sum of
+    logits: left to the spellings that read those (an entropy is :data:`ENTROPY`'s, read first)."""
+    reduced = _sum_or_mean(node)
+    if reduced is None:
+        return None
+    logits, keepdim, every = reduced
+    function = function_of(logits)
+    if function in (*_SOFTMAX, *_LOG_SOFTMAX, *_EXP) or (
+            function in _MUL and sum(is_tensor_node(arg) for arg in logits.args) > 1):
+        return None
+    return ReductionCall(input=logits, spelling=ROW_SUM, class_dim=-1, keepdim=keepdim, every=every,
+                         reduction=REDUCTIONS[function_of(node)])
+
+
+ROW_SUM = Spelling("row_sum", read_row_sum, replace_reduction, kind=SpellingKind.STATISTIC)
+
+
 _MUL = (operator.mul, torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply)
 _SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
 _LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, torch.Tensor.log_softmax)
@@ -153,28 +212,13 @@ _REPEATABLE = CASTS | COPIES | {"view", "reshape", "getitem", "flatten", "unsque
 _MAX_DEPTH = 8  # nodes of a repeated chain compared
 
 
-
-class RowSum(Enum):
-    """What the sum of a softmax-weighted row is."""
-
-    NEGATIVE_ENTROPY = "negative_entropy"  # (softmax(z) * log_softmax(z)).sum(-1)
-    EXPECTED_LOGIT = "expected_logit"  # (softmax(z) * z).sum(-1), lse - entropy
-
-
-@dataclass(frozen=True, kw_only=True)
-class EntropyCall(StatisticCall):
-    """A softmax-weighted sum over the vocabulary, and which."""
-
-    row_sum: RowSum
-
-
-def read_entropy(node: Node) -> EntropyCall | None:
-    """``(softmax(z) * log_softmax(z)).sum(-1)`` or ``(softmax(z) * z).sum(-1)`` of one ``z``
-    (``Call.input``), or None."""
-    reduced = last_dim_reduction(node, _SUM)
+def read_entropy(node: Node) -> ReductionCall | None:
+    """``(softmax(z) * log_softmax(z)).sum(-1)`` (``P_LOG_P``) or ``(softmax(z) * z).sum(-1)``
+    (``P_Z``) of one ``z`` (``Call.input``), or their mean, or of every value; or None."""
+    reduced = _sum_or_mean(node)
     if reduced is None:
         return None
-    product, keepdim = reduced
+    product, keepdim, every = reduced
     if function_of(product) not in _MUL or len(product.args) != 2 or product.kwargs:
         return None
     for probabilities, other in (product.args, product.args[::-1]):
@@ -184,18 +228,18 @@ def read_entropy(node: Node) -> EntropyCall | None:
         logits, probs_nodes = probs
         repeated = _repeat_of(other, logits)
         if repeated is not None:
-            what, other_nodes = RowSum.EXPECTED_LOGIT, repeated
+            what, other_nodes = RowValues.P_Z, repeated
         else:
             other_logits = _last_dim_softmax(other, _LOG_SOFTMAX)
             repeated = None if other_logits is None else _repeat_of(other_logits, logits)
             if repeated is None:
                 continue
-            what, other_nodes = RowSum.NEGATIVE_ENTROPY, (other, *repeated)
+            what, other_nodes = RowValues.P_LOG_P, (other, *repeated)
         if example_value(product).shape != example_value(logits).shape:
             return None  # a broadcast product: not one distribution per row
         inner = tuple(dict.fromkeys((product, *probs_nodes, *other_nodes)))
-        return EntropyCall(input=logits, spelling=ENTROPY, class_dim=-1, inner=inner, keepdim=keepdim,
-                           row_sum=what)
+        return ReductionCall(input=logits, spelling=ENTROPY, class_dim=-1, inner=inner, keepdim=keepdim,
+                             reduction=REDUCTIONS[function_of(node)], values=what, every=every)
     return None
 
 
@@ -242,14 +286,4 @@ def _last_dim_softmax(node: Any, functions: tuple) -> Node | None:
     return logits
 
 
-def _value(row_sum: RowSum) -> Callable[[Any], Any]:
-    if row_sum is RowSum.NEGATIVE_ENTROPY:
-        return lambda statistics: statistics.entropy.neg()
-    return lambda statistics: statistics.lse - statistics.entropy
-
-
-def replace_entropy(call: EntropyCall, projection: Projection) -> Callable[..., Any] | Reason:
-    return statistic_replacement(call, projection, _value(call.row_sum), keepdim=call.keepdim)
-
-
-ENTROPY = Spelling("entropy", read_entropy, replace_entropy, kind=SpellingKind.STATISTIC)
+ENTROPY = Spelling("entropy", read_entropy, replace_reduction, kind=SpellingKind.STATISTIC)
