@@ -84,10 +84,6 @@ def _defined(tree: ast.Module) -> set[str]:
     return {name for name in names if not (name.startswith("__") and name.endswith("__"))} - {"log", "_"}
 
 
-# left for the branch that reworks these modules (renaming one here would collide with it)
-_LEFT = {"_dense": ("compile_pass.op.loops", "compile_pass.op.statistics_loops")}
-
-
 def _same_meaning(value, first) -> bool:
     return value is first or (isinstance(value, (tuple, frozenset, str, int, float)) and value == first)
 
@@ -101,6 +97,6 @@ def test_no_name_has_two_meanings():
     clashes = {}
     for name, modules in twice.items():
         values = [getattr(importlib.import_module(module), name) for module in modules]
-        if not all(_same_meaning(value, values[0]) for value in values[1:]) and _LEFT.get(name) != tuple(modules):
+        if not all(_same_meaning(value, values[0]) for value in values[1:]):
             clashes[name] = modules
     assert clashes == {}, f"names defined with two meanings (rename one): {clashes}"

@@ -21,10 +21,10 @@ from compile_pass.op.loops import (
     TileBuffer,
     _add_vocabulary_products,
     _backward_kernel,
-    _dense,
     _gradient_buffer,
     _matmul_into,
     _product_scratch,
+    dense_vector,
     op_body,
     row_statistics,
     walk_buffers,
@@ -79,7 +79,7 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
     want_hidden, want_weight, want_bias = output_mask
     want_bias = want_bias and bias is not None
-    target, class_weight = _dense(target), _dense(class_weight)
+    target, class_weight = dense_vector(target), dense_vector(class_weight)
     accumulate = accumulate_dtype(plan.options["logits_dtype"])
     weight_accumulate = accumulate_dtype(weight.dtype)
     state = walk_buffers(plan, hidden_states, num_tokens)  # loss, row_max, row_log_sum [N], ...

@@ -71,7 +71,7 @@ def op_body(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, 
     release_cache(device, plan.release_cache)
 
 
-def _dense(tensor: Tensor | None) -> Tensor | None:
+def dense_vector(tensor: Tensor | None) -> Tensor | None:
     """``tensor`` with stride 1 (a copy where it is strided or expanded, as a ``sum``'s
     ``grad_loss``): the kernels see one stride pattern and do not recompile."""
     if tensor is None or tensor.stride(0) == 1:
@@ -148,7 +148,7 @@ def chunked_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, t
     ``bias`` / ``class_weight`` ``[V]`` or None). Holds one ``[n, Vb]`` tile; each tile's kernel
     writes straight into the ``[N]`` buffers."""
     num_tokens, vocab_size = hidden_states.shape[0], weight.shape[0]
-    target, class_weight = _dense(target), _dense(class_weight)
+    target, class_weight = dense_vector(target), dense_vector(class_weight)
     state = walk_buffers(plan, hidden_states, num_tokens)
     vocab_blocks, token_chunks = spans(vocab_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = TileBuffer(hidden_states, token_chunks, vocab_blocks)
@@ -164,7 +164,7 @@ def chunked_backward(plan: ResolvedCall, grad_loss: Tensor, hidden_states: Tenso
     """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` in their
     parameters' dtypes (empty where ``output_mask`` does not ask), from ``grad_loss [N]`` and
     :func:`chunked_forward`'s row statistics of whole rows."""
-    target, class_weight, grad_loss = _dense(target), _dense(class_weight), _dense(grad_loss)
+    target, class_weight, grad_loss = dense_vector(target), dense_vector(class_weight), dense_vector(grad_loss)
 
     def tile_gradient(logits_chunk: Tensor, start: int, end: int, vocab_start: int) -> Tensor:
         return _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],

@@ -45,7 +45,7 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
     maximum_only = plan.options["maximum_only"]
     num_tokens = hidden_states.shape[0]
     accumulate = accumulate_dtype(plan.options["statistics_dtype"])
-    indices, temperature = _dense(indices), _dense(temperature)
+    indices, temperature = _dense_tensor(indices), _dense_tensor(temperature)
     num_indices = None if indices is None else indices.shape[1]
     selected = hidden_states.new_zeros(num_tokens, num_indices or 0, dtype=accumulate)
     argmax = hidden_states.new_zeros(num_tokens, dtype=torch.int64)
@@ -85,8 +85,8 @@ def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor
     ``output_mask`` does not ask) of ``grads = (grad_selected [N, K], grad_lse, grad_entropy,
     grad_max, grad_sum [N])`` (None: no term), given the forward's ``statistics = (row_max, row_log_sum,
     row_mean, argmax)`` of the whole rows. The walk runs only for a dense term."""
-    grad_selected, *dense = (_dense(grad) for grad in grads)
-    temperature = _dense(temperature)
+    grad_selected, *dense = (_dense_tensor(grad) for grad in grads)
+    temperature = _dense_tensor(temperature)
     if any(grad is not None for grad in dense):
         row_max, row_log_sum, row_mean, argmax = statistics
 
@@ -109,11 +109,11 @@ def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor
     return gradients
 
 
-def _dense(tensor: Tensor | None) -> Tensor | None:
-    """The tensor with one stride pattern for the kernels: ``[N]`` as ``loops._dense`` makes it,
+def _dense_tensor(tensor: Tensor | None) -> Tensor | None:
+    """The tensor with one stride pattern for the kernels: ``[N]`` as ``loops.dense_vector`` makes it,
     ``[N, K]`` contiguous (a copy where strided or expanded)."""
     if tensor is None or tensor.dim() == 1:
-        return loops._dense(tensor)
+        return loops.dense_vector(tensor)
     return tensor.contiguous()
 
 
