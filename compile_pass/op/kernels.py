@@ -263,67 +263,120 @@ def row_shift(row_max: Tensor) -> Tensor:
     return torch.where(row_max.abs() == float("inf"), 0.0, row_max)
 
 
-def initial_statistics(num_tokens: int, num_indices: int | None, like: Tensor) -> tuple:
-    """A row's state before its first block: ``(row_max -inf, s 0, t 0, argmax 0, selected 0
-    [n, K] or None, row_sum 0)``, in ``like``'s dtype and device."""
-    zeros = [like.new_zeros(num_tokens) for _ in range(2)]
+class StatisticsState(NamedTuple):
+    """The statistics walk's buffers, ``[N]`` each in the accumulate dtype (``argmax`` int64,
+    ``selected [N, K]``): the running state :func:`statistics_forward` carries across a row's
+    blocks (``row_max``, ``sum_exp`` s, ``sum_shifted`` t, ``argmax``, ``selected``, ``row_sum``)
+    and what it writes of the columns seen so far (``lse``, ``entropy``, ``row_log_sum``,
+    ``row_mean``). :func:`maximum_forward` takes ``row_max``, ``argmax``, ``selected`` only."""
+
+    row_max: Tensor
+    sum_exp: Tensor | None  # None: the maximum alone (no exponential)
+    sum_shifted: Tensor | None
+    argmax: Tensor
+    selected: Tensor | None  # None without indices
+    row_sum: Tensor | None
+    lse: Tensor | None
+    entropy: Tensor | None
+    row_log_sum: Tensor | None
+    row_mean: Tensor | None
+
+    def rows(self, start: int, end: int) -> tuple[Tensor | None, ...]:
+        """The rows ``[start, end)`` of each buffer, as the forward kernels take them."""
+        return tuple(None if buffer is None else buffer[start:end] for buffer in self)
+
+
+def statistics_state(num_tokens: int, num_indices: int | None, like: Tensor, maximum_only: bool) -> StatisticsState:
+    """The state for the rows' first blocks, ``[N]`` each in ``like``'s dtype and device, for a whole
+    walk (its fills are a call's, not a tile's): ``row_max -inf``, ``s``, ``t``, ``argmax``,
+    ``selected [N, K]`` (None without indices) and ``row_sum`` 0, the outputs uninitialised; with
+    ``maximum_only`` the sums and their outputs are None."""
     selected = None if num_indices is None else like.new_zeros(num_tokens, num_indices)
-    return (like.new_full((num_tokens,), float("-inf")), *zeros,
-            like.new_zeros(num_tokens, dtype=torch.int64), selected, like.new_zeros(num_tokens))
+    row_max = like.new_full((num_tokens,), float("-inf"))
+    argmax = like.new_zeros(num_tokens, dtype=torch.int64)
+    if maximum_only:
+        return StatisticsState(row_max, None, None, argmax, selected, *(None,) * 5)
+    sums = (like.new_zeros(num_tokens) for _ in range(2))
+    outputs = (like.new_empty(num_tokens) for _ in range(4))
+    return StatisticsState(row_max, *sums, argmax, selected, like.new_zeros(num_tokens), *outputs)
 
 
 def statistics_forward(
     logits: Tensor,  # [n, Vb] projection dtype: the columns [vocab_start, vocab_start + Vb)
     indices: Tensor | None,  # [n, K] int64 (whole-vocabulary columns)
     temperature_rows: Tensor | None,  # [n]
-    row_max: Tensor,  # [n] the state of the row's earlier blocks (initial_statistics) ...
+    row_max: Tensor,  # [n] the state of the row's earlier blocks (statistics_state), updated ...
     sum_exp: Tensor,  # [n] s
     sum_shifted: Tensor,  # [n] t
     argmax: Tensor,  # [n] int64
     selected: Tensor | None,  # [n, K]
     row_sum: Tensor,  # [n]
+    lse: Tensor,  # [n] written: finish's of the columns seen so far
+    entropy: Tensor,
+    row_log_sum: Tensor,
+    row_mean: Tensor,
     args: StatisticsArgs,
-) -> tuple[Tensor, ...]:
-    """One block of the online state (module docstring): the new ``(row_max, sum_exp,
-    sum_shifted, argmax, selected, row_sum)``. A new maximum must be strictly larger (or the first nan)
-    to move ``argmax``, so ties keep the first column."""
+) -> None:
+    """One block of the online state (module docstring), in place: updates ``row_max``,
+    ``sum_exp``, ``sum_shifted``, ``argmax``, ``selected``, ``row_sum`` and writes :func:`finish`'s
+    four of the columns seen so far (the whole row's after its last block). A new maximum must be
+    strictly larger (or the first nan) to move ``argmax``, so ties keep the first column. Written in
+    place, the compiled kernel stores straight into the walk's buffers, and the row maximum and
+    argmax are one pass over the tile (docs/op.md, "Per-chunk kernels")."""
     z = values(logits, temperature_rows, args)  # [n, Vb], fused, never stored
-    new_max, argmax = _maximum(z, row_max, argmax, args.vocab_start)
+    new_max, new_argmax = _maximum(z, row_max, argmax, args.vocab_start)
     old_shift, shift = row_shift(row_max), row_shift(new_max)
     rescale = torch.where(row_max == float("-inf"), 0.0, torch.exp(old_shift - shift))  # [n]
-    selected = _selected(z, indices, selected, args.vocab_start)
-    row_sum = row_sum + z.sum(dim=-1)
+    new_selected = _selected(z, indices, selected, args.vocab_start)
+    new_row_sum = row_sum + z.sum(dim=-1)
     shifted = z - shift.unsqueeze(1)  # [n, Vb]
     exp = torch.exp(shifted)
     block_sum = exp.sum(dim=-1)
     terms = shifted.mul_(exp).masked_fill_(exp == 0.0, 0.0)  # in place (eager: fewer tiles); 0 log 0 = 0
-    sum_shifted = rescale * (sum_shifted + (old_shift - shift) * sum_exp) + terms.sum(dim=-1)
-    sum_exp = sum_exp * rescale + block_sum
-    return new_max, sum_exp, sum_shifted, argmax, selected, row_sum
+    new_sum_shifted = rescale * (sum_shifted + (old_shift - shift) * sum_exp) + terms.sum(dim=-1)
+    new_sum_exp = sum_exp * rescale + block_sum
+    for buffer, value in zip((lse, entropy, row_log_sum, row_mean), finish(new_max, new_sum_exp, new_sum_shifted)):
+        buffer.copy_(value)
+    _write_maximum(row_max, argmax, selected, new_max, new_argmax, new_selected)
+    sum_exp.copy_(new_sum_exp)
+    sum_shifted.copy_(new_sum_shifted)
+    row_sum.copy_(new_row_sum)
 
 
 def maximum_forward(
     logits: Tensor,  # [n, Vb], as statistics_forward takes it
     indices: Tensor | None,
     temperature_rows: Tensor | None,
-    row_max: Tensor,  # [n]
+    row_max: Tensor,  # [n] updated in place
     argmax: Tensor,  # [n] int64
     selected: Tensor | None,  # [n, K]
     args: StatisticsArgs,
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`statistics_forward` without the sums (no exponential): the new ``(row_max, argmax,
-    selected)``."""
+) -> None:
+    """:func:`statistics_forward` without the sums (no exponential): updates ``row_max``,
+    ``argmax`` and ``selected`` in place."""
     z = values(logits, temperature_rows, args)  # [n, Vb]
-    new_max, argmax = _maximum(z, row_max, argmax, args.vocab_start)
-    return new_max, argmax, _selected(z, indices, selected, args.vocab_start)
+    new_max, new_argmax = _maximum(z, row_max, argmax, args.vocab_start)
+    _write_maximum(row_max, argmax, selected, new_max, new_argmax,
+                   _selected(z, indices, selected, args.vocab_start))
+
+
+def _write_maximum(row_max: Tensor, argmax: Tensor, selected: Tensor | None, new_max: Tensor,
+                   new_argmax: Tensor, new_selected: Tensor | None) -> None:
+    """The maximum kernels' state written in place (after every read of the old)."""
+    row_max.copy_(new_max)
+    argmax.copy_(new_argmax)
+    if selected is not None:
+        selected.copy_(new_selected)
 
 
 def _maximum(z: Tensor, row_max: Tensor, argmax: Tensor, vocab_start: int) -> tuple[Tensor, Tensor]:
     """The row's maximum and its first column after the block ``z [n, Vb]``: a new maximum must be
-    strictly larger (or the first nan) to move ``argmax``."""
-    block_max, block_arg = torch.amax(z, dim=-1), torch.argmax(z, dim=-1)  # [n]
-    larger = (block_max > row_max) | (torch.isnan(block_max) & ~torch.isnan(row_max))
-    return torch.maximum(row_max, block_max), torch.where(larger, block_arg + vocab_start, argmax)
+    strictly larger (or the first nan) to move ``argmax``. ``max(z, row_max)`` reduced at once (one
+    reduction beside the block's argmax, no ``[n]`` step between): it is larger than ``row_max``
+    exactly where the block's maximum is, and nan exactly where either is."""
+    new_max = torch.maximum(z, row_max.unsqueeze(1)).amax(dim=-1)  # [n]
+    larger = (new_max > row_max) | (torch.isnan(new_max) & ~torch.isnan(row_max))
+    return new_max, torch.where(larger, torch.argmax(z, dim=-1) + vocab_start, argmax)
 
 
 def _selected(z: Tensor, indices: Tensor | None, selected: Tensor | None, vocab_start: int) -> Tensor | None:

@@ -47,33 +47,28 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
     accumulate = accumulate_dtype(plan.options["statistics_dtype"])
     indices, temperature = _dense_tensor(indices), _dense_tensor(temperature)
     num_indices = None if indices is None else indices.shape[1]
-    selected = hidden_states.new_zeros(num_tokens, num_indices or 0, dtype=accumulate)
-    argmax = hidden_states.new_zeros(num_tokens, dtype=torch.int64)
-    lse, entropy, row_max, row_log_sum, row_mean, row_sum = (
-        hidden_states.new_empty(0 if maximum_only and k != 2 else num_tokens, dtype=accumulate) for k in range(6))
+    state = kernels.statistics_state(num_tokens, num_indices, hidden_states.new_empty(0, dtype=accumulate),
+                                     maximum_only)
+    fn_name = "maximum_forward" if maximum_only else "statistics_forward"
     vocab_blocks, token_chunks = spans(weight.shape[0], plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
     buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
     for start, end in token_chunks:
         rows = slice(start, end)
         index_rows = None if indices is None else indices[rows]
         temperature_rows = None if temperature is None else temperature[rows]
-        state = kernels.initial_statistics(end - start, num_indices, selected)
+        state_rows = state.rows(start, end)
         if maximum_only:
-            state = (state[0], state[3], state[4])  # row_max, argmax, selected
+            state_rows = (state_rows[0], state_rows[3], state_rows[4])  # row_max, argmax, selected
         for block_start, block_end in vocab_blocks:
             bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
             logits = buffer.project(hidden_states[rows], weight[block_start:block_end], bias_block)  # [n, Vb]
-            state = kernel_runner.run(
-                "maximum_forward" if maximum_only else "statistics_forward",
-                variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
-                logits, index_rows, temperature_rows, *state, kernel_args(plan, vocab_start + block_start))
-        if maximum_only:
-            row_max[rows], argmax[rows], picked = state
-        else:
-            row_max[rows], _, _, argmax[rows], picked, row_sum[rows] = state
-            lse[rows], entropy[rows], row_log_sum[rows], row_mean[rows] = kernels.finish(*state[:3])
-        if picked is not None:
-            selected[rows] = picked
+            kernel_runner.run(fn_name, variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
+                              logits, index_rows, temperature_rows, *state_rows,
+                              kernel_args(plan, vocab_start + block_start))
+    row_max, _, _, argmax, selected, row_sum, lse, entropy, row_log_sum, row_mean = (
+        hidden_states.new_empty(0, dtype=accumulate) if tensor is None else tensor for tensor in state)
+    if num_indices is None:
+        selected = hidden_states.new_zeros(num_tokens, 0, dtype=accumulate)
     return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean, row_sum
 
 

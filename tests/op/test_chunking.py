@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from builders import Head
 from torch.profiler import profile
 
+import compile_pass
 from compile_pass import Options, last_report, linear_cross_entropy
 from compile_pass.memory import measure_peak_bytes
 from compile_pass.op import tiling, kernel_runner
@@ -275,6 +276,40 @@ def test_a_walk_does_no_bookkeeping_per_tile():
     assert (many["aten::fill_"], many["aten::copy_"]) == (one["aten::fill_"], one["aten::copy_"]), (one, many)
     assert many["aten::zero_"] == one["aten::zero_"] + 1, (one, many)
     assert many["aten::add_"] == one["aten::add_"] + 4 * 3, (one, many)
+
+
+def _statistics_bookkeeping(hidden, weight, indices, **kwargs) -> collections.Counter:
+    """The aten fills, zeroings and copies of one ``linear_statistics`` forward (compiled kernels),
+    after a first call that compiles them; its outputs checked against torch's."""
+    def walk():
+        with torch.no_grad():
+            return compile_pass.linear_statistics(hidden, weight, indices=indices, **kwargs)
+
+    walk()
+    with profile() as prof:
+        ours = walk()
+    logits = F.linear(hidden, weight).detach()
+    log_probs = logits.log_softmax(-1)
+    torch.testing.assert_close(ours.lse, logits.logsumexp(-1))
+    torch.testing.assert_close(ours.entropy, -(log_probs.exp() * log_probs).sum(-1))
+    torch.testing.assert_close(ours.max, logits.amax(-1))
+    assert torch.equal(ours.argmax, logits.argmax(-1))
+    # a sum of 512 columns in another order (Inductor's vectorised one): fp32's rounding of it
+    torch.testing.assert_close(ours.row_sum, logits.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ours.selected, logits.gather(1, indices))
+    names = ("aten::fill_", "aten::zero_", "aten::copy_", "aten::log", "aten::div")
+    return collections.Counter(event.name for event in prof.events() if event.name in names)
+
+
+def test_a_statistics_walk_does_no_bookkeeping_per_tile():
+    """The statistics forward fills its state once a call and its kernel writes the state and the
+    finished statistics in place: a walk of one tile and one of 4 x 4 tiles fill, copy and finish
+    alike."""
+    hidden, weight, target = make_inputs(n=128, h=16, v=512)
+    indices = target.clamp(min=0).unsqueeze(1)
+    one = _statistics_bookkeeping(hidden, weight, indices, chunk_size=128, chunk_bytes=128 * 512 * 4)
+    many = _statistics_bookkeeping(hidden, weight, indices, chunk_size=32, chunk_bytes=32 * 128 * 4)
+    assert one == many, (one, many)
 
 
 def test_documented_tuning_is_the_rule_s():
