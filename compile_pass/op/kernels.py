@@ -128,6 +128,12 @@ def chunk_forward(
     z_target.copy_(new_z_target)
 
 
+def _buffer_rows(buffers: tuple[Tensor | None, ...], start: int, end: int) -> tuple[Tensor | None, ...]:
+    """The rows ``[start, end)`` of each of a walk's buffers (None stays None), as the forward
+    kernels take them."""
+    return tuple(None if buffer is None else buffer[start:end] for buffer in buffers)
+
+
 class ForwardState(NamedTuple):
     """The forward walk's buffers, ``[N]`` each in the accumulate dtype: what :func:`chunk_forward`
     writes (``loss``, ``row_log_sum``) and the running state it carries across a row's blocks."""
@@ -139,9 +145,7 @@ class ForwardState(NamedTuple):
     z_target: Tensor
     smooth: Tensor | None  # None without label smoothing
 
-    def rows(self, start: int, end: int) -> tuple[Tensor | None, ...]:
-        """The rows ``[start, end)`` of each buffer, as :func:`chunk_forward` takes them."""
-        return tuple(None if buffer is None else buffer[start:end] for buffer in self)
+    rows = _buffer_rows
 
 
 def forward_state(num_tokens: int, like: Tensor, smoothing: bool) -> ForwardState:
@@ -281,9 +285,7 @@ class StatisticsState(NamedTuple):
     row_log_sum: Tensor | None
     row_mean: Tensor | None
 
-    def rows(self, start: int, end: int) -> tuple[Tensor | None, ...]:
-        """The rows ``[start, end)`` of each buffer, as the forward kernels take them."""
-        return tuple(None if buffer is None else buffer[start:end] for buffer in self)
+    rows = _buffer_rows
 
 
 def statistics_state(num_tokens: int, num_indices: int | None, like: Tensor, maximum_only: bool) -> StatisticsState:
