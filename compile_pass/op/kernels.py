@@ -291,7 +291,8 @@ class StatisticsState(NamedTuple):
 def statistics_state(num_tokens: int, num_indices: int | None, like: Tensor, maximum_only: bool) -> StatisticsState:
     """The state for the rows' first blocks, ``[N]`` each in ``like``'s dtype and device, for a whole
     walk (its fills are a call's, not a tile's): ``row_max -inf``, ``s``, ``t``, ``argmax``,
-    ``selected [N, K]`` (None without indices) and ``row_sum`` 0, the outputs uninitialised; with
+    ``selected [N, K]`` (None without indices) and ``row_sum`` 0, the outputs uninitialised (each
+    block writes them; a shard with no columns writes :func:`finish` of this state); with
     ``maximum_only`` the sums and their outputs are None."""
     selected = None if num_indices is None else like.new_zeros(num_tokens, num_indices)
     row_max = like.new_full((num_tokens,), float("-inf"))

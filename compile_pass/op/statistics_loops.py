@@ -65,6 +65,9 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
             kernel_runner.run(fn_name, variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
                               logits, index_rows, temperature_rows, *state_rows,
                               kernel_args(plan, vocab_start + block_start))
+    if not vocab_blocks and not maximum_only:  # an empty shard: no tile wrote the outputs
+        for output, value in zip(state[6:], kernels.finish(state.row_max, state.sum_exp, state.sum_shifted)):
+            output.copy_(value)
     row_max, _, _, argmax, selected, row_sum, lse, entropy, row_log_sum, row_mean = (
         hidden_states.new_empty(0, dtype=accumulate) if tensor is None else tensor for tensor in state)
     if num_indices is None:
