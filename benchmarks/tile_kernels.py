@@ -18,8 +18,10 @@ divides what ran by the tiles the walk took (the per-tile kernel's runs, from
   add); views, ``empty`` and ``detach`` are not work;
 * ``parallel``: on CPU, the parallel regions and barriers a tile waits at: one per matmul and per
   other op, plus each Inductor kernel's ``#pragma omp for`` / ``omp single`` loops (each ends at a
-  barrier of its ``omp parallel`` region), read from the kernel's generated C++.
-  On CUDA, ``launches``: the device kernels of every kind.
+  barrier of its ``omp parallel`` region), read from the kernel's generated C++; none on walk
+  threads (``CHUNKCE_WALK_THREADS`` above 1: a tile's ops run on its one thread), where a walk
+  waits once, at its parts' join (``waits / walk``). On CUDA, ``launches``: the device kernels
+  of every kind.
 
 ``curve`` times one forward + backward of ``linear_cross_entropy`` (median of ``--reps``, the
 points interleaved round by round so a drift of the machine moves each alike) at each tile budget
@@ -174,7 +176,9 @@ def count_walk(prepare, run, device: torch.device) -> Count:
         elif event.name not in NOT_WORK:
             count.other += 1
             count.others[event.name] += 1
-    if device.type == "cpu":
+    if device.type == "cpu" and tiling.walk_threads("cpu") > 1:
+        count.parallel = 0  # each tile on one walk thread: its ops and kernel run on one thread
+    elif device.type == "cpu":
         count.parallel += count.matmul + count.other
     else:
         count.parallel = sum(1 for e in events if e.device_type == cuda)
@@ -185,12 +189,13 @@ def run_count(args) -> None:
     tokens, hidden, vocab = args.tokens, args.hidden, args.vocab
     tensors = _inputs(tokens, hidden, vocab, args.device)
     tile = tiling.resolve_tiles(None, tokens, vocab, 4, args.device.type)
+    walk_threads = tiling.walk_threads(args.device.type)
     print(f"N {tokens}, H {hidden}, V {vocab}, fp32, {args.device}: tile {tile.tokens} x {tile.vocab_block}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, {walk_threads} walk threads (CHUNKCE_WALK_THREADS)")
     parallel = "launches" if args.device.type == "cuda" else "regions+barriers"
     print(f"| walk | tiles | matmuls / tile | Inductor kernels / tile | other aten ops / tile | "
-          f"{parallel} / tile | other aten ops (whole walk) |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+          f"{parallel} / tile | waits / walk | other aten ops (whole walk) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     torch._inductor.config.cpp.enable_kernel_profile = True  # a record per compiled C++ kernel
     for walk, (prepare, run) in _walks(*tensors).items():
         for _ in range(2):  # compile, and warm
@@ -200,8 +205,9 @@ def run_count(args) -> None:
         tensors[0].grad = tensors[1].grad = None
         per = max(count.tiles, 1)
         others = ", ".join(f"{name[6:]} x{n}" for name, n in count.others.most_common())
+        waits = 1 if args.device.type == "cpu" and walk_threads > 1 else count.parallel  # the parts' join
         print(f"| {walk} | {count.tiles} | {count.matmul / per:.2f} | {count.inductor / per:.2f} | "
-              f"{count.other / per:.2f} | {count.parallel / per:.2f} | {others} |", flush=True)
+              f"{count.other / per:.2f} | {count.parallel / per:.2f} | {waits} | {others} |", flush=True)
 
 
 # ---- curve and memory ---------------------------------------------------------------------
@@ -219,8 +225,11 @@ def _step(tensors, chunk_size: int | None, chunk_bytes: int | None):
 
 
 def working_set(step, tensors) -> int:
-    """Peak bytes of one ``step()`` above its inputs, less the two gradients it must hold."""
+    """Peak bytes of one ``step()`` above its inputs, less the two gradients it must hold (an earlier
+    step's gradients are dropped before the measured block: freed inside it, they would count
+    against the peak)."""
     hidden_states, weight, _ = tensors
+    hidden_states.grad = weight.grad = None
     with PeakMemory(hidden_states.device) as mem:
         step()
     return mem.peak_bytes - (hidden_states.numel() + weight.numel()) * hidden_states.element_size()

@@ -172,6 +172,8 @@ get_current_dispatch_mode = Private("torch.utils._python_dispatch:_get_current_d
                                     "kernels run eagerly under a dispatch mode")
 are_functorch_transforms_active = Private("torch._C:_are_functorch_transforms_active",
                                           "the op's eager path under vmap / grad")
+profiler_enabled = Private("torch._C._autograd:_profiler_enabled", "a profiled walk stays on its caller's "
+                          "thread, whose ops and allocations the profiler sees")
 below_autograd = Private("torch._C:_AutoDispatchBelowADInplaceOrView", "the compiled kernels below autograd",
                          kind=PrivateKind.CLASS)
 dispatch_key_for_device = Private("torch._C:_dispatch_key_for_device", "a device's dispatch key")

@@ -18,10 +18,15 @@ from tiers import _tier_check  # noqa: F401 - the tiers' run-time check (tiers.p
 def pytest_configure(config):
     """Under pytest-xdist (the README runs ``-n 2``) each worker takes its share of the cores:
     two workers each running the op's small per-tile kernels on every core would wait on each
-    other's threads (the many-block precision case: 7 s alone, 15 s with both on 2 threads)."""
+    other's threads (the many-block precision case: 7 s alone, 15 s with both on 2 threads).
+
+    The op's walks still split over two walk threads (``CHUNKCE_WALK_THREADS=2``, unless set): what
+    a user's walk does on any machine of two cores or more, whatever this worker's share of them
+    (the one-thread walk: ``tests/op/test_walk_threads.py``, and every spawned rank that sets it)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    os.environ.setdefault("CHUNKCE_WALK_THREADS", "2")
 
 
 @pytest.fixture

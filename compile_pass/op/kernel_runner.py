@@ -1,5 +1,7 @@
-"""How the per-chunk kernels run: compiled by Inductor once per variant, or eagerly.
+"""How the walks and their per-chunk kernels run: on which threads, compiled by Inductor or eagerly.
 
+The walk threads (:class:`WalkThreads`, :func:`split`, :func:`run_parts`): on CPU a walk's tiles
+split over threads of the op's own, each on one intra-op thread (docs/op.md, "Walk threads").
 How the per-chunk kernels run: compiled by Inductor for the input's device once per variant
 (dynamic shapes, ``emulate_precision_casts``), or eagerly where Inductor cannot compile for the
 device (:func:`inductor_compiles_for`), under ``CHUNKCE_EAGER_KERNELS=1``, a dispatch mode or a
@@ -8,11 +10,16 @@ functorch transform. Why each setting: docs/op.md, "Per-chunk kernels".
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
+import os
+import queue
 import re
+import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -20,9 +27,27 @@ from torch import Tensor
 import compile_pass.torch_internals as internals
 from compile_pass.op import kernels
 
+if TYPE_CHECKING:
+    from compile_pass.op.schema import ResolvedCall
+
 _MODULES = (kernels,)  # the kernels' modules, searched by function name
 _RECORDS = (kernels.KernelArgs, kernels.StatisticsArgs)  # their constants' records
 _RUN_HOOKS: list[Callable[[str, tuple], None]] = []
+_CALLED: set = set()  # the one-thread kernels that have run once (compiled: later calls find them)
+_FIRST_CALL = threading.Lock()  # held by a walk thread's first call of a kernel: two would both compile it
+_WALK_THREAD = threading.local()  # .active: this thread runs a walk's parts (mark_walk_thread)
+
+
+def in_walk_thread() -> bool:
+    """Whether the calling thread runs a walk's parts (a :class:`compile_pass.op.loops.WalkThreads`
+    thread, or a caller running them itself): its kernels are the one-thread variants."""
+    return getattr(_WALK_THREAD, "active", False)
+
+
+def mark_walk_thread(active: bool) -> None:
+    """Mark the calling thread as running a walk's parts (a walk thread, for good; a caller that runs
+    them itself, while it does), or no longer."""
+    _WALK_THREAD.active = active
 
 
 def _kernel(fn_name: str):
@@ -40,17 +65,28 @@ def hooked_runs(hook: Callable[[str, tuple], None]) -> Iterator[None]:
         _RUN_HOOKS.remove(hook)
 
 
-@functools.cache
-def compiled(fn_name: str, variant: tuple):
+def compiled(fn_name: str, variant: tuple, one_thread: bool = False):
     """The kernel ``fn_name`` compiled for ``variant``, once (one code object per variant: its
-    own Dynamo cache and recompile limit)."""
+    own Dynamo cache and recompile limit); ``one_thread``: the variant a walk thread runs, whose
+    C++ has no parallel region (``cpp.threads=1``). Thread-safe: two walk threads asking at once get
+    one kernel (two would each compile). ``cache_info`` / ``cache_clear`` as ``functools.cache``'s."""
+    with _COMPILED_LOCK:
+        return _compiled(fn_name, variant, one_thread)
+
+
+@functools.cache
+def _compiled(fn_name: str, variant: tuple, one_thread: bool):
     fn = _kernel(fn_name)
-    suffix = re.sub(r"\W+", "_", "_".join(map(str, variant)))
+    suffix = re.sub(r"\W+", "_", "_".join(map(str, (*variant, "one_thread") if one_thread else variant)))
     code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__{suffix}")
     clone = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__)
     # emulate_precision_casts: a cast to half precision rounds as it does eagerly
-    return torch.compile(clone, dynamic=True, fullgraph=True,
-                         options={"emulate_precision_casts": True})
+    options = {"emulate_precision_casts": True, **({"cpp.threads": 1} if one_thread else {})}
+    return torch.compile(clone, dynamic=True, fullgraph=True, options=options)
+
+
+_COMPILED_LOCK = threading.Lock()
+compiled.cache_info, compiled.cache_clear = _compiled.cache_info, _compiled.cache_clear
 
 
 @functools.cache
@@ -80,8 +116,9 @@ def _hot_path() -> tuple:
             internals.fx_config.get(), internals.below_autograd.get(), internals.counters.get())
 
 
-def _plain_context() -> bool:
-    """False under a dispatch mode or a functorch transform (the kernel runs eagerly there)."""
+def plain_context() -> bool:
+    """False under a dispatch mode or a functorch transform (the kernel runs eagerly there, and a
+    walk stays on its caller's thread: both are the thread's own state)."""
     dispatch_mode, functorch_active = _hot_path()[:2]
     return dispatch_mode() is None and not functorch_active()
 
@@ -100,22 +137,41 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     :mod:`compile_pass.op.kernels` on ``args``; ``variant`` is its compile key
     (device type first). Errors propagate unchanged and leave no state behind.
     """
-    if eager or not inductor_compiles_for(variant[0]) or not _plain_context():
+    if eager or not inductor_compiles_for(variant[0]) or not plain_context():
         return _kernel(fn_name)(*args)
+    fx_config = _hot_path()[2]
+    # the kernels' shape settings (torch's config patches are the calling thread's own)
+    shape_settings = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
+    if in_walk_thread():  # below autograd already; the walk's owner keeps Dynamo's stats (dynamo_stats_kept)
+        with shape_settings:
+            for hook in _RUN_HOOKS:
+                hook(fn_name, variant)
+            kernel = compiled(fn_name, variant, one_thread=True)
+            if kernel in _CALLED:
+                return kernel(*_symbolic(args))
+            with _FIRST_CALL:  # the other walk threads wait for its compile, then find it
+                if kernel not in _CALLED:
+                    # compiled for tensors at storage offset 0, as a walk's first tile's rows are on
+                    # one thread (a part's first rows may start further on: Dynamo would specialise
+                    # the offset, and compile again for the first part's)
+                    kernel(*_symbolic([arg.clone() if isinstance(arg, Tensor) else arg for arg in args]))
+                    _CALLED.add(kernel)
+            return kernel(*_symbolic(args))
     # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
-    _, _, fx_config, below_autograd, _ = _hot_path()
-    with fx_config.patch(use_duck_shape=False, backed_size_oblivious=True), below_autograd():
+    below_autograd = _hot_path()[3]
+    with shape_settings, below_autograd():
         for hook in _RUN_HOOKS:
             hook(fn_name, variant)
-        with _dynamo_stats_kept():
+        with dynamo_stats_kept():
             return compiled(fn_name, variant)(*_symbolic(args))
 
 
 @contextlib.contextmanager
-def _dynamo_stats_kept() -> Iterator[None]:
+def dynamo_stats_kept() -> Iterator[None]:
     """Dynamo's ``counters["stats"]`` (unique_graphs, calls_captured) as before the block: a kernel's
     compile is chunkce's own, not a graph of the user's (who counts recompiles with them); its graphs
-    are counted in ``counters["chunkce"]["kernel_graphs"]``."""
+    are counted in ``counters["chunkce"]["kernel_graphs"]``. Entered by the thread that owns a call
+    (the counters are the process's), around its walk threads' runs."""
     counters = _hot_path()[4]
     stats = counters["stats"]
     saved = stats.copy()
@@ -126,3 +182,129 @@ def _dynamo_stats_kept() -> Iterator[None]:
             counters["chunkce"]["kernel_graphs"] += stats["unique_graphs"] - saved["unique_graphs"]
         stats.clear()
         stats.update(saved)
+
+
+# ---- walk threads (docs/op.md, "Walk threads") ----------------------------------------------------
+
+
+class WalkThreads:
+    """``count`` threads of this process that run a walk's parts (docs/op.md, "Walk threads"),
+    each with one intra-op thread: a tile's matmuls and kernel run on the thread that took it, so
+    a walk waits once, when its parts end, instead of at every parallel region of every tile (a
+    wait that costs a scheduler slice whenever another process holds a core). Started once per
+    process and count (:func:`thread_pool`); daemons, blocked on their queues between walks."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(count)]
+        started = threading.Barrier(count + 1)
+        intra_op = torch.get_num_threads()
+        for index, tasks in enumerate(self._queues):
+            threading.Thread(target=self._serve, args=(tasks, started), name=f"chunkce-walk-{index}",
+                             daemon=True).start()
+        started.wait()
+        torch.set_num_threads(intra_op)  # each thread's set_num_threads(1) also set torch's default for new threads
+
+    @staticmethod
+    def _serve(tasks: queue.SimpleQueue, started: threading.Barrier) -> None:
+        torch.set_num_threads(1)  # this thread's OpenMP and MKL threads: the walk's parallelism is the threads'
+        mark_walk_thread(True)
+        started.wait()
+        while True:
+            future, work = tasks.get()
+            try:
+                future.set_result(work())
+            except BaseException as error:  # re-raised, unchanged, by run()
+                future.set_exception(error)
+
+    def run(self, works: Sequence[Callable[[], Any]]) -> list:
+        """Each of ``works`` (at most ``count``) on its own thread, in :func:`_walk_context`; returns
+        their results in order, after all have ended. Raises what the first of them that raised raised."""
+        context = _walk_context()
+        futures = []
+        for tasks, work in zip(self._queues, works, strict=False):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            tasks.put((future, functools.partial(_run_in, context, work)))
+            futures.append(future)
+        concurrent.futures.wait(futures)
+        return [future.result() for future in futures]
+
+
+def _walk_context() -> Callable[[], contextlib.AbstractContextManager]:
+    """The state a walk's part runs in, whichever thread runs it, taken from the caller: its
+    inference mode, no grad, below autograd (one state, so a kernel compiles once for it)."""
+    inference, below_autograd = torch.is_inference_mode_enabled(), internals.below_autograd.get()
+
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        with torch.inference_mode(inference), torch.no_grad(), below_autograd():
+            yield
+
+    return context
+
+
+def _run_in(context: Callable[[], contextlib.AbstractContextManager], work: Callable[[], Any]) -> Any:
+    with context():
+        return work()
+
+
+_POOLS: dict[tuple[int, int], WalkThreads] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def thread_pool(count: int) -> WalkThreads:
+    """This process's :class:`WalkThreads` of ``count`` threads (a forked child starts its own)."""
+    key = (os.getpid(), count)
+    with _POOLS_LOCK:
+        if key not in _POOLS:
+            _POOLS[key] = WalkThreads(count)
+        return _POOLS[key]
+
+
+def split(plan: ResolvedCall, items: Sequence, parts: int | None = None) -> list[list]:
+    """A walk's items in parts, one a walk thread: ``P = min(plan.threads, parts, len(items))`` (at
+    least 1), part ``p`` every ``P``-th item. The split is static, so a walk's arithmetic does not
+    depend on which thread ran first. ``[items]`` where the plan has one thread."""
+    count = max(1, min(plan.threads, plan.threads if parts is None else parts, len(items)))
+    return [list(items[part::count]) for part in range(count)]
+
+
+def run_parts(plan: ResolvedCall, work: Callable[[int], Any], count: int, whole: bool = False) -> list:
+    """``work(part)`` for each of ``count`` parts (:func:`split`); returns their results in order.
+
+    Where the plan has walk threads: on :class:`WalkThreads` where the caller may leave its thread
+    (:func:`_may_leave_thread`), else one after another on the caller's thread in the same state (one
+    intra-op thread, :func:`_walk_context`): either way a call's kernels are the one-thread variants
+    (Dynamo guards on the thread count: another variant would be a second compile), a walk of one
+    part included. ``whole`` (one part) or a plan of one thread: ``work(0)`` here, as the caller is."""
+    if plan.threads <= 1 or whole:
+        return [work(0)]
+    works = [functools.partial(work, part) for part in range(count)]
+    with dynamo_stats_kept():
+        if _may_leave_thread():
+            return thread_pool(plan.threads).run(works)
+        return _run_here(works)
+
+
+def _run_here(works: Sequence[Callable[[], Any]]) -> list:
+    """``works`` one after another on this thread as a walk thread runs them (one intra-op thread,
+    :func:`_walk_context`, the one-thread kernels); this thread's settings restored after."""
+    if in_walk_thread():  # a walk thread's own walk: already so
+        return [work() for work in works]
+    intra_op, context = torch.get_num_threads(), _walk_context()
+    torch.set_num_threads(1)
+    mark_walk_thread(True)
+    try:
+        return [_run_in(context, work) for work in works]
+    finally:
+        mark_walk_thread(False)
+        torch.set_num_threads(intra_op)
+
+
+def _may_leave_thread() -> bool:
+    """Whether a walk's parts may run on :class:`WalkThreads`: not from one of them, and not where
+    they would leave this thread's own state behind: a dispatch mode or functorch transform, an
+    active profiler (it sees this thread's ops and allocations only), Dynamo's compile lock (a walk
+    thread's first kernel compiles under it)."""
+    return (not in_walk_thread() and plain_context()
+            and not internals.profiler_enabled() and not internals.compile_lock.get()._is_owned())

@@ -1,10 +1,11 @@
-"""The loss op's chunk loops (forward, backward) and what every op's body runs around its loop.
+"""The walks over the tiles every op shares, the threads that run them, and the loss op's loops.
 
-The recompute op's two chunk loops, and what every op's body runs around its loop
-(:func:`op_body`). :func:`chunked_forward` projects each ``[n, Vb]`` tile into one buffer and
-carries the row's log-sum-exp across vocabulary blocks; :func:`chunked_backward` recomputes each
-tile, turns it into its gradient in place and multiplies that into the gradient buffers.
-Walk: docs/op.md, "Forward" and "Backward (recompute)".
+The recompute ops' two walks (:func:`forward_walk`, :func:`backward_walk`), split over the
+walk threads on CPU (:mod:`compile_pass.op.kernel_runner`: docs/op.md, "Walk threads"), and
+what every op's body runs around its walk (:func:`op_body`). :func:`chunked_forward` projects
+each ``[n, Vb]`` tile into its part's buffer and carries the row's log-sum-exp across vocabulary
+blocks; :func:`chunked_backward` recomputes each tile, turns it into its gradient in place and
+multiplies that into the gradient buffers. Walk: docs/op.md, "Forward" and "Backward (recompute)".
 The backward's products of ``grad_logits [n, Vb]`` into the gradients, and how each is
 accumulated (a half-precision head's in fp32; docs/op.md, "Backward"). :func:`reduce_total`: the
 summed loss reduced as ``F.cross_entropy`` reduces it, shared by the single-device loss and the
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor
 import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, kernels
 from compile_pass.op.schema import LOSS_NAME, ResolvedCall
-from compile_pass.op.tiling import Tiles, accumulate_dtype, plan_backward, spans
+from compile_pass.op.tiling import accumulate_dtype, plan_backward, spans
 
 _assert_async = internals.assert_async.get()  # checks a range with no host sync
 
@@ -141,20 +142,40 @@ def row_statistics(plan: ResolvedCall, buffer: TileBuffer, state: kernels.Forwar
     return logits
 
 
+def forward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+                 tile_kernel: Callable[[Tensor, int, int, int], None]) -> None:
+    """The forward walk every recompute op shares: each token chunk ``[start, end)`` over every
+    vocabulary block in order, ``tile_kernel(logits [n, Vb], start, end, vocab_start)`` on each
+    projected tile (it writes its rows of the walk's ``[N]`` buffers). The token chunks are split
+    over the walk threads (:func:`~compile_pass.op.kernel_runner.split`, :func:`~compile_pass.op.kernel_runner.run_parts`); each part holds one tile, allocated here."""
+    vocab_blocks = spans(weight.shape[0], plan.tiles.vocab_block)
+    parts = kernel_runner.split(plan, spans(hidden_states.shape[0], plan.tiles.tokens))
+    buffers = [TileBuffer(hidden_states, token_chunks, vocab_blocks) for token_chunks in parts]
+
+    def walk_chunks(part: int) -> None:
+        for start, end in parts[part]:
+            hidden_chunk = hidden_states[start:end]  # [n, H]
+            for vocab_start, vocab_end in vocab_blocks:
+                bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
+                logits = buffers[part].project(hidden_chunk, weight[vocab_start:vocab_end], bias_block)  # [n, Vb]
+                tile_kernel(logits, start, end, vocab_start)
+
+    kernel_runner.run_parts(plan, walk_chunks, len(parts))
+
+
 def chunked_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` in the accumulate dtype,
     from the op's tensors (``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
-    ``bias`` / ``class_weight`` ``[V]`` or None). Holds one ``[n, Vb]`` tile; each tile's kernel
-    writes straight into the ``[N]`` buffers."""
-    num_tokens, vocab_size = hidden_states.shape[0], weight.shape[0]
+    ``bias`` / ``class_weight`` ``[V]`` or None): :func:`forward_walk`, each tile's kernel writing
+    straight into the ``[N]`` buffers."""
     target, class_weight = dense_vector(target), dense_vector(class_weight)
-    state = walk_buffers(plan, hidden_states, num_tokens)
-    vocab_blocks, token_chunks = spans(vocab_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
-    buffer = TileBuffer(hidden_states, token_chunks, vocab_blocks)
-    for start, end in token_chunks:
-        row_statistics(plan, buffer, state, start, end, hidden_states, weight, target, bias, class_weight,
-                       vocab_blocks)
+    state = walk_buffers(plan, hidden_states, hidden_states.shape[0])
+
+    def tile_kernel(logits: Tensor, start: int, end: int, vocab_start: int) -> None:
+        _forward_kernel(plan, logits, target[start:end], class_weight, state.rows(start, end), vocab_start)
+
+    forward_walk(plan, hidden_states, weight, bias, tile_kernel)
     return state.loss, state.row_max, state.row_log_sum
 
 
@@ -170,55 +191,89 @@ def chunked_backward(plan: ResolvedCall, grad_loss: Tensor, hidden_states: Tenso
         return _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
                                 target[start:end], class_weight, grad_loss[start:end], vocab_start)
 
-    return backward_walk(plan.tiles, hidden_states, weight, bias, output_mask, tile_gradient)
+    return backward_walk(plan, hidden_states, weight, bias, output_mask, tile_gradient)
 
 
-def backward_walk(tiles: Tiles, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def backward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                   output_mask: list[bool], tile_gradient) -> tuple[Tensor, Tensor, Tensor]:
     """The backward walk every recompute op shares (:func:`compile_pass.op.tiling.plan_backward`):
     ``tile_gradient(logits, start, end, vocab_start)`` turns each projected tile into its gradient
-    in place, which is multiplied into the three gradients (as :func:`chunked_backward` returns them)."""
+    in place, which is multiplied into the three gradients (as :func:`chunked_backward` returns them).
+
+    The vocabulary blocks are split over the walk threads (:func:`~compile_pass.op.kernel_runner.run_parts`): a block's weight and
+    bias gradient rows are one part's; the hidden-state gradient is summed over the parts, each
+    part's own ``[N, H]`` sum (the first part's in the returned buffer) added in part order, so the
+    result does not depend on timing. Parts beyond the first hold ``[N, H]`` each: no more of them
+    than :data:`MAX_PART_BYTES` allows; with no room for one, the walk runs as one thread would.
+    Every buffer is allocated here, on the caller's thread."""
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
-    walk = plan_backward(num_tokens, vocab_size, tiles, hidden_states.dtype,
+    walk = plan_backward(num_tokens, vocab_size, plan.tiles, hidden_states.dtype,
                          weight.dtype, output_mask, bias is not None)
-    buffer = TileBuffer(hidden_states, walk.token_chunks, walk.vocab_blocks)
     grad_hidden = _gradient_buffer(walk.want_hidden, hidden_states, (num_tokens, hidden_size),
                                    walk.grad_hidden_dtype, walk.zero_grad_hidden)  # [N, H]
     grad_weight = _gradient_buffer(walk.want_weight, weight, (vocab_size, hidden_size),
                                    weight.dtype, walk.zero_grad_weight)  # [V, H]
     grad_bias = _gradient_buffer(walk.want_bias, weight, (vocab_size,),
                                  walk.accumulate_dtype, zeroed=True)  # [V]
-    scratch = _product_scratch(grad_hidden, hidden_states, walk.token_chunks, hidden_size)  # [n, H]
-    for block, (vocab_start, vocab_end) in enumerate(walk.vocab_blocks):
-        weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
-        hidden_sums = walk.hidden_sums and not (block == 0 and walk.hidden_first_written)
-        bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
-        grad_weight_block = None  # [Vb, H]: the block's sum over token chunks
-        if walk.weight_block_accumulator:
-            grad_weight_block = weight_block.new_zeros(weight_block.shape, dtype=walk.accumulate_dtype)
-        elif walk.want_weight:
-            grad_weight_block = grad_weight[vocab_start:vocab_end]
-        for start, end in walk.token_chunks:
-            hidden_chunk = hidden_states[start:end]  # [n, H]
-            logits_chunk = buffer.project(hidden_chunk, weight_block, bias_block)  # [n, Vb]
-            grad_logits = tile_gradient(logits_chunk, start, end, vocab_start)  # [n, Vb], in place
-            del logits_chunk
-            if walk.want_hidden:
-                _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight_block, scratch,
-                                         hidden_sums)
-            if walk.want_weight:  # as F.linear's backward
-                _matmul_into(grad_weight_block, grad_logits.t(), hidden_chunk, walk.weight_sums)
-            if walk.want_bias:
-                grad_bias[vocab_start:vocab_end] += grad_logits.sum(0, dtype=walk.accumulate_dtype)
-            del grad_logits
-        if walk.weight_block_accumulator:
-            grad_weight[vocab_start:vocab_end] = grad_weight_block
-        del grad_weight_block
+
+    extra_parts = MAX_PART_BYTES // max(1, grad_hidden.numel() * grad_hidden.element_size())
+    parts = kernel_runner.split(plan, walk.vocab_blocks, parts=1 + extra_parts)
+    whole = len(parts) == 1 and len(walk.vocab_blocks) > 1  # no room for a part's sum: as one thread
+    buffers = [TileBuffer(hidden_states, walk.token_chunks, vocab_blocks) for vocab_blocks in parts]
+    part_hidden = [grad_hidden, *(_gradient_buffer(walk.want_hidden, hidden_states, grad_hidden.shape,
+                                                   grad_hidden.dtype, walk.zero_grad_hidden) for _ in parts[1:])]
+    scratch = [_product_scratch(buffer, hidden_states, walk.token_chunks, hidden_size) for buffer in part_hidden]
+    accumulators = [None if not walk.weight_block_accumulator else weight.new_empty(
+        (max(end - start for start, end in vocab_blocks), hidden_size), dtype=walk.accumulate_dtype)
+        for vocab_blocks in parts]  # [Vb, H] each
+
+    def walk_blocks(part: int) -> None:
+        for index, (vocab_start, vocab_end) in enumerate(parts[part]):
+            _backward_block(walk, buffers[part], scratch[part], part_hidden[part], accumulators[part], grad_weight,
+                            grad_bias, hidden_states, weight, bias, vocab_start, vocab_end, index == 0, tile_gradient)
+
+    kernel_runner.run_parts(plan, walk_blocks, len(parts), whole=whole)
     if walk.want_hidden:
+        for part_sum in part_hidden[1:]:
+            grad_hidden += part_sum
         grad_hidden = grad_hidden.to(hidden_states.dtype)
     if walk.want_bias:
         grad_bias = grad_bias.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+MAX_PART_BYTES = 32 * 1024 * 1024  # bytes: the backward's extra [N, H] sums, all parts together
+
+
+def _backward_block(walk, buffer: TileBuffer, scratch: Tensor, grad_hidden: Tensor, accumulator: Tensor | None,
+                    grad_weight: Tensor, grad_bias: Tensor, hidden_states: Tensor, weight: Tensor,
+                    bias: Tensor | None, vocab_start: int, vocab_end: int, first: bool, tile_gradient) -> None:
+    """One vocabulary block of :func:`backward_walk` over every token chunk in order: its weight
+    and bias gradient rows (summed in ``accumulator``'s first ``Vb`` rows where the walk has one),
+    and its products added into ``grad_hidden [N, H]`` (written by the part's ``first`` block where
+    the walk writes, not adds, the first products)."""
+    weight_block = weight[vocab_start:vocab_end]  # [Vb, H]
+    hidden_sums = walk.hidden_sums and not (first and walk.hidden_first_written)
+    bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
+    grad_weight_block = None  # [Vb, H]: the block's sum over token chunks
+    if walk.weight_block_accumulator:
+        grad_weight_block = accumulator[:vocab_end - vocab_start].zero_()
+    elif walk.want_weight:
+        grad_weight_block = grad_weight[vocab_start:vocab_end]
+    for start, end in walk.token_chunks:
+        hidden_chunk = hidden_states[start:end]  # [n, H]
+        logits_chunk = buffer.project(hidden_chunk, weight_block, bias_block)  # [n, Vb]
+        grad_logits = tile_gradient(logits_chunk, start, end, vocab_start)  # [n, Vb], in place
+        del logits_chunk
+        if walk.want_hidden:
+            _add_vocabulary_products(grad_hidden[start:end], grad_logits, weight_block, scratch, hidden_sums)
+        if walk.want_weight:  # as F.linear's backward
+            _matmul_into(grad_weight_block, grad_logits.t(), hidden_chunk, walk.weight_sums)
+        if walk.want_bias:
+            grad_bias[vocab_start:vocab_end] += grad_logits.sum(0, dtype=walk.accumulate_dtype)
+        del grad_logits
+    if walk.weight_block_accumulator:
+        grad_weight[vocab_start:vocab_end] = grad_weight_block
 
 
 _MIXED_ADDMM_DTYPES = (torch.float16, torch.bfloat16)

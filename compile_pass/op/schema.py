@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from compile_pass.op.kernels import HeadTransform, KernelArgs
-from compile_pass.op.tiling import Tiles, resolve_tiles, settings
+from compile_pass.op.tiling import Tiles, resolve_tiles, settings, walk_threads
 
 LOSS_NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
 REQUIRED = object()  # an Argument without a default
@@ -144,6 +144,7 @@ class ResolvedCall:
     transform: HeadTransform  # the head's transform, its dtype resolved (HeadTransform.resolve)
     vocab_size: int  # V (the whole vocabulary's, for a shard)
     vocab_offset: int = 0  # a shard's first column: the kernels see a tile at its global columns
+    threads: int = 1  # the walk threads its tiles are split over (tiling.walk_threads)
 
     @staticmethod
     def resolve(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
@@ -159,6 +160,7 @@ class ResolvedCall:
         """
         env = settings()
         options = {**option_defaults, **options}
+        threads = 1 if whole_rows else walk_threads(hidden_states.device.type)
         return ResolvedCall(
             options=options,
             tiles=resolve_tiles(options.get("chunk_size"), hidden_states.shape[0], weight.shape[0],
@@ -169,6 +171,7 @@ class ResolvedCall:
             transform=head_transform(scale_tensor, options).resolve(hidden_states.dtype),
             vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
             vocab_offset=vocab_offset,
+            threads=threads,
         )
 
     @property

@@ -14,7 +14,7 @@ from torch import Tensor
 from compile_pass.op import kernel_runner, kernels, loops
 from compile_pass.op.kernels import StatisticsArgs
 from compile_pass.op.schema import ResolvedCall
-from compile_pass.op.tiling import accumulate_dtype, spans
+from compile_pass.op.tiling import accumulate_dtype
 
 
 def kernel_args(plan: ResolvedCall, vocab_start: int) -> StatisticsArgs:
@@ -50,22 +50,19 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
     state = kernels.statistics_state(num_tokens, num_indices, hidden_states.new_empty(0, dtype=accumulate),
                                      maximum_only)
     fn_name = "maximum_forward" if maximum_only else "statistics_forward"
-    vocab_blocks, token_chunks = spans(weight.shape[0], plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
-    buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
-    for start, end in token_chunks:
-        rows = slice(start, end)
-        index_rows = None if indices is None else indices[rows]
-        temperature_rows = None if temperature is None else temperature[rows]
+
+    def tile_kernel(logits: Tensor, start: int, end: int, block_start: int) -> None:
+        index_rows = None if indices is None else indices[start:end]
+        temperature_rows = None if temperature is None else temperature[start:end]
         state_rows = state.rows(start, end)
         if maximum_only:
             state_rows = (state_rows[0], state_rows[3], state_rows[4])  # row_max, argmax, selected
-        for block_start, block_end in vocab_blocks:
-            bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
-            logits = buffer.project(hidden_states[rows], weight[block_start:block_end], bias_block)  # [n, Vb]
-            kernel_runner.run(fn_name, variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
-                              logits, index_rows, temperature_rows, *state_rows,
-                              kernel_args(plan, vocab_start + block_start))
-    if not vocab_blocks and not maximum_only:  # an empty shard: no tile wrote the outputs
+        kernel_runner.run(fn_name, variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
+                          logits, index_rows, temperature_rows, *state_rows,
+                          kernel_args(plan, vocab_start + block_start))
+
+    loops.forward_walk(plan, hidden_states, weight, bias, tile_kernel)
+    if weight.shape[0] == 0 and not maximum_only:  # an empty shard: no tile wrote the outputs
         for output, value in zip(state[6:], kernels.finish(state.row_max, state.sum_exp, state.sum_shifted)):
             output.copy_(value)
     row_max, _, _, argmax, selected, row_sum, lse, entropy, row_log_sum, row_mean = (
@@ -98,7 +95,7 @@ def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor
                 *tile_grads, kernel_args(plan, vocab_start + block_start))
             return logits
 
-        gradients = loops.backward_walk(plan.tiles, hidden_states, weight, bias, output_mask, tile_gradient)
+        gradients = loops.backward_walk(plan, hidden_states, weight, bias, output_mask, tile_gradient)
     else:
         gradients = _zero_gradients(hidden_states, weight, bias, output_mask)
     if grad_selected is not None and indices is not None:

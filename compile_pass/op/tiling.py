@@ -72,21 +72,25 @@ def choose_tiles(
     chunk_size: int | None = None,
     whole_rows: bool = False,
     default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    parts: int = 1,
 ) -> Tiles:
     """The tile of one call: the rule (docs/op.md, "Tiles").
 
     Args:
         num_tokens: N; vocab_size: V; logits_itemsize: bytes of a tile's element.
-        chunk_bytes: a tile's budget in bytes; None = ``default_chunk_bytes``.
+        chunk_bytes: a tile's budget in bytes; None = ``default_chunk_bytes`` / ``parts``.
         min_tokens: the full-speed floor (:func:`min_full_speed_tokens`).
         chunk_size: ``n``, given; None = the rule's.
         whole_rows: ``Vb = V`` (the grads-in-forward op).
+        parts: the walk threads the tiles are split over (:func:`walk_threads`): with the default
+            budget, each holds its share of it, and the token chunks and vocabulary blocks the
+            rule chooses come in multiples of ``parts`` where they can (no thread idles at the end).
 
     Returns:
         ``Tiles(n, Vb)``: ``n`` a multiple of :data:`ALIGN` unless given, capped at N; ``Vb`` V,
         or a multiple of :data:`VOCAB_ALIGN` below it (at least :data:`MIN_VOCAB_BLOCK`).
     """
-    budget = default_chunk_bytes if chunk_bytes is None else chunk_bytes
+    budget = default_chunk_bytes // parts if chunk_bytes is None else chunk_bytes
     row_bytes = max(vocab_size, 1) * logits_itemsize
     if chunk_size is not None:
         tokens = chunk_size
@@ -98,22 +102,54 @@ def choose_tiles(
             narrow = min(max(vocab_size, 1), VOCAB_ALIGN) * logits_itemsize  # the narrowest tile's row
             tokens = max(min(min_tokens, budget // narrow), rows)
         tokens = _align_down(tokens, ALIGN)
+        if parts > 1 and not whole_rows:
+            tokens = _balanced(num_tokens, tokens, parts, ALIGN)
     tokens = max(1, min(tokens, num_tokens))
     if whole_rows:
         return Tiles(tokens, max(vocab_size, 1))
     columns = budget // (tokens * logits_itemsize)
+    if columns >= vocab_size and parts > 1 and vocab_size >= parts * VOCAB_ALIGN:
+        columns = -(-vocab_size // parts)  # whole rows fit: still a block a part (the backward's split)
     if columns >= vocab_size:
         return Tiles(tokens, max(vocab_size, 1))
     if columns >= VOCAB_ALIGN:
         columns = (columns // VOCAB_ALIGN) * VOCAB_ALIGN
+        if parts > 1:
+            columns = _balanced(vocab_size, columns, parts, VOCAB_ALIGN)
     return Tiles(tokens, min(max(columns, MIN_VOCAB_BLOCK), vocab_size))
+
+
+def _balanced(total: int, size: int, parts: int, step: int) -> int:
+    """A piece size at most ``size`` (a multiple of ``step``, at least ``step``) that cuts ``total``
+    into a multiple of ``parts`` pieces where one exists, else ``size``: ``N = 1536`` in pieces
+    of 512 on two threads is 4 pieces of 384, not 3 of 512."""
+    if total <= 0:
+        return size
+    pieces = -(-total // size)
+    wanted = -(-pieces // parts) * parts
+    while wanted * step <= total:
+        candidate = -(-(-(-total // wanted)) // step) * step  # ceil(total / wanted), up to a step
+        if -(-total // candidate) % parts == 0:
+            return candidate
+        wanted += parts
+    return size
+
+
+def walk_threads(device_type: str) -> int:
+    """The threads a walk's tiles are split over (docs/op.md, "Walk threads"): on CPU
+    ``CHUNKCE_WALK_THREADS``, else ``torch.get_num_threads()``; 1 on other devices (their tiles
+    run one after another, each parallel on the device)."""
+    if device_type != "cpu":
+        return 1
+    return settings().walk_threads or torch.get_num_threads()
 
 
 def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
                   device_type: str, *, chunk_bytes: int | None = None, whole_rows: bool = False) -> Tiles:
     """The tiles the op uses for one call (and the pass's report shows for a site): for each
     size, the argument, else ``CHUNKCE_CHUNK_SIZE`` / ``CHUNKCE_CHUNK_BYTES``, else the device's
-    default, then :func:`choose_tiles`. ``itemsize``: bytes of a logit; None: automatic.
+    default, then :func:`choose_tiles` over the device's :func:`walk_threads` (one for whole
+    rows). ``itemsize``: bytes of a logit.
 
     Raises:
         ValueError: ``chunk_size`` or ``chunk_bytes`` below 1, or a ``CHUNKCE_*`` variable that
@@ -127,7 +163,8 @@ def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, item
     chunk_bytes = env.chunk_bytes if chunk_bytes is None else chunk_bytes
     return choose_tiles(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
                         min_tokens=min_full_speed_tokens(device_type), chunk_size=chunk_size,
-                        whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type))
+                        whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type),
+                        parts=1 if whole_rows else walk_threads(device_type))
 
 
 def spans(total: int, size: int) -> list[Span]:
@@ -209,6 +246,7 @@ class Settings:
     chunk_bytes: int | None = None
     eager_kernels: bool = False
     release_cache: bool = False
+    walk_threads: int | None = None
 
 
 def _flag(name: str) -> bool:
@@ -230,13 +268,14 @@ def _positive_int(name: str) -> int | None:
 
 
 def settings() -> Settings:
-    """The ``CHUNKCE_*`` variables now. Raises ValueError: ``CHUNKCE_CHUNK_SIZE`` or
-    ``CHUNKCE_CHUNK_BYTES`` set but not a positive integer."""
+    """The ``CHUNKCE_*`` variables now. Raises ValueError: ``CHUNKCE_CHUNK_SIZE``,
+    ``CHUNKCE_CHUNK_BYTES`` or ``CHUNKCE_WALK_THREADS`` set but not a positive integer."""
     return Settings(
         chunk_size=_positive_int("CHUNKCE_CHUNK_SIZE"),
         chunk_bytes=_positive_int("CHUNKCE_CHUNK_BYTES"),
         eager_kernels=_flag("CHUNKCE_EAGER_KERNELS"),
         release_cache=_flag("CHUNKCE_RELEASE_CACHE"),
+        walk_threads=_positive_int("CHUNKCE_WALK_THREADS"),
     )
 
 

@@ -51,7 +51,7 @@ from compile_pass.op.schema import (
     OpSchema,
     ResolvedCall,
 )
-from compile_pass.op.tiling import accumulate_dtype, spans
+from compile_pass.op.tiling import accumulate_dtype
 
 _assert_async = internals.assert_async.get()  # checks a range with no host sync
 _all_reduce, _wait_tensor = internals.c10d_all_reduce.get(), internals.c10d_wait_tensor.get()
@@ -246,16 +246,13 @@ def shard_statistics(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, 
     local_target = torch.where(in_shard, target - vocab_start, _OUTSIDE)  # [N] in the shard's columns
     local_weight = None if class_weight is None else class_weight.narrow(0, vocab_start, shard_size)  # [V_local]
     state = loops.walk_buffers(plan, hidden_states, num_tokens)
-    vocab_blocks, token_chunks = spans(shard_size, plan.tiles.vocab_block), spans(num_tokens, plan.tiles.tokens)
-    buffer = loops.TileBuffer(hidden_states, token_chunks, vocab_blocks)
-    for start, end in token_chunks:
-        hidden_chunk, rows = hidden_states[start:end], state.rows(start, end)  # [n, H], [n] each
-        for block_start, block_end in vocab_blocks:
-            bias_block = None if bias is None else bias[block_start:block_end]  # [Vb]
-            logits = buffer.project(hidden_chunk, weight[block_start:block_end], bias_block)  # [n, Vb]
-            kernel_runner.run("chunk_forward", plan.variant(logits, local_weight), plan.eager_kernels,
-                              logits, local_target[start:end], local_weight, *rows,
-                              plan.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
+
+    def tile_kernel(logits: Tensor, start: int, end: int, block_start: int) -> None:
+        kernel_runner.run("chunk_forward", plan.variant(logits, local_weight), plan.eager_kernels,
+                          logits, local_target[start:end], local_weight, *state.rows(start, end),
+                          plan.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
+
+    loops.forward_walk(plan, hidden_states, weight, bias, tile_kernel)
     row_max, sum_exp, z_target, smooth = state.row_max, state.sum_exp, state.z_target, state.smooth
     if smooth is None:
         smooth = hidden_states.new_empty(0, dtype=accumulate)

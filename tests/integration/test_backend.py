@@ -292,11 +292,12 @@ def kernel_cache_entries():
     from compile_pass.op import kernel_runner
 
     run = {}
-    with kernel_runner.hooked_runs(lambda name, variant: run.setdefault((name, variant), None)):
+    with kernel_runner.hooked_runs(lambda name, variant: run.setdefault(
+            (name, variant, kernel_runner.in_walk_thread()), None)):  # a walk thread's: the one-thread variant
         yield run
-    for name, variant in run:
-        code = kernel_runner.compiled(name, variant)._torchdynamo_orig_callable.__code__
-        run[name, variant] = len(_debug_get_cache_entry_list(code))
+    for name, variant, one_thread in run:
+        code = kernel_runner.compiled(name, variant, one_thread)._torchdynamo_orig_callable.__code__
+        run[name, variant, one_thread] = len(_debug_get_cache_entry_list(code))
 
 
 def test_explain_leaves_the_op_kernels_compiled(monkeypatch):

@@ -35,8 +35,10 @@ MiB = 2**20
 
 @pytest.fixture(autouse=True)
 def no_chunk_environment(monkeypatch):
+    """The rule on one walk thread (a walk split over threads: the tests that set two)."""
     monkeypatch.delenv("CHUNKCE_CHUNK_SIZE", raising=False)
     monkeypatch.delenv("CHUNKCE_CHUNK_BYTES", raising=False)
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "1")
 
 
 # (N, V, itemsize, device) -> the tile (tokens, vocabulary columns): the target shapes, and the H200 shape
@@ -50,6 +52,26 @@ def no_chunk_environment(monkeypatch):
 ])
 def test_rule_values(shape, expected):
     assert resolve_tiles(None, *shape) == Tiles(*expected)
+
+
+# the same shapes on two walk threads: each thread's tile in half the budget; token chunks and
+# vocabulary blocks in multiples of two (1664 x 20 = 33280 >= 32768; 704 x 6 = 4224 >= 4096)
+@pytest.mark.parametrize("shape, expected", [
+    ((4096, 32768, 4, "cpu"), (512, 1664)),
+    ((8192, 128256, 4, "cpu"), (512, 1792)),
+    ((2048, 262144, 4, "cpu"), (512, 1664)),
+    ((4096, 1024, 4, "cpu"), (704, 512)),  # whole rows would fit: two blocks, for the backward's split
+    ((100, 1000, 4, "cpu"), (64, 256)),
+    ((8192, 128256, 2, "cuda"), (2048, 16384)),  # one walk thread on accelerators
+])
+def test_rule_values_on_two_walk_threads(monkeypatch, shape, expected):
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
+    tiles = resolve_tiles(None, *shape)
+    assert tiles == Tiles(*expected)
+    if shape[3] == "cpu":
+        assert tiles.bytes(shape[2]) <= DEFAULT_CHUNK_BYTES // 2
+        assert len(tiling.spans(shape[0], tiles.tokens)) % 2 == 0
+        assert len(tiling.spans(shape[1], tiles.vocab_block)) % 2 == 0
 
 
 def test_rule_bounds():
@@ -230,6 +252,20 @@ def test_working_set_is_one_tile_whatever_the_vocabulary():
         assert tiles.bytes(4) <= measured <= 8 * MiB, (v, measured / MiB)
     smaller = working_set(n, h, 32768, chunk_bytes=2 * MiB)
     assert smaller <= 2 * MiB + 256 * 1024, smaller / MiB  # the budget is what it costs
+
+
+def test_working_set_on_two_walk_threads_is_the_same_budget(monkeypatch):
+    """Split over two walk threads, each holds its own tile of at most half the budget ([512, 1408]
+    and [512, 1664]: 2.75 and 3.25 MiB) and the second its own [N, H] sum of the hidden-state
+    gradient (64 KiB): under 8 MiB, as one thread's. (Measured with the parts run one after another
+    on this thread, every buffer allocated first: the profiler sees this thread's allocations only.)"""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
+    n, h = 1024, 16
+    for v, expected in ((8192, Tiles(512, 1408)), (32768, Tiles(512, 1664))):
+        tiles = resolve_tiles(None, n, v, 4, "cpu")
+        assert tiles == expected and tiles.bytes(4) <= DEFAULT_CHUNK_BYTES // 2
+        measured = working_set(n, h, v)
+        assert 2 * tiles.bytes(4) <= measured <= 8 * MiB, (v, measured / MiB)
 
 
 def test_grads_in_forward_working_set_is_one_whole_row_chunk():

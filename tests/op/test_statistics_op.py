@@ -257,13 +257,18 @@ def _peaks(num_tokens, hidden_size, vocab_size, num_indices=1, **options):
     return forward, backward - (num_tokens * hidden_size + vocab_size * hidden_size) * 4
 
 
-def test_working_set_is_one_tile_whatever_the_vocabulary():
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_working_set_is_one_tile_whatever_the_vocabulary(monkeypatch, threads):
     """1024 tokens x V 8192 / 32768 fp32 (the logits alone: 32 / 128 MiB): forward and backward hold
-    one [512, 3584] tile (7 MiB; backward's kernel writes the tile's gradient over it) and [N] vectors."""
+    one [512, 3584] tile (7 MiB; backward's kernel writes the tile's gradient over it) and [N] vectors;
+    on two walk threads, a tile of at most half the budget each ([512, 1408] and [512, 1664]; the
+    split's extra [N, H] sum: 64 KiB)."""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", threads)
     for vocab_size in (8192, 32768):
         forward, backward = _peaks(1024, 16, vocab_size)
-        assert 7 * MiB <= forward <= 7 * MiB + 128 * 1024, (vocab_size, forward / MiB)
-        assert 7 * MiB <= backward <= 7 * MiB + 128 * 1024, (vocab_size, backward / MiB)
+        tiles = 7 * MiB if threads == "1" else 2 * {8192: 1408, 32768: 1664}[vocab_size] * 512 * 4
+        assert tiles <= forward <= 7 * MiB + 128 * 1024, (vocab_size, forward / MiB)
+        assert tiles <= backward <= 7 * MiB + 128 * 1024, (vocab_size, backward / MiB)
 
 
 @pytest.mark.usefixtures("eager_kernels")
