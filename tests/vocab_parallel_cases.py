@@ -369,9 +369,11 @@ def case_memory(shard: Shard) -> dict[str, Any]:
         vocab_size=vocab_size, group_name=shard.group_name,
         **options(logits_dtype=torch.float32, chunk_size=chunk_size, chunk_bytes=chunk_size * block * 4))
     _, backward_peak = measure_peak_bytes(loss.backward)
+    from compile_pass.op.tiling import walk_threads
+
     return {"forward_peak": forward_peak, "backward_peak": backward_peak, "tile_bytes": chunk_size * block * 4,
             "rows_bytes": tokens * size * 4, "vector_bytes": tokens * 4, "hidden_bytes": tokens * hidden_size * 4,
-            "weight_bytes": size * hidden_size * 4}
+            "weight_bytes": size * hidden_size * 4, "walk_threads": walk_threads("cpu")}
 
 
 def case_empty_shard(shard: Shard) -> dict[str, Any]:
