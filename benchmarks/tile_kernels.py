@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import re
 import statistics
@@ -198,8 +199,9 @@ def run_count(args) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     torch._inductor.config.cpp.enable_kernel_profile = True  # a record per compiled C++ kernel
     for walk, (prepare, run) in _walks(*tensors).items():
-        for _ in range(2):  # compile, and warm
-            run(prepare())
+        for warm_up in range(2):  # compile, and warm; the second profiled (a walk under a profiler runs its
+            with profile() if warm_up else contextlib.nullcontext():  # parts on this thread: its kernels' compile)
+                run(prepare())
         tensors[0].grad = tensors[1].grad = None
         count = count_walk(prepare, run, args.device)
         tensors[0].grad = tensors[1].grad = None
