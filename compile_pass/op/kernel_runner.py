@@ -207,6 +207,7 @@ class WalkThreads:
 
     @staticmethod
     def _serve(tasks: queue.SimpleQueue, started: threading.Barrier) -> None:
+        torch.get_num_threads()  # ATen's lazy per-thread init first: run later, it would set torch's default again
         torch.set_num_threads(1)  # this thread's OpenMP and MKL threads: the walk's parallelism is the threads'
         mark_walk_thread(True)
         started.wait()
