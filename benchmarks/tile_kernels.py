@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
 import re
 import statistics
@@ -199,8 +198,8 @@ def run_count(args) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     torch._inductor.config.cpp.enable_kernel_profile = True  # a record per compiled C++ kernel
     for walk, (prepare, run) in _walks(*tensors).items():
-        for warm_up in range(2):  # compile, and warm; the second profiled (a walk under a profiler runs its
-            with profile() if warm_up else contextlib.nullcontext():  # parts on this thread: its kernels' compile)
+        for _ in range(2):  # compile, and warm, under a profiler as counted: the walk then runs on this
+            with profile():  # thread, whose Inductor config (enable_kernel_profile) its kernels compile with
                 run(prepare())
         tensors[0].grad = tensors[1].grad = None
         count = count_walk(prepare, run, args.device)

@@ -165,7 +165,7 @@ class ResolvedCall:
             options=options,
             tiles=resolve_tiles(options.get("chunk_size"), hidden_states.shape[0], weight.shape[0],
                                 hidden_states.element_size(), hidden_states.device.type,
-                                chunk_bytes=options.get("chunk_bytes"), whole_rows=whole_rows),
+                                chunk_bytes=options.get("chunk_bytes"), whole_rows=whole_rows, parts=threads),
             release_cache=env.release_cache,
             eager_kernels=env.eager_kernels,
             transform=head_transform(scale_tensor, options).resolve(hidden_states.dtype),

@@ -109,7 +109,7 @@ def choose_tiles(
         return Tiles(tokens, max(vocab_size, 1))
     columns = budget // (tokens * logits_itemsize)
     if columns >= vocab_size and parts > 1 and vocab_size >= parts * VOCAB_ALIGN:
-        columns = -(-vocab_size // parts)  # whole rows fit: still a block a part (the backward's split)
+        columns = _ceil(vocab_size, parts)  # whole rows fit: still a block a part (the backward's split)
     if columns >= vocab_size:
         return Tiles(tokens, max(vocab_size, 1))
     if columns >= VOCAB_ALIGN:
@@ -125,14 +125,17 @@ def _balanced(total: int, size: int, parts: int, step: int) -> int:
     of 512 on two threads is 4 pieces of 384, not 3 of 512."""
     if total <= 0:
         return size
-    pieces = -(-total // size)
-    wanted = -(-pieces // parts) * parts
+    wanted = _ceil(_ceil(total, size), parts) * parts  # pieces: the next multiple of parts
     while wanted * step <= total:
-        candidate = -(-(-(-total // wanted)) // step) * step  # ceil(total / wanted), up to a step
-        if -(-total // candidate) % parts == 0:
+        candidate = _ceil(_ceil(total, wanted), step) * step  # total / wanted, up to a step
+        if _ceil(total, candidate) % parts == 0:
             return candidate
         wanted += parts
     return size
+
+
+def _ceil(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
 
 
 def walk_threads(device_type: str) -> int:
@@ -145,11 +148,12 @@ def walk_threads(device_type: str) -> int:
 
 
 def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, itemsize: int,
-                  device_type: str, *, chunk_bytes: int | None = None, whole_rows: bool = False) -> Tiles:
+                  device_type: str, *, chunk_bytes: int | None = None, whole_rows: bool = False,
+                  parts: int | None = None) -> Tiles:
     """The tiles the op uses for one call (and the pass's report shows for a site): for each
     size, the argument, else ``CHUNKCE_CHUNK_SIZE`` / ``CHUNKCE_CHUNK_BYTES``, else the device's
-    default, then :func:`choose_tiles` over the device's :func:`walk_threads` (one for whole
-    rows). ``itemsize``: bytes of a logit.
+    default, then :func:`choose_tiles` over ``parts`` walk threads (None: the device's
+    :func:`walk_threads`, one for whole rows). ``itemsize``: bytes of a logit.
 
     Raises:
         ValueError: ``chunk_size`` or ``chunk_bytes`` below 1, or a ``CHUNKCE_*`` variable that
@@ -164,7 +168,7 @@ def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, item
     return choose_tiles(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
                         min_tokens=min_full_speed_tokens(device_type), chunk_size=chunk_size,
                         whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type),
-                        parts=1 if whole_rows else walk_threads(device_type))
+                        parts=(1 if whole_rows else walk_threads(device_type)) if parts is None else parts)
 
 
 def spans(total: int, size: int) -> list[Span]:
