@@ -34,8 +34,10 @@ _MODULES = (kernels,)  # the kernels' modules, searched by function name
 _RECORDS = (kernels.KernelArgs, kernels.StatisticsArgs)  # their constants' records
 _RUN_HOOKS: list[Callable[[str, tuple], None]] = []
 _CALLED: set = set()  # the one-thread kernels that have run once (compiled: later calls find them)
-_FIRST_CALL = threading.Lock()  # held by a walk thread's first call of a kernel: two would both compile it
-_WALK_THREAD = threading.local()  # .active: this thread runs a walk's parts (mark_walk_thread)
+# Held by a walk thread's first call of a kernel (two would both compile it); its waits: a part's
+# first call waits for the walk's earlier parts (_PartOrder).
+_FIRST_CALL = threading.Condition()
+_WALK_THREAD = threading.local()  # .active: this thread runs a walk's parts (mark_walk_thread); .order, .part
 
 
 def in_walk_thread() -> bool:
@@ -147,15 +149,8 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
             for hook in _RUN_HOOKS:
                 hook(fn_name, variant)
             kernel = compiled(fn_name, variant, one_thread=True)
-            if kernel in _CALLED:
-                return kernel(*_symbolic(args))
-            with _FIRST_CALL:  # the other walk threads wait for its compile, then find it
-                if kernel not in _CALLED:
-                    # compiled for tensors at storage offset 0, as a walk's first tile's rows are on
-                    # one thread (a part's first rows may start further on: Dynamo would specialise
-                    # the offset, and compile again for the first part's)
-                    kernel(*_symbolic([arg.clone() if isinstance(arg, Tensor) else arg for arg in args]))
-                    _CALLED.add(kernel)
+            if kernel not in _CALLED:
+                _first_call(kernel, args)
             return kernel(*_symbolic(args))
     # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
     below_autograd = _hot_path()[3]
@@ -164,6 +159,47 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
             hook(fn_name, variant)
         with dynamo_stats_kept():
             return compiled(fn_name, variant)(*_symbolic(args))
+
+
+def _first_call(kernel, args: tuple) -> None:
+    """A one-thread kernel's first call, which compiles it: once (the other walk threads wait for it,
+    then find it), and made by the earliest part of the walk that calls it (:class:`_PartOrder`), on
+    copies of its tensors at storage offset 0, whichever thread gets there first. So the graph
+    compiled, and its cache keys, are the same in every process: Dynamo takes its symbols' hints
+    (a tile's ``vocab_start``, its width) and a tensor's storage offset from the first call, and
+    AOTAutograd's cache key holds the hints (torch 2.15); a later part's first tile starts further on."""
+    order, part = getattr(_WALK_THREAD, "order", None), getattr(_WALK_THREAD, "part", 0)
+    with _FIRST_CALL:
+        if order is not None:
+            _FIRST_CALL.wait_for(lambda: kernel in _CALLED or order.earlier_parts_ended(part))
+        if kernel not in _CALLED:
+            kernel(*_symbolic([arg.clone() if isinstance(arg, Tensor) else arg for arg in args]))
+            _CALLED.add(kernel)
+            _FIRST_CALL.notify_all()
+
+
+class _PartOrder:
+    """Which parts of one walk on :class:`WalkThreads` have ended (returned or raised): a part's first
+    call of a kernel waits for the earlier parts to call it or to end (:func:`_first_call`). No cycle:
+    a part waits only on earlier ones, and the first waits on none."""
+
+    def __init__(self, count: int):
+        self._ended = [False] * count
+
+    def earlier_parts_ended(self, part: int) -> bool:
+        return all(self._ended[:part])
+
+    @contextlib.contextmanager
+    def running(self, part: int) -> Iterator[None]:
+        """The calling thread runs ``part`` while the block runs; ended after it, however it ends."""
+        _WALK_THREAD.order, _WALK_THREAD.part = self, part
+        try:
+            yield
+        finally:
+            _WALK_THREAD.order = None
+            with _FIRST_CALL:
+                self._ended[part] = True
+                _FIRST_CALL.notify_all()
 
 
 @contextlib.contextmanager
@@ -221,11 +257,11 @@ class WalkThreads:
     def run(self, works: Sequence[Callable[[], Any]]) -> list:
         """Each of ``works`` (at most ``count``) on its own thread, in :func:`_walk_context`; returns
         their results in order, after all have ended. Raises what the first of them that raised raised."""
-        context = _walk_context()
+        context, order = _walk_context(), _PartOrder(len(works))
         futures = []
-        for tasks, work in zip(self._queues, works, strict=False):
+        for part, (tasks, work) in enumerate(zip(self._queues, works, strict=False)):
             future: concurrent.futures.Future = concurrent.futures.Future()
-            tasks.put((future, functools.partial(_run_in, context, work)))
+            tasks.put((future, functools.partial(_run_in, context, work, order.running(part))))
             futures.append(future)
         concurrent.futures.wait(futures)
         return [future.result() for future in futures]
@@ -244,8 +280,9 @@ def _walk_context() -> Callable[[], contextlib.AbstractContextManager]:
     return context
 
 
-def _run_in(context: Callable[[], contextlib.AbstractContextManager], work: Callable[[], Any]) -> Any:
-    with context():
+def _run_in(context: Callable[[], contextlib.AbstractContextManager], work: Callable[[], Any],
+            part: contextlib.AbstractContextManager | None = None) -> Any:
+    with context(), part or contextlib.nullcontext():
         return work()
 
 

@@ -104,18 +104,55 @@ def test_a_split_walk_gives_the_same_bits_every_time(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
 
 
-def test_an_error_in_a_walk_thread_is_raised_by_the_call_and_the_next_call_works(monkeypatch):
+@pytest.mark.parametrize("failing", ["chunkce-walk-0", "chunkce-walk-1"])
+def test_an_error_in_a_walk_thread_is_raised_by_the_call_and_the_next_call_works(monkeypatch, failing):
+    """Part 0 failing before its first call of a kernel: part 1, waiting to call it first, goes on."""
     monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
+    monkeypatch.setattr(kernel_runner, "_CALLED", set())  # every kernel's first call again (compiled already)
     hidden, weight, bias, target = _inputs()
 
-    def fail_in_the_second_thread(fn_name, variant):
-        if threading.current_thread().name == "chunkce-walk-1":
+    def fail_in_one_thread(fn_name, variant):
+        if threading.current_thread().name == failing:
             raise RuntimeError("a tile failed")
 
-    with kernel_runner.hooked_runs(fail_in_the_second_thread), pytest.raises(RuntimeError, match="a tile failed"):
+    with kernel_runner.hooked_runs(fail_in_one_thread), pytest.raises(RuntimeError, match="a tile failed"):
         _ours(hidden, weight, target, bias, chunk_size=64)
     torch.testing.assert_close(_ours(hidden, weight, target, bias, chunk_size=64),
                                _reference(hidden, weight, target, bias), **TOL)
+
+
+class _FirstCallers(set):
+    """``kernel_runner._CALLED`` that notes which thread made each kernel's first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads: dict[str, str] = {}
+
+    def add(self, kernel):
+        self.threads[kernel.__wrapped__.__name__] = threading.current_thread().name
+        super().add(kernel)
+
+
+def test_a_kernels_first_call_is_the_first_parts_whichever_thread_comes_first(monkeypatch):
+    """Dynamo takes a compiled kernel's symbols' hints (``vocab_start``, a tile's width) from its first
+    call, and AOTAutograd's cache key holds them (torch 2.15): part 1's first block starts at another
+    column. Part 0's thread is held back at its first tile; part 0 still makes every first call."""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
+    first_callers = _FirstCallers()
+    monkeypatch.setattr(kernel_runner, "_CALLED", first_callers)  # every kernel's first call again
+    held_back = threading.Event()
+
+    def hold_back_part_0(fn_name, variant):
+        if threading.current_thread().name == "chunkce-walk-0" and not held_back.is_set():
+            held_back.set()
+            threading.Event().wait(0.5)
+
+    hidden, weight, bias, target = _inputs()
+    with kernel_runner.hooked_runs(hold_back_part_0):
+        ours = _loss_and_gradients(_ours, hidden, weight, bias, target)
+    for got, expected in zip(ours, _loss_and_gradients(_reference, hidden, weight, bias, target), strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+    assert first_callers.threads == {"chunk_forward": "chunkce-walk-0", "chunk_backward": "chunkce-walk-0"}
 
 
 def test_no_grad_and_inference_mode_walks(monkeypatch):
