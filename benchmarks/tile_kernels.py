@@ -4,6 +4,7 @@
     python -m benchmarks.tile_kernels curve                 # fwd + bwd time and working set against the budget
     python -m benchmarks.tile_kernels curve --shapes example-32k --reps 3
     python -m benchmarks.tile_kernels memory                # working set at the default tiles, 32k to 262k vocab
+    python -m benchmarks.tile_kernels argmax                # a tile's row maximum and argmax, two spellings
 
 ``count`` runs each walk of the op once under ``torch.profiler`` (after two warm-up calls) and
 divides what ran by the tiles the walk took (the per-tile kernel's runs, from
@@ -28,7 +29,10 @@ points interleaved round by round so a drift of the machine moves each alike) at
 (``--budgets-mib``) and token floor (``--floors``), the tile chosen by ``tiling.choose_tiles`` as the
 op chooses it, and the working set of each point: the peak above the inputs of one call
 (``compile_pass.memory``, exact) minus the two gradients (``[N, H]`` + ``[V, H]``). One process
-per shape. ``memory`` prints that working set at the default tiles for ``--vocabs``.
+per shape. ``memory`` prints that working set at the default tiles for ``--vocabs``. ``argmax``
+times the statistics kernels' row maximum and argmax of one default tile (``[512, 1792]`` fp32, one
+intra-op thread, as a walk thread runs it), each compiled by Inductor: ``kernels._maximum`` (the
+first column holding the maximum, a float minimum) against the same with ``torch.argmax``.
 Inputs: hidden states ``randn``, weight std 0.02, fp32, 5 % of targets ignored.
 """
 
@@ -302,10 +306,40 @@ def run_memory(args) -> None:
               flush=True)
 
 
+def run_argmax(args) -> None:
+    from compile_pass.op import kernels
+
+    def with_torch_argmax(z, row_max, argmax):
+        new_max = torch.maximum(z, row_max.unsqueeze(1)).amax(dim=-1)
+        larger = (new_max > row_max) | (torch.isnan(new_max) & ~torch.isnan(row_max))
+        return new_max, torch.where(larger, torch.argmax(z, dim=-1), argmax)
+
+    def ours(z, row_max, argmax):
+        return kernels._maximum(z, row_max, argmax, 0)
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(512, 1792, generator=gen) * 2
+    row_max, argmax = torch.randn(512, generator=gen), torch.zeros(512, dtype=torch.int64)
+    spellings = {name: torch.compile(fn, dynamic=True, options={"cpp.threads": 1})
+                 for name, fn in (("torch.argmax", with_torch_argmax), ("kernels._maximum", ours))}
+    times: dict[str, list[float]] = {name: [] for name in spellings}
+    for kernel in spellings.values():
+        kernel(z, row_max, argmax)
+    for _ in range(max(args.reps, 50)):  # interleaved round by round
+        for name, kernel in spellings.items():
+            start = time.perf_counter()
+            kernel(z, row_max, argmax)
+            times[name].append(time.perf_counter() - start)
+    print("| row maximum and argmax of a [512, 1792] fp32 tile | ms (p50) |\n| --- | --- |")
+    for name, measured in times.items():
+        print(f"| {name} | {statistics.median(measured) * 1e3:.2f} |")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", choices=("count", "curve", "memory", "curve-points"))
+    p.add_argument("mode", choices=("count", "curve", "memory", "argmax", "curve-points"))
     p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
     p.add_argument("--tokens", type=int, default=2048, help="count, memory")
     p.add_argument("--hidden", type=int, default=256, help="count, memory")
@@ -328,7 +362,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.mode != "curve-points":
         harness.print_environment(args.device)
-    modes = {"count": run_count, "curve": run_curve, "memory": run_memory, "curve-points": curve_points}
+    modes = {"count": run_count, "curve": run_curve, "memory": run_memory, "argmax": run_argmax,
+             "curve-points": curve_points}
     modes[args.mode](args)
     return 0
 

@@ -324,8 +324,8 @@ def statistics_forward(
     ``sum_exp``, ``sum_shifted``, ``argmax``, ``selected``, ``row_sum`` and writes :func:`finish`'s
     four of the columns seen so far (the whole row's after its last block). A new maximum must be
     strictly larger (or the first nan) to move ``argmax``, so ties keep the first column. Written in
-    place, the compiled kernel stores straight into the walk's buffers, and the row maximum and
-    argmax are one pass over the tile (docs/op.md, "Per-chunk kernels")."""
+    place, the compiled kernel stores straight into the walk's buffers; two passes over the tile,
+    the maximum's and the exponential's (with the argmax: docs/op.md, "Per-chunk kernels")."""
     z = values(logits, temperature_rows, args)  # [n, Vb], fused, never stored
     new_max, new_argmax = _maximum(z, row_max, argmax, args.vocab_start)
     old_shift, shift = row_shift(row_max), row_shift(new_max)
@@ -379,7 +379,22 @@ def _maximum(z: Tensor, row_max: Tensor, argmax: Tensor, vocab_start: int) -> tu
     exactly where the block's maximum is, and nan exactly where either is."""
     new_max = torch.maximum(z, row_max.unsqueeze(1)).amax(dim=-1)  # [n]
     larger = (new_max > row_max) | (torch.isnan(new_max) & ~torch.isnan(row_max))
-    return new_max, torch.where(larger, torch.argmax(z, dim=-1) + vocab_start, argmax)
+    return new_max, torch.where(larger, _first_column(z, new_max) + vocab_start, argmax)
+
+
+def _first_column(z: Tensor, new_max: Tensor) -> Tensor:
+    """``[n]`` int64: the first column of ``z [n, Vb]`` holding ``new_max [n]`` or, where that is nan,
+    the first nan (``torch.argmax``'s, on the rows :func:`_maximum` reads: those whose maximum is
+    in the block). The least matching column in float32 (exact below 2**24 columns), nan as
+    ``z != z``: Inductor's CPU code reduces argmax's value-index pairs, and tests ``isnan``, about
+    2.5x slower (``python -m benchmarks.tile_kernels argmax``), and the minimum joins the
+    statistics kernel's exponential pass over the tile."""
+    block = z.shape[-1]
+    if block >= 2 ** 24:
+        return torch.argmax(z, dim=-1)
+    columns = torch.arange(block, device=z.device, dtype=torch.float32)  # [Vb]
+    holds = (z == new_max.unsqueeze(1)) | (z != z)  # [n, Vb]
+    return torch.where(holds, columns, float(block)).amin(dim=-1).long()
 
 
 def _selected(z: Tensor, indices: Tensor | None, selected: Tensor | None, vocab_start: int) -> Tensor | None:

@@ -129,6 +129,26 @@ def test_argmax_is_the_first_maximum_across_blocks():
         weight[10] = 0.0  # now the first maximum is 140, the first of a tie inside a block
 
 
+@pytest.mark.parametrize("eager", ["1", "0"])
+@pytest.mark.parametrize("maximum_only", [False, True])
+def test_argmax_of_a_row_with_nan_is_its_first_nan(monkeypatch, eager, maximum_only):
+    """nan in a block after a larger finite value (row 0), and again in a later block: ``max`` nan
+    and ``argmax`` the first nan, as ``torch.argmax``, the compiled and the eager kernels."""
+    monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", eager)
+    hidden, weight, bias, _ = problem(4, 8, 509, seed=5)
+    hidden, weight, bias = hidden.detach(), weight.detach().clone(), bias.detach().clone()
+    weight[130] = hidden[0] * 50  # row 0's maximum, in block 1 (columns 128-255)
+    bias[150] = bias[400] = float("nan")  # every row: nan in blocks 1 and 3, after row 0's maximum
+    for first in (140, 150):
+        if first == 140:
+            weight[140] = float("nan")  # every row's column 140 nan, before the others
+        ours = linear_statistics(hidden, weight, bias, maximum_only=maximum_only, **TILES)
+        expected = torch.nn.functional.linear(hidden, weight, bias)
+        assert ours.argmax.tolist() == expected.argmax(-1).tolist() == [first] * 4
+        assert ours.max.isnan().all()
+        weight[140] = 0.0
+
+
 @pytest.mark.usefixtures("eager_kernels")
 def test_rows_with_minus_infinity():
     """``-inf`` logits (a masked vocabulary): ``0 log 0 = 0``, no gradient at them; the other values and
