@@ -163,11 +163,11 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
 
 def _first_call(kernel, args: tuple) -> None:
     """A one-thread kernel's first call, which compiles it: once (the other walk threads wait for it,
-    then find it), and made by the earliest part of the walk that calls it (:class:`_PartOrder`), on
-    copies of its tensors at storage offset 0, whichever thread gets there first. So the graph
-    compiled, and its cache keys, are the same in every process: Dynamo takes its symbols' hints
-    (a tile's ``vocab_start``, its width) and a tensor's storage offset from the first call, and
-    AOTAutograd's cache key holds the hints (torch 2.15); a later part's first tile starts further on."""
+    then find it), by the earliest part of the walk that calls it whichever thread gets there first
+    (:class:`_PartOrder`), on copies of its tensors at storage offset 0. So the graph compiled, and
+    its cache keys, are the same in every process: Dynamo takes its symbols' hints (a tile's
+    ``vocab_start``, its width) and a tensor's storage offset from the first call, and AOTAutograd's
+    cache key holds the hints (torch 2.15); a later part's first tile starts further on."""
     order, part = getattr(_WALK_THREAD, "order", None), getattr(_WALK_THREAD, "part", 0)
     with _FIRST_CALL:
         if order is not None:
