@@ -375,8 +375,8 @@ def _write_maximum(row_max: Tensor, argmax: Tensor, selected: Tensor | None, new
 def _maximum(z: Tensor, row_max: Tensor, argmax: Tensor, vocab_start: int) -> tuple[Tensor, Tensor]:
     """The row's maximum and its first column after the block ``z [n, Vb]``: a new maximum must be
     strictly larger (or the first nan) to move ``argmax``. ``max(z, row_max)`` reduced at once (one
-    reduction beside the block's argmax, no ``[n]`` step between): it is larger than ``row_max``
-    exactly where the block's maximum is, and nan exactly where either is."""
+    reduction, no ``[n]`` step between): it is larger than ``row_max`` exactly where the block's
+    maximum is, and nan exactly where either is; there the block's column (:func:`_first_column`)."""
     new_max = torch.maximum(z, row_max.unsqueeze(1)).amax(dim=-1)  # [n]
     larger = (new_max > row_max) | (torch.isnan(new_max) & ~torch.isnan(row_max))
     return new_max, torch.where(larger, _first_column(z, new_max) + vocab_start, argmax)

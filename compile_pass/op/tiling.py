@@ -165,10 +165,12 @@ def resolve_tiles(chunk_size: int | None, num_tokens: int, vocab_size: int, item
     env = settings()
     chunk_size = env.chunk_size if chunk_size is None else chunk_size
     chunk_bytes = env.chunk_bytes if chunk_bytes is None else chunk_bytes
+    if parts is None:
+        parts = 1 if whole_rows else walk_threads(device_type)
     return choose_tiles(num_tokens, vocab_size, itemsize, chunk_bytes=chunk_bytes,
                         min_tokens=min_full_speed_tokens(device_type), chunk_size=chunk_size,
                         whole_rows=whole_rows, default_chunk_bytes=default_chunk_bytes(device_type),
-                        parts=(1 if whole_rows else walk_threads(device_type)) if parts is None else parts)
+                        parts=parts)
 
 
 def spans(total: int, size: int) -> list[Span]:

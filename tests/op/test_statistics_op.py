@@ -17,7 +17,7 @@ from statistics_reference import OUTPUTS, check, gradients, problem, unfused, up
 from torch._dynamo.utils import counters
 
 from compile_pass import RowStatistics, linear_statistics
-from compile_pass.op import kernel_runner
+from compile_pass.op import kernel_runner, kernels
 from compile_pass.op.kernels import HeadTransform
 
 TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 4}  # [8, 128] fp32 tiles: 5 token chunks x 4 blocks
@@ -147,6 +147,17 @@ def test_argmax_of_a_row_with_nan_is_its_first_nan(monkeypatch, eager, maximum_o
         assert ours.argmax.tolist() == expected.argmax(-1).tolist() == [first] * 4
         assert ours.max.isnan().all()
         weight[140] = 0.0
+
+
+@pytest.mark.parametrize("block", [2 ** 24 - 1, 2 ** 24 + 2])
+def test_the_first_column_is_exact_up_to_float32s_integers_and_torchs_beyond(block):
+    """The argmax's columns are float32 below 2**24 (every integer exact there) and ``torch.argmax``
+    from 2**24 on (in float32 column 2**24 + 1 would be 2**24): the maximum in the last column, and
+    a tie at 2**24 - 2 and the last, whose first wins."""
+    z = torch.zeros(2, block)
+    z[0, -1] = z[1, 2 ** 24 - 2] = z[1, -1] = 1.0
+    torch.testing.assert_close(kernels._first_column(z, z.amax(-1)), torch.argmax(z, dim=-1), rtol=0, atol=0)
+    assert kernels._first_column(z, z.amax(-1)).tolist() == [block - 1, 2 ** 24 - 2]
 
 
 @pytest.mark.usefixtures("eager_kernels")
