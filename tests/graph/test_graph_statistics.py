@@ -115,15 +115,15 @@ def row_means_keepdim_and_entropy_mean(m, h, y):
 
 
 # name: (loss, loss sites, statistic sites, cross-entropy op nodes, statistics op nodes). A cross-entropy
-# and the statistics of the same values are one walk: one statistics op (graph/plan.py, _plan_fold);
-# per-token log-probabilities (a gather) keep the cross-entropy op.
+# or per-token log-probabilities (a gather) and the statistics of the same values are one walk: one
+# statistics op (graph/plan.py, _plan_fold).
 SPELLINGS = {
     "z_loss": (z_loss, 1, 1, 0, 1),
     "z_loss_flat_keepdim": (z_loss_flat_keepdim, 1, 1, 0, 1),
     "z_loss_scaled": (z_loss_scaled, 1, 1, 0, 1),
     "entropy_bonus": (entropy_bonus, 1, 1, 0, 1),
     "entropy_bonus_lse": (entropy_bonus_lse, 1, 2, 0, 1),
-    "log_probs_and_entropy": (log_probs_and_entropy, 1, 1, 1, 1),
+    "log_probs_and_entropy": (log_probs_and_entropy, 1, 1, 0, 1),
     "cross_entropy_none_and_entropy": (cross_entropy_none_and_entropy, 1, 1, 0, 1),
     "logits_mean_and_row_sums": (logits_mean_and_row_sums, 1, 2, 0, 1),
     "row_means_keepdim_and_entropy_mean": (row_means_keepdim_and_entropy_mean, 1, 2, 0, 1),
@@ -189,12 +189,9 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
     assert sum(forms.count(form) for form in ("logsumexp", "entropy", "row_sum")) == statistics, forms
 
 
-@pytest.mark.parametrize("name", ["z_loss", "entropy_bonus", "entropy_bonus_lse", "log_probs_and_entropy"])
-def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_backward(name, monkeypatch):
-    """The walks a training step runs, counted at the op's loops: a cross-entropy with a z-loss or
-    an entropy (written before or after it) is one statistics walk and one backward walk (were:
-    the cross-entropy op's and the statistics op's, two of each); per-token log-probs (a gather)
-    keep their own op beside the entropy's."""
+def counted_walks(monkeypatch) -> Counter:
+    """The walks the op's loops run from here on, by loop: the loss op's forward and backward, the
+    statistics op's forward and backward."""
     from compile_pass.op import loops, statistics_loops
     walks = Counter()
     for module, function in ((loops, "chunked_forward"), (loops, "chunked_backward"),
@@ -203,14 +200,64 @@ def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_bac
             walks[_name] += 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(module, function, counted)
-    loss = SPELLINGS[name][0]
-    compiled_and_references(Head(loss), [inputs()])
-    expected = {"statistics_walk": 1, "statistics_gradients": 1}
-    if name == "log_probs_and_entropy":
-        expected |= {"chunked_forward": 1, "chunked_backward": 1}
-    assert dict(walks) == expected, dict(walks)
-    assert counters["chunkce"]["statistics_folded"] == (0 if name == "log_probs_and_entropy" else
-                                                        SPELLINGS[name][2])
+    return walks
+
+
+ONE_WALK = {"statistics_walk": 1, "statistics_gradients": 1}
+
+
+@pytest.mark.parametrize("name", ["z_loss", "entropy_bonus", "entropy_bonus_lse", "log_probs_and_entropy"])
+def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_backward(name, monkeypatch):
+    """The walks a training step runs, counted at the op's loops: a cross-entropy or per-token
+    log-probs (a gather) with a z-loss or an entropy (written before or after it) is one statistics
+    walk and one backward walk (were: the cross-entropy op's and the statistics op's, two of each)."""
+    walks = counted_walks(monkeypatch)
+    compiled_and_references(Head(SPELLINGS[name][0]), [inputs()])
+    assert dict(walks) == ONE_WALK, dict(walks)
+    assert counters["chunkce"]["statistics_folded"] == SPELLINGS[name][2]
+
+
+# the gather spellings of per-token log-probabilities ([B, T] or [B, T - 1]) of log-probs ``lp`` [B, T, V]
+# (graph/spellings/losses.py: read_gather), each beside an entropy of the same log-probs
+GATHERS = {
+    "take_along_dim_negated": lambda lp, y: -torch.take_along_dim(-lp, y[..., None], dim=-1).squeeze(-1),
+    "shifted_flat": lambda lp, y: lp[:, :-1].reshape(-1, V).gather(1, y[:, 1:].reshape(-1, 1)).view(B, T - 1),
+    "shifted_index": lambda lp, y: lp[:, :-1].gather(-1, y[:, 1:, None]).squeeze(-1),
+    "index_itself": lambda lp, y: lp.gather(-1, y.unsqueeze(0).permute(1, 2, 0)).squeeze(-1),
+}
+
+
+@pytest.mark.parametrize("entropy_first", [False, True], ids=["entropy_after", "entropy_first"])
+@pytest.mark.parametrize("form", list(GATHERS))
+def test_log_probs_of_every_gather_spelling_and_an_entropy_are_one_walk(form, entropy_first, monkeypatch):
+    """An RL step's per-token log-probs, gathered in any spelling (negated, wrapped, flat, of shifted
+    rows, the index itself), and an entropy of the same log-probs: one statistics walk forward and
+    one backward, no cross-entropy op, loss and every gradient those of eager and stock."""
+    def loss(m, h, y):
+        log_probs = F.linear(h, m.weight, m.bias).float().log_softmax(-1)  # [B, T, V]
+        if entropy_first:
+            entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, T]
+        token = GATHERS[form](log_probs, y.clamp(min=0))
+        if not entropy_first:
+            entropy = -(log_probs.exp() * log_probs).sum(-1)
+        mask = (y != -100)[:, -token.shape[1]:]  # the labels' rows: [B, T - 1] for a shift
+        return -(token * mask).sum() / mask.sum() - 1e-2 * entropy.mean()
+
+    walks = counted_walks(monkeypatch)
+    recorder = compiled_and_references(Head(loss), [inputs()])
+    assert_statistics_rewritten(recorder, 0, 1)
+    assert dict(walks) == ONE_WALK, dict(walks)
+    assert counters["chunkce"]["statistics_folded"] == 1
+
+
+def test_a_gathered_label_out_of_range_raises_in_the_one_walk_too():
+    """The fold keeps the gather's check: a label outside ``[0, V)`` raises (stock: out of bounds)."""
+    y = inputs()[1].clamp(min=0)
+    y[1, 2] = V
+    compiled = torch.compile(Head(log_probs_and_entropy), backend="chunkce", options={"inner_backend": "aot_eager"})
+    with pytest.raises(RuntimeError, match=rf"expected every index in \[0, {V}\)"):
+        compiled(inputs()[0], y)
+    assert counters["chunkce"]["statistics_folded"] == 1
 
 
 @pytest.mark.parametrize("loss", [z_loss, entropy_bonus, logits_mean_and_row_sums],

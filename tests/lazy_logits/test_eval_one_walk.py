@@ -33,7 +33,8 @@ pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
 class EvalLM(torch.nn.Module):
     """HF's causal-LM forward: ``(loss, logits)``, the loss on the logits' fp32 upcast with the
-    labels shifted (``shift``: the logits sliced instead, as older models do)."""
+    labels shifted (``shift="logits"``: the logits sliced instead, as older models do; ``"gather"``:
+    per-token log-probabilities of the sliced logits instead of a loss)."""
 
     def __init__(self, dtype=torch.float32, reduction="mean", shift="labels", **loss_options):
         super().__init__()
@@ -54,9 +55,12 @@ class EvalLM(torch.nn.Module):
             shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]  # [B, T]
             loss = F.cross_entropy(logits.float().reshape(-1, V), shifted.reshape(-1), ignore_index=-100,
                                    reduction=self.reduction, **options)
-        else:
+        elif self.shift == "logits":
             loss = F.cross_entropy(logits.float()[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1),
                                    reduction=self.reduction, **options)
+        else:  # "gather": a reference model's per-token log-probs [B, T - 1] (no ignore_index: labels clamped)
+            log_probs = logits.float()[:, :-1].log_softmax(-1)
+            loss = log_probs.gather(-1, labels[:, 1:, None].clamp(min=0)).squeeze(-1)
         return loss, logits
 
 
@@ -108,16 +112,17 @@ def reads(z, ids):
 @pytest.mark.parametrize("dtype, reduction, shift", [
     (torch.float32, "mean", "labels"), (torch.float32, "sum", "labels"), (torch.float32, "none", "labels"),
     (torch.bfloat16, "mean", "labels"), (torch.float32, "mean", "logits"), (torch.float32, "none", "logits"),
-    (torch.bfloat16, "sum", "logits")],
+    (torch.bfloat16, "sum", "logits"), (torch.float32, "none", "gather")],
     ids=["fp32-mean", "fp32-sum", "fp32-none", "bf16-mean", "sliced-fp32-mean", "sliced-fp32-none",
-         "sliced-bf16-sum"])
+         "sliced-bf16-sum", "gathered-log-probs"])
 def test_eval_loss_and_reads_of_the_returned_logits_take_one_walk(walks, dtype, reduction, shift):
     """The step walks once (the statistics op, no cross-entropy op, no [N, V] node in its graph);
     argmax, max, logsumexp and entropy reads walk no more, a log-prob gather gathers without a walk;
     loss and reads equal stock's (bf16: the argmax's column holds stock's maximum), and the kept
     statistics are bit for bit those a fresh read of the logits computes. Logits sliced before the
-    loss too: the walk covers every row (the loss reads the first T - 1 of each sequence). Failed
-    before: a cross-entropy op in the graph and a second walk (maximum only) for the argmax."""
+    loss too: the walk covers every row (the loss reads the first T - 1 of each sequence), and per-token
+    log-probs gathered from them. Failed before: a cross-entropy op in the graph and a second walk
+    (maximum only) for the argmax."""
     (loss, logits), (expected_loss, expected_logits), recorder = evaluate(EvalLM(dtype, reduction, shift), dtype)
     assert isinstance(logits, LazyLogits) and not logits.is_computed
     nodes = [fact.target for graph in recorder.graphs for fact in graph]

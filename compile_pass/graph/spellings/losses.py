@@ -18,7 +18,9 @@ row statistics (:mod:`compile_pass.graph.plan`), by :func:`loss_and_statistics`.
 that cross-entropy without label smoothing, replaced as it is. ``gather`` reads one
 log-probability per token: the gather node is replaced by the op's ``reduction="none"`` output,
 negated and unsqueezed (:func:`gathered_log_probs`), and everything after it stays as graph ops; a
-gather has no ignore_index, so the call gets one no label can equal (:data:`NO_IGNORE_INDEX`).
+gather has no ignore_index, so the call gets one no label can equal (:data:`NO_IGNORE_INDEX`). In
+one walk with row statistics of the same values, a cross-entropy is :func:`loss_and_statistics` and
+a gather :func:`log_probs_and_statistics`.
 The walk back from a loss of log-probabilities to its log_softmax (:func:`find_log_softmax`) says
 what lies on the way and what of it the op cannot reproduce (``unsupported``); the walk of
 :mod:`compile_pass.graph.sites` checks the rest.
@@ -47,7 +49,7 @@ from compile_pass.graph.spellings.call import LossCall, Spelling, StepKind
 from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.op.loss import chunked_cross_entropy
 from compile_pass.op.loops import reduce_total
-from compile_pass.op.statistics import chunked_statistics
+from compile_pass.op.statistics import RowStatistics, chunked_statistics
 
 REDUCTION_ENUM = {0: "none", 1: "mean", 2: "sum"}  # torch's reduction ints (cross_entropy_loss, nll_loss_nd)
 _ENUM_ARGS = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
@@ -119,24 +121,36 @@ def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, b
     and has its accumulate dtype (the caller checks)."""
     flat_target = target.reshape(-1)  # [n]
     valid = flat_target != ignore_index  # [n]
-    picked = flat_target.masked_fill(~valid, 0)  # [n]: an ignored row gathers column 0
-    flat_hidden = hidden_states.flatten(0, -2)  # [N, H]
-    if rows is not None:
-        flat_rows = rows.reshape(-1)  # [n]
-        picked = torch.zeros_like(flat_hidden[:, 0], dtype=torch.int64).index_put((flat_rows,), picked)  # [N]
-    statistics = chunked_statistics(flat_hidden, weight, bias, picked.unsqueeze(-1), None,
-                                    logits_dtype=statistics_dtype, statistics_dtype=statistics_dtype,
-                                    transform=transform, projection_dtype=projection_dtype, chunk_size=chunk_size,
-                                    chunk_bytes=chunk_bytes)
-    lse, selected = statistics.lse, statistics.selected.squeeze(-1)  # [N]
-    if rows is not None:
-        lse, selected = lse.index_select(0, flat_rows), selected.index_select(0, flat_rows)  # [n]
+    statistics, lse, selected = _walk_with_labels(
+        hidden_states, weight, bias, flat_target.masked_fill(~valid, 0), rows,  # an ignored row gathers column 0
+        statistics_dtype=statistics_dtype, transform=transform, projection_dtype=projection_dtype,
+        chunk_size=chunk_size, chunk_bytes=chunk_bytes)
     loss = (lse - selected).masked_fill(~valid, 0.0)  # [n]
     if reduction == "none":
         loss = loss.view_as(target).to(logits_dtype)
     else:
         loss = reduce_total(loss.sum(), flat_target, None, reduction, ignore_index, 0.0, logits_dtype)
     return loss, statistics.lse, statistics.entropy, statistics.max, statistics.argmax, statistics.row_sum
+
+
+def _walk_with_labels(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                      rows: Tensor | None, **options: Any) -> tuple[RowStatistics, Tensor, Tensor]:
+    """``(statistics, lse, z_label)``: one ``chunkce::linear_statistics`` walk of every row of
+    ``hidden_states [..., H]`` (``options``: :func:`chunked_statistics`' keywords, the statistics
+    dtype its logits dtype too) that also gathers each row's ``z[label]``; ``lse`` and ``z_label``
+    ``[n]`` of the labels' rows: ``labels [n]`` int64 in ``[0, V)``, one a row, or, given ``rows``
+    (``[n]``-shaped: the row each label is for, no row twice), the rows ``rows`` names."""
+    flat_hidden = hidden_states.flatten(0, -2)  # [N, H]
+    picked = labels  # [N]
+    if rows is not None:
+        flat_rows = rows.reshape(-1)  # [n]
+        picked = torch.zeros_like(flat_hidden[:, 0], dtype=torch.int64).index_put((flat_rows,), labels)  # [N]
+    statistics = chunked_statistics(flat_hidden, weight, bias, picked.unsqueeze(-1), None,
+                                    logits_dtype=options["statistics_dtype"], **options)
+    lse, selected = statistics.lse, statistics.selected.squeeze(-1)  # [N]
+    if rows is not None:
+        lse, selected = lse.index_select(0, flat_rows), selected.index_select(0, flat_rows)  # [n]
+    return statistics, lse, selected
 
 
 CROSS_ENTROPY = Spelling("cross_entropy", read_cross_entropy, replace_cross_entropy,
@@ -244,18 +258,46 @@ def gathered_log_probs(hidden_states: Tensor, weight: Tensor, target: Tensor, bi
                        squeeze: bool = False, wraps: bool = False, **options: Any) -> Tensor:
     """``log_softmax(hidden_states @ weight.T + bias, -1).gather(-1, target[..., None])`` through the
     op: ``[..., 1]`` (``[N, 1]`` when ``flat``), negated when ``negated``; the other arguments are
-    ``chunked_cross_entropy``'s. A label equal to ``ignore_index`` becomes -1, so that the op raises
-    for it as ``gather`` does; ``wraps``: labels taken modulo ``V`` first, as ``take_along_dim``'s
-    reference does; ``squeeze``: ``target`` is the ``[..., 1]`` index itself."""
+    ``chunked_cross_entropy``'s. The labels as :func:`_gather_labels` makes them."""
+    target = _gather_labels(target, weight.shape[0], ignore_index, squeeze, wraps)
+    nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
+                                **options)  # [...] = -log p(target)
+    return _shaped_as_gather(nll if negated else nll.neg(), flat)
+
+
+def _gather_labels(target: Tensor, vocab_size: int, ignore_index: int, squeeze: bool, wraps: bool) -> Tensor:
+    """The labels a gather reads, ``[...]`` int64: ``squeeze``: ``target`` is the ``[..., 1]`` index
+    itself; ``wraps``: taken modulo ``V`` first, as ``take_along_dim``'s reference does. A label
+    equal to ``ignore_index`` becomes -1, so that the op raises for it as ``gather`` does."""
     if squeeze:
         target = target.squeeze(-1)  # [..., 1] -> [...]
     if wraps:
-        target = target.remainder(weight.shape[0])  # [...] in [0, V)
-    target = target.masked_fill(target == ignore_index, -1)  # [...]
-    nll = chunked_cross_entropy(hidden_states, weight, target, bias, class_weight, ignore_index=ignore_index,
-                                **options)  # [...] = -log p(target)
-    log_p = nll if negated else nll.neg()  # shaped like target
+        target = target.remainder(vocab_size)  # [...] in [0, V)
+    return target.masked_fill(target == ignore_index, -1)  # [...]
+
+
+def _shaped_as_gather(log_p: Tensor, flat: bool) -> Tensor:
+    """Per-token values shaped like the labels, as the gather returns them: ``[..., 1]``, ``[N, 1]`` when ``flat``."""
     return log_p.reshape(-1, 1) if flat else log_p.unsqueeze(-1)
+
+
+def log_probs_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                             class_weight: None, *, negated: bool, flat: bool, ignore_index: int, squeeze: bool,
+                             wraps: bool, logits_dtype: torch.dtype, statistics_dtype: torch.dtype,
+                             transform: Any, projection_dtype: torch.dtype | None, chunk_size: int | None,
+                             chunk_bytes: int | None, rows: Tensor | None = None,
+                             **unused: Any) -> tuple[Tensor, ...]:
+    """``(log_p, lse, entropy, max, argmax, row_sum)``: :func:`gathered_log_probs`' value, computed as
+    ``z[label] - lse`` (``lse - z[label]`` when ``negated``) from one ``chunkce::linear_statistics``
+    walk, and that walk's row statistics ``[N]``, as :func:`loss_and_statistics` gives them
+    (``rows``: the labels' rows, as there)."""
+    labels = _gather_labels(target, weight.shape[0], ignore_index, squeeze, wraps)
+    statistics, lse, selected = _walk_with_labels(
+        hidden_states, weight, bias, labels.reshape(-1), rows, statistics_dtype=statistics_dtype,
+        transform=transform, projection_dtype=projection_dtype, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+    log_p = (lse - selected) if negated else (selected - lse)  # [n]
+    log_p = _shaped_as_gather(log_p.view_as(labels).to(logits_dtype), flat)
+    return log_p, statistics.lse, statistics.entropy, statistics.max, statistics.argmax, statistics.row_sum
 
 
 def replace_gather(call: GatherCall, projection: Projection) -> Callable[..., Any] | Reason:
@@ -263,11 +305,21 @@ def replace_gather(call: GatherCall, projection: Projection) -> Callable[..., An
     if projection.sharded is not None:
         return Reason(Refusal.TENSOR_PARALLEL, detail="a gather of log-probabilities (the vocabulary-parallel op "
                                                       "computes a loss)")
-    return partial(gathered_log_probs, negated=call.negated, flat=call.flat, squeeze=call.squeeze,
-                   wraps=call.wraps)
+    return partial(gathered_log_probs, **_gather_form(call))
 
 
-GATHER = Spelling("gather", read_gather, replace_gather)
+def one_walk_gather(call: GatherCall, projection: Projection) -> Callable[..., Any] | None:
+    """:func:`log_probs_and_statistics` as the call says; None for a vocabulary-sharded head."""
+    if projection.sharded is not None:
+        return None
+    return partial(log_probs_and_statistics, **_gather_form(call))
+
+
+def _gather_form(call: GatherCall) -> dict[str, bool]:
+    return {"negated": call.negated, "flat": call.flat, "squeeze": call.squeeze, "wraps": call.wraps}
+
+
+GATHER = Spelling("gather", read_gather, replace_gather, one_walk=one_walk_gather)
 
 
 _LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, torch.Tensor.log_softmax)
