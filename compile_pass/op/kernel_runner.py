@@ -299,6 +299,18 @@ def thread_pool(count: int) -> WalkThreads:
         return _POOLS[key]
 
 
+def _after_fork_in_child() -> None:
+    """A forked child runs only the thread that forked: a lock another thread held at the fork
+    (a walk's, a kernel's first call) would stay held there for ever, and the parent's walk
+    threads are not the child's. The child gets fresh locks and starts threads of its own."""
+    global _POOLS_LOCK, _COMPILED_LOCK, _FIRST_CALL
+    _POOLS_LOCK, _COMPILED_LOCK, _FIRST_CALL = threading.Lock(), threading.Lock(), threading.Condition()
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def split(plan: ResolvedCall, items: Sequence, parts: int | None = None) -> list[list]:
     """A walk's items in parts, one a walk thread: ``P = min(plan.threads, parts, len(items))`` (at
     least 1), part ``p`` every ``P``-th item. The split is static, so a walk's arithmetic does not

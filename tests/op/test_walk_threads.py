@@ -7,7 +7,10 @@ split chooses."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 import types
 
 import pytest
@@ -227,3 +230,42 @@ def test_a_bad_walk_threads_variable_is_refused(monkeypatch, value):
     monkeypatch.setenv("CHUNKCE_WALK_THREADS", value)
     with pytest.raises(ValueError, match=f"CHUNKCE_WALK_THREADS to be a positive integer, got '{value}'"):
         linear_cross_entropy(*_inputs()[:2], _inputs()[3])
+
+
+def test_a_child_forked_while_another_thread_holds_the_walks_locks_still_walks():
+    """A fork copies only the forking thread (a DataLoader's workers, made while another thread
+    walks): a lock that thread held stays held in the child. The child's walk, split over two
+    walk threads of its own, still ends, with torch's loss and gradients (it hung before)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with kernel_runner._POOLS_LOCK, kernel_runner._COMPILED_LOCK, kernel_runner._FIRST_CALL:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: its exit status is the test's verdict
+        code = 1
+        try:
+            os.environ["CHUNKCE_WALK_THREADS"] = "2"
+            hidden, weight, bias, target = _inputs()
+            ours = _loss_and_gradients(lambda *a, **k: _ours(*a, chunk_size=64, **k), hidden, weight, bias, target)
+            theirs = _loss_and_gradients(_reference, hidden, weight, bias, target)
+            for got, expected in zip(ours, theirs, strict=True):
+                torch.testing.assert_close(got, expected, **TOL)
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 120
+    while (status := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's walk did not end in 120 s")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status[1]) == 0
