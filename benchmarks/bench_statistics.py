@@ -3,22 +3,29 @@ forward + backward of ``selected`` (the taken token's logit) + ``lse`` + ``entro
 
     python -m benchmarks.bench_statistics                       # N 1024, H 256, V 32000, fp32
     python -m benchmarks.bench_statistics --tokens 4096 --vocab 128256 --reps 5
+    python -m benchmarks.bench_statistics --graph --tokens 2048  # an RL head compiled: Inductor and chunkce
 
 Both read the same inputs (hidden states ``randn``, weight std 0.02): the unfused one
 ``F.linear`` then ``gather`` / ``logsumexp`` / ``-(softmax * log_softmax).sum(-1)``, eagerly; the op
 with its default tiles. Prints ms (p20 / p50 / p80 of ``--reps`` after ``--warmup``) and the peak
 bytes of one call above its inputs (``harness.memory_region``), and the ratios op / unfused.
+``--graph``: the same step written as an RL policy head writes it inside a compiled function
+(per-token log-probs gathered from ``log_softmax`` and an entropy bonus of the same log-probs,
+:func:`rl_head`), compiled by Inductor and by chunkce in one process, and the walks chunkce's step
+ran (the pass folds the gather and the entropy into one statistics walk).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import harness
 from compile_pass import linear_statistics
+from compile_pass.op import loops, statistics_loops
 
 MiB = harness.MiB
 
@@ -35,6 +42,26 @@ def fused(hidden, weight, indices):
     return outputs.selected.squeeze(-1), outputs.lse, outputs.entropy
 
 
+def rl_head(hidden, weight, labels):
+    """A policy-gradient head as RL code writes it: per-token log-probs of ``labels`` and an entropy bonus."""
+    log_probs = F.linear(hidden, weight).float().log_softmax(-1)  # [N, V]
+    token = log_probs.gather(-1, labels).squeeze(-1)  # [N]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [N]
+    return -token.mean() - 0.01 * entropy.mean()
+
+
+def _counted_walks() -> collections.Counter:
+    """Counts the op's walks from now on, by loop (forward and backward of each op)."""
+    walks = collections.Counter()
+    for module, name in ((loops, "chunked_forward"), (loops, "chunked_backward"),
+                         (statistics_loops, "statistics_walk"), (statistics_loops, "statistics_gradients")):
+        def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
+            walks[_name] += 1
+            return _real(*args, **kwargs)
+        setattr(module, name, counted)
+    return walks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -42,6 +69,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--graph", action="store_true", help="rl_head compiled by Inductor and by chunkce")
     args = parser.parse_args()
     device = harness.default_device()
     harness.print_environment(device)
@@ -53,6 +81,9 @@ def main() -> None:
     def prepare():
         hidden.grad = weight.grad = None
 
+    if args.graph:
+        _graph(args, hidden, weight, indices, device, prepare)
+        return
     results = {}
     for name, fn in (("unfused", unfused), ("linear_statistics", fused)):
         def step(_, fn=fn):
@@ -66,6 +97,29 @@ def main() -> None:
     (ours, ours_peak), (theirs, theirs_peak) = results["linear_statistics"], results["unfused"]
     print(f"op / unfused: time {ours.p50 / theirs.p50:.2f}x, peak {ours_peak / theirs_peak:.3f}x "
           f"(N {args.tokens}, H {args.hidden}, V {args.vocab}, {hidden.dtype}, forward + backward)")
+
+
+def _graph(args, hidden, weight, indices, device, prepare) -> None:
+    """:func:`rl_head`'s training step compiled by Inductor and by chunkce: ms, peak, chunkce's walks."""
+    results, walks = {}, _counted_walks()
+    for backend in ("inductor", "chunkce"):
+        compiled = torch.compile(rl_head, backend=backend, fullgraph=True)
+
+        def step(_, compiled=compiled):
+            compiled(hidden, weight, indices).backward()
+
+        step(None)  # compiles
+        walks.clear()
+        stats = harness.time_region(step, prepare, device, warmup=args.warmup, reps=args.reps)
+        steps = args.warmup + args.reps
+        ran = ", ".join(f"{name} {count / steps:g}" for name, count in sorted(walks.items())) or "none"
+        peak, _ = harness.memory_region(step, prepare, device, warmup=0)
+        results[backend] = (stats, peak)
+        print(f"{backend:>9}: {stats.p20:8.1f} / {stats.p50:8.1f} / {stats.p80:8.1f} ms   peak {peak / MiB:8.1f} MiB"
+              f"   walks a step: {ran}")
+    (ours, ours_peak), (theirs, theirs_peak) = results["chunkce"], results["inductor"]
+    print(f"chunkce / Inductor: time {ours.p50 / theirs.p50:.2f}x, peak {ours_peak / theirs_peak:.3f}x "
+          f"(N {args.tokens}, H {args.hidden}, V {args.vocab}, {hidden.dtype}, training step)")
 
 
 if __name__ == "__main__":
