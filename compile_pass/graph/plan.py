@@ -22,8 +22,9 @@ would only add a second projection.
 One walk: a loss site without grad whose logits the step returns ``LAZY`` would walk the
 vocabulary twice, once for the loss and once more when the caller reads the returned logits (an
 ``argmax`` for a metric). When the loss is the row statistics' (its spelling's ``one_walk``: a
-cross-entropy with no class weight or label smoothing, or a gather of log-probs) and those statistics are exactly what the lazy logits' first
-read would compute (:func:`compile_pass.graph.returned_logits.returned_head`), the site is
+cross-entropy with no class weight or label smoothing, or a gather of log-probs) and those
+statistics are exactly what the lazy logits' first read would compute
+(:func:`compile_pass.graph.returned_logits.returned_head`), the site is
 replaced by one ``chunkce::linear_statistics`` walk that gives the loss and returns the
 statistics, which the lazy logits keep (:func:`compile_pass.lazy_logits.wrap.wrap_compiled`).
 Logits sliced before the loss (``logits[:, :-1]``) too: the walk covers every head row and the
