@@ -113,9 +113,9 @@ def take_out_returned(logits: list[LogitsPlan], options: Options) -> list[Return
 
 def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
     graph = plan.site.node.graph
-    for node in plan.moved:  # the labels of a loss whose walk runs at an earlier statistic (plan.py, _plan_fold)
-        plan.at.prepend(node)
     with Edit(graph) as edit:
+        for node in plan.moved:  # the labels of a loss whose walk runs at an earlier statistic (plan.py, _plan_fold)
+            edit.move_before(node, plan.at)
         reached("rewrite", plan.site)
         loss = plan.walk_of  # a row statistic folded into that loss's walk: its statistics, if it was rewritten
         walked = loss.statistics if loss is not None and loss.record.decision is Decision.REWRITTEN else None

@@ -201,6 +201,7 @@ class Edit:
         self._before: set[Node] = set()
         self._replaced: list[tuple[Node, Node, list[Node]]] = []
         self._erased: list[tuple[Node, tuple, dict]] = []
+        self._moved: list[tuple[Node, Node]] = []  # (node, the node it came after)
 
     def __enter__(self) -> Edit:
         self._before = set(self.graph.nodes)
@@ -220,6 +221,11 @@ class Edit:
         old.replace_all_uses_with(new)
         self._replaced.append((old, new, users))
 
+    def move_before(self, node: Node, at: Node) -> None:
+        """``at.prepend(node)``: ``node`` moved to just before ``at``, remembered."""
+        self._moved.append((node, node.prev))
+        at.prepend(node)
+
     def erase(self, node: Node) -> None:
         """Disconnect ``node`` (it must have no users) and erase it when the edit is kept."""
         if node.users:
@@ -236,3 +242,5 @@ class Edit:
         added = [node for node in self.graph.nodes if node not in self._before]
         for node in reversed(added):  # users before what they use: only added nodes use added nodes now
             self.graph.erase_node(node)
+        for node, before in reversed(self._moved):
+            before.append(node)

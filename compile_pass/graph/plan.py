@@ -213,7 +213,9 @@ def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
         first = min(order[plan.site.node] for plan in early)
         nodes = list(site.node.graph.nodes)[first:order[site.node]]
         moved = _made_after(_loss_inputs(site), first, order)
-        if any(mutates(node) for node in nodes) or moved is None:
+        # labels made from an early statistic's value cannot be made before it
+        reads_statistic = moved is not None and not {plan.site.node for plan in early}.isdisjoint(moved)
+        if any(mutates(node) for node in nodes) or moved is None or reads_statistic:
             folded, moved = [plan for plan in folded if plan not in early], []
     if not folded:
         return

@@ -378,6 +378,35 @@ def test_labels_edited_in_place_are_rewritten_and_match_eager_and_stock(loss, dy
     recorder.assert_counted(stats)
 
 
+def labels_from_the_entropy(m, h, y):  # labels computed from a statistic written before the gather
+    log_probs = F.linear(h, m.weight, m.bias).float().log_softmax(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)  # [B, T]
+    labels = (entropy.detach() * 1000).long() % V
+    token = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return -token.mean() - 0.01 * entropy.mean()
+
+
+def labels_from_the_logsumexp(m, h, y):  # the same with a cross-entropy and a z-loss
+    logits = F.linear(h, m.weight, m.bias).float()
+    lse = logits.logsumexp(-1)  # [B, T]
+    labels = (lse.detach() * 997).long() % V
+    return F.cross_entropy(logits.view(-1, V), labels.view(-1)) + 1e-3 * lse.pow(2).mean()
+
+
+@pytest.mark.parametrize("loss", [labels_from_the_entropy, labels_from_the_logsumexp],
+                         ids=["gather_entropy", "cross_entropy_logsumexp"])
+def test_labels_made_from_the_statistic_before_the_loss_walk_on_their_own(loss, monkeypatch):
+    """Labels computed from a statistic written before the loss cannot be made before that
+    statistic: the statistic walks on its own, then the loss (the rewrite moved the labels above
+    the statistic they read, and the compile failed: "used before it has been defined"); loss and
+    every gradient those of eager and stock."""
+    walks = counted_walks(monkeypatch)
+    recorder = compiled_and_references(Head(loss), [inputs()])
+    assert_statistics_rewritten(recorder, 1, 1)
+    assert counters["chunkce"]["statistics_folded"] == 0 and counters["chunkce"]["sites_refused"] == 0
+    assert dict(walks) == {"chunked_forward": 1, "chunked_backward": 1, **ONE_WALK}, dict(walks)
+
+
 def hidden_states_edited(m, h, y):  # a frozen head: the op would read the doubled hidden states
     logits = F.linear(h, m.weight.detach())
     h.mul_(2.0)

@@ -115,6 +115,33 @@ def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, caplog):
     assert warnings and any(r.exc_info and r.exc_info[0] is Injected for r in warnings)
 
 
+class ZLossFirst(torch.nn.Module):
+    """A z-loss written before the cross-entropy, the labels made between them: the fold moves the
+    labels above the z-loss (graph/plan.py, _plan_fold). A vocabulary's size (a statistic site)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(H, 1031, bias=False)
+
+    def forward(self, x, labels):
+        logits = self.lm_head(x).float()
+        z_loss = logits.logsumexp(-1).pow(2).mean()
+        shifted = labels.roll(1, -1)  # made after the z-loss
+        return F.cross_entropy(logits.flatten(0, 1), shifted.flatten()) + 1e-4 * z_loss
+
+
+@pytest.mark.parametrize("stage", ["rewrite_start", "rewrite_traced", "lint"])
+def test_a_fault_in_a_folded_loss_leaves_its_moved_labels_where_they_were(stage, caplog):
+    """The labels the fold moved go back to their place when the rewrite fails (they stayed moved)."""
+    gm = _captured(ZLossFirst())
+    before = str(gm.graph)
+    with FAULTS[stage](), caplog.at_level(logging.WARNING, logger="compile_pass"):
+        result = fuse_linear_cross_entropy(gm.graph, Options())
+    assert str(gm.graph) == before
+    gm.graph.lint()
+    assert [r.reason_key for r in result.records] == ["internal_error", "internal_error"]
+
+
 RETURNED_FAULTS = {
     "take_out_start": lambda: stages.hooked("take_out", _raise),
     "take_out_done": lambda: stages.hooked("taken_out", _raise),  # the stand-in in the logits' place
