@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,15 +51,18 @@ def rl_head(hidden, weight, labels):
     return -token.mean() - 0.01 * entropy.mean()
 
 
-def _counted_walks() -> collections.Counter:
-    """Counts the op's walks from now on, by loop (forward and backward of each op)."""
+def counted_walks(patch: Callable[[object, str, Callable], None] = setattr) -> collections.Counter:
+    """The op's walks from now on, by loop: the loss op's forward and backward
+    (``chunked_forward``, ``chunked_backward``), the statistics op's (``statistics_walk``,
+    ``statistics_gradients``). ``patch(module, name, counting)`` installs each counter
+    (``setattr``: for the process; a test passes ``monkeypatch.setattr``)."""
     walks = collections.Counter()
     for module, name in ((loops, "chunked_forward"), (loops, "chunked_backward"),
                          (statistics_loops, "statistics_walk"), (statistics_loops, "statistics_gradients")):
         def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
             walks[_name] += 1
             return _real(*args, **kwargs)
-        setattr(module, name, counted)
+        patch(module, name, counted)
     return walks
 
 
@@ -101,7 +105,7 @@ def main() -> None:
 
 def _graph(args, hidden, weight, indices, device, prepare) -> None:
     """:func:`rl_head`'s training step compiled by Inductor and by chunkce: ms, peak, chunkce's walks."""
-    results, walks = {}, _counted_walks()
+    results, walks = {}, counted_walks()
     for backend in ("inductor", "chunkce"):
         compiled = torch.compile(rl_head, backend=backend, fullgraph=True)
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
+from benchmarks import bench_statistics
 from compile_pass.memory import PeakMemory
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -190,17 +191,8 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
 
 
 def counted_walks(monkeypatch) -> Counter:
-    """The walks the op's loops run from here on, by loop: the loss op's forward and backward, the
-    statistics op's forward and backward."""
-    from compile_pass.op import loops, statistics_loops
-    walks = Counter()
-    for module, function in ((loops, "chunked_forward"), (loops, "chunked_backward"),
-                             (statistics_loops, "statistics_walk"), (statistics_loops, "statistics_gradients")):
-        def counted(*args, _real=getattr(module, function), _name=function, **kwargs):
-            walks[_name] += 1
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(module, function, counted)
-    return walks
+    """The walks the op's loops run from here on, by loop (``benchmarks.bench_statistics.counted_walks``)."""
+    return bench_statistics.counted_walks(monkeypatch.setattr)
 
 
 ONE_WALK = {"statistics_walk": 1, "statistics_gradients": 1}
