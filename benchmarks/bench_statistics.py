@@ -18,15 +18,13 @@ ran (the pass folds the gather and the entropy into one statistics walk).
 from __future__ import annotations
 
 import argparse
-import collections
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks import harness
+from benchmarks.walks import counted_walks
 from compile_pass import linear_statistics
-from compile_pass.op import loops, statistics_loops
 
 MiB = harness.MiB
 
@@ -49,21 +47,6 @@ def rl_head(hidden, weight, labels):
     token = log_probs.gather(-1, labels).squeeze(-1)  # [N]
     entropy = -(log_probs.exp() * log_probs).sum(-1)  # [N]
     return -token.mean() - 0.01 * entropy.mean()
-
-
-def counted_walks(patch: Callable[[object, str, Callable], None] = setattr) -> collections.Counter:
-    """The op's walks from now on, by loop: the loss op's forward and backward
-    (``chunked_forward``, ``chunked_backward``), the statistics op's (``statistics_walk``,
-    ``statistics_gradients``). ``patch(module, name, counting)`` installs each counter
-    (``setattr``: for the process; a test passes ``monkeypatch.setattr``)."""
-    walks = collections.Counter()
-    for module, name in ((loops, "chunked_forward"), (loops, "chunked_backward"),
-                         (statistics_loops, "statistics_walk"), (statistics_loops, "statistics_gradients")):
-        def counted(*args, _real=getattr(module, name), _name=name, **kwargs):
-            walks[_name] += 1
-            return _real(*args, **kwargs)
-        patch(module, name, counted)
-    return walks
 
 
 def main() -> None:

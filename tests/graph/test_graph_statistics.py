@@ -23,7 +23,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import compile_pass
-from benchmarks import bench_statistics
+from benchmarks.walks import counted_walks
 from compile_pass.memory import PeakMemory
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -190,11 +190,6 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
     assert sum(forms.count(form) for form in ("logsumexp", "entropy", "row_sum")) == statistics, forms
 
 
-def counted_walks(monkeypatch) -> Counter:
-    """The walks the op's loops run from here on, by loop (``benchmarks.bench_statistics.counted_walks``)."""
-    return bench_statistics.counted_walks(monkeypatch.setattr)
-
-
 ONE_WALK = {"statistics_walk": 1, "statistics_gradients": 1}
 
 
@@ -203,7 +198,7 @@ def test_a_loss_and_statistics_of_the_same_values_walk_once_forward_and_once_bac
     """The walks a training step runs, counted at the op's loops: a cross-entropy or per-token
     log-probs (a gather) with a z-loss or an entropy (written before or after it) is one statistics
     walk and one backward walk (were: the cross-entropy op's and the statistics op's, two of each)."""
-    walks = counted_walks(monkeypatch)
+    walks = counted_walks(monkeypatch.setattr)
     compiled_and_references(Head(SPELLINGS[name][0]), [inputs()])
     assert dict(walks) == ONE_WALK, dict(walks)
     assert counters["chunkce"]["statistics_folded"] == SPELLINGS[name][2]
@@ -235,7 +230,7 @@ def test_log_probs_of_every_gather_spelling_and_an_entropy_are_one_walk(form, en
         mask = (y != -100)[:, -token.shape[1]:]  # the labels' rows: [B, T - 1] for a shift
         return -(token * mask).sum() / mask.sum() - 1e-2 * entropy.mean()
 
-    walks = counted_walks(monkeypatch)
+    walks = counted_walks(monkeypatch.setattr)
     recorder = compiled_and_references(Head(loss), [inputs()])
     assert_statistics_rewritten(recorder, 0, 1)
     assert dict(walks) == ONE_WALK, dict(walks)
@@ -392,7 +387,7 @@ def test_labels_made_from_the_statistic_before_the_loss_walk_on_their_own(loss, 
     statistic: the statistic walks on its own, then the loss (the rewrite moved the labels above
     the statistic they read, and the compile failed: "used before it has been defined"); loss and
     every gradient those of eager and stock."""
-    walks = counted_walks(monkeypatch)
+    walks = counted_walks(monkeypatch.setattr)
     recorder = compiled_and_references(Head(loss), [inputs()])
     assert_statistics_rewritten(recorder, 1, 1)
     assert counters["chunkce"]["statistics_folded"] == 0 and counters["chunkce"]["sites_refused"] == 0
