@@ -11,7 +11,11 @@ values for new indices on kept rows are one op call without a walk over the voca
 (``row_statistics=False``). Statistics computed without grad (or by the step itself:
 :meth:`RowCache.keep`) serve reads without grad only. A read
 of the argmax alone on rows with nothing kept walks for the maximum only (no exponential) and keeps
-nothing.
+that argmax.
+
+Once the op can no longer run (a tensor the key reads changed: ``StaleLogitsError``), what was kept
+serves again: the statistics of covered rows (kept without grad serve a read with grad too, and its
+backward raises), gathered values at indices read before, the argmax.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from torch import Tensor
 
 from compile_pass.lazy_logits.keys import Key
+from compile_pass.lazy_logits.staleness import Inputs, StaleLogitsError
 
 
 class Statistics(NamedTuple):
@@ -67,10 +72,25 @@ class RowCache:
         self.key = key
         self.num_rows = key.num_rows
         self.kept = {True: _Kept(self.num_rows), False: _Kept(self.num_rows)}  # by grad
+        self.argmaxes = _Kept(self.num_rows)  # of the walks for the maximum only
+        self.gathered: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {True: [], False: []}  # by grad
 
     def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> Statistics:
         """The statistics of head rows ``head_rows`` (``[n]`` CPU int64, in read order, all in the
-        key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``."""
+        key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``.
+        Where the op can no longer run, what was kept of them, or :class:`StaleLogitsError`."""
+        try:
+            stats = self._read(head_rows, grad, indices)
+        except StaleLogitsError:
+            stats = self._served(head_rows, grad, indices)
+            if stats is None:
+                raise
+            return stats
+        if indices is not None and head_rows.numel():
+            self.gathered[grad].append((head_rows, indices.detach().clone(), stats.selected))
+        return stats
+
+    def _read(self, head_rows: Tensor, grad: bool, indices: Tensor | None) -> Statistics:
         if not head_rows.numel():  # no rows (an empty view or mask): the op on none, for stock's dtypes and autograd
             return self._call(head_rows, indices, grad, row_statistics=True)
         kept = self._kept_for(head_rows, grad)
@@ -110,11 +130,39 @@ class RowCache:
 
     def argmax(self, head_rows: Tensor) -> Tensor:
         """The argmax ``[n]`` of head rows ``head_rows`` (as :meth:`read` takes them): kept, or a
-        walk of those rows for the maximum only."""
+        walk of those rows for the maximum only (kept)."""
         kept = self._kept_for(head_rows, grad=False)
         if head_rows.numel() and kept.covers(head_rows):
             return kept.take(head_rows)[3]
-        return self._call(head_rows, None, False, row_statistics=True, maximum_only=True).argmax
+        if head_rows.numel() and self.argmaxes.covers(head_rows):
+            return self.argmaxes.take(head_rows)[0]
+        argmax = self._call(head_rows, None, False, row_statistics=True, maximum_only=True).argmax
+        if head_rows.numel():
+            self.argmaxes.add(head_rows, (argmax,))
+        return argmax
+
+    def _served(self, head_rows: Tensor, grad: bool, indices: Tensor | None) -> Statistics | None:
+        """The statistics of ``head_rows`` (gathered at ``indices``) from what was kept, None where
+        something is missing. Values kept without grad, read with grad, get a backward that raises."""
+        kept = next((k for k in (self.kept[grad], self.kept[False]) if head_rows.numel() and k.covers(head_rows)), None)
+        if kept is None:
+            return None
+        selected, lent = None, kept is not self.kept[grad]
+        if indices is not None:
+            found = [(g, s) for g in (grad, False) for rows, where, s in self.gathered[g]
+                     if rows.shape == head_rows.shape and where.shape == indices.shape
+                     and torch.equal(rows, head_rows) and torch.equal(where, indices.to(where.device))]
+            if not found:
+                return None
+            selected, lent = found[0][1], lent or found[0][0] is not grad
+        lse, entropy, maximum, argmax, row_sum = kept.take(head_rows)
+        floats = [lse, entropy, maximum, row_sum, selected]
+        if not grad:
+            floats = [None if t is None else t.detach() for t in floats]
+        elif lent:
+            floats = _after_change(self.key.source, floats)
+        lse, entropy, maximum, row_sum, selected = floats
+        return Statistics(lse, entropy, maximum, argmax, row_sum, selected)
 
     def _kept_for(self, head_rows: Tensor, grad: bool) -> _Kept:
         return self.kept[True] if grad or self.kept[True].covers(head_rows) else self.kept[False]
@@ -131,6 +179,27 @@ class RowCache:
                                         maximum_only=maximum_only,
                                         **key.op_arguments(head_rows, device))
         return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.row_sum, stats.selected)
+
+
+class _AfterChange(torch.autograd.Function):
+    """Values served with grad after the tensors they were computed from changed: backward raises."""
+
+    @staticmethod
+    def forward(ctx: object, source: Inputs, *values: Tensor) -> tuple[Tensor, ...]:
+        ctx.source = source
+        return tuple(v.clone() for v in values)
+
+    @staticmethod
+    def backward(ctx: object, *grads: Tensor) -> tuple[None, ...]:
+        ctx.source.check("backpropagate through")  # raises: served only once it did
+        raise StaleLogitsError("chunkce: cannot backpropagate through values read after their inputs changed")
+
+
+def _after_change(source: Inputs, values: list[Tensor | None]) -> list[Tensor | None]:
+    """``values`` (detached) as outputs of an :class:`_AfterChange` over the source's tensors that require grad."""
+    present = [v.detach() for v in values if v is not None]
+    outputs = iter(_AfterChange.apply(source, *present, *[t for t in source.tensors if t.requires_grad]))
+    return [None if v is None else next(outputs) for v in values]
 
 
 def cache_of(key: Key) -> RowCache:

@@ -66,7 +66,8 @@ class Inputs:
                 f"chunkce: cannot {when} these logits: chunkce did not compute them in the compiled step "
                 "(returned logits are computed when first read, from the step's hidden states and lm_head), "
                 f"and since the step {changed}, so they can no longer be computed as the step would have. "
-                "Read them before that (e.g. before optimizer.step(); under FSDP2 before backward), or "
+                "What was read before that (the values, or the same statistic of the same rows) is served "
+                "after it; read what you need before that (e.g. before optimizer.step(); under FSDP2 before backward), or "
                 f"compile with {KEEP_OPTION} to have the step compute and return them."
             )
 

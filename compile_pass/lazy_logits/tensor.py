@@ -74,7 +74,12 @@ class LazyLogits(torch.Tensor):
     @torch.compiler.disable  # a compiled function reading a LazyLogits runs its reads eagerly (a graph break)
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        out = reads.fused(func, args, kwargs)
+        try:
+            out = reads.fused(func, args, kwargs)
+        except StaleLogitsError:  # the op cannot run now; kept values serve the read as torch runs it
+            if not all(a._root()._value is not None for a in (*args, *kwargs.values()) if isinstance(a, LazyLogits)):
+                raise
+            out = NotImplemented
         if out is not NotImplemented:
             return out
         with internals.disable_torch_function_subclass():
