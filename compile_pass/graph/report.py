@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import partial
@@ -184,11 +185,13 @@ class PassReport:
         return [r for r in self.records if r.decision is Decision.REFUSED]
 
     def __str__(self) -> str:
-        header = (f"chunkce: {len(self.records)} cross-entropy site(s), {len(self.rewritten)} rewritten, "
-                  f"{len(self.refused)} refused")
+        kinds = Counter(kind_of(r.form) for r in self.records)
+        sites = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        sites = f"{sites} site(s)" if len(kinds) < 2 else f"{len(self.records)} sites ({sites})"
+        header = f"chunkce: {sites}, {len(self.rewritten)} rewritten, {len(self.refused)} refused"
         left = [r for r in self.records if r.decision is Decision.LEFT]
         header += f", {len(left)} left as stock" if left else ""
-        columns = ("#", "decision", "loss", "source", "module", "tiles", "logits avoided", "reason")
+        columns = ("#", "decision", "spelling", "source", "module", "tiles", "logits avoided", "reason")
         rows = [(str(i), r.decision, r.form or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",
                  tiles_text(r.tiles), format_bytes(r.logits_bytes_avoided), r.reason or "-")
                 for i, r in enumerate(self.records, 1)]
@@ -207,6 +210,14 @@ class PassReport:
 
 
 _SOURCE_WIDTH = 72
+_KINDS = {"cross_entropy": "cross-entropy", "nll_loss": "cross-entropy"}  # nll_loss of a log_softmax
+
+
+def kind_of(form: str) -> str:
+    """What a site with spelling ``form`` (:attr:`SiteRecord.form`) computes, in words: ``cross-entropy``
+    (``F.cross_entropy``, ``nll_loss`` of a ``log_softmax``), ``gather``, ``entropy``, ``logsumexp``,
+    ``row-sum``; ``unknown`` where the pass could not read it."""
+    return _KINDS.get(form, form.replace("_", "-") or "unknown")
 
 
 def tiles_text(tiles: Tiles | None) -> str:
@@ -289,7 +300,7 @@ def _publish(report: PassReport) -> None:
             stats["logits_lazy"] += record.fate is Fate.LAZY
             stats["statistics_folded"] += record.folded
             log.info("chunkce: rewrote %s (%s, module %s, tiles %s, logits bytes avoided %s)%s",
-                     record.source, record.form or "loss", record.module or "?", tiles_text(record.tiles),
+                     record.source, kind_of(record.form), record.module or "?", tiles_text(record.tiles),
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
         elif record.decision is Decision.LEFT:  # nothing is lost: no warning
             stats["sites_left"] += 1

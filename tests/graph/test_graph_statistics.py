@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from benchmarks.walks import counted_walks
+from compile_pass.graph.report import Decision, PassReport, SiteRecord, kind_of
 from compile_pass.memory import PeakMemory
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -188,6 +189,21 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
     recorder.assert_counted(stats)
     forms = sorted(record.form for record in compile_pass.last_report().records)
     assert sum(forms.count(form) for form in ("logsumexp", "entropy", "row_sum")) == statistics, forms
+    header = str(compile_pass.last_report()).splitlines()[0]  # each site named by its kind, not as a cross-entropy
+    kinds = Counter(kind_of(form) for form in forms)
+    assert all(f"{n} {kind}" in header for kind, n in kinds.items()), header
+    assert ("cross-entropy" in header) == bool({"cross_entropy", "nll_loss"} & set(forms)), header
+
+
+def test_the_report_names_each_site_by_its_kind():
+    def record(form):
+        return SiteRecord("loss.py:1 in forward: ...", "lm_head", Decision.REWRITTEN, "", form=form)
+    one_kind = PassReport([record("cross_entropy"), record("nll_loss")])
+    assert str(one_kind).splitlines()[0] == "chunkce: 2 cross-entropy site(s), 2 rewritten, 0 refused"
+    mixed = PassReport([record("gather"), record("entropy"), record("logsumexp"), record("row_sum"), record("gather")])
+    assert str(mixed).splitlines()[0] == (
+        "chunkce: 5 sites (2 gather, 1 entropy, 1 logsumexp, 1 row-sum), 5 rewritten, 0 refused")
+    assert "cross-entropy" not in str(mixed)
 
 
 ONE_WALK = {"statistics_walk": 1, "statistics_gradients": 1}
