@@ -14,8 +14,8 @@ tokenizer is trained on the corpus and cached under ~/.cache/chunkce.
 
 With --parallel (under torchrun), every rank trains on its own rows of each step's
 global batch (--batch-size rows per rank); the losses compared are the global ones
-(all-reduced mean over ranks), tokens/s counts all ranks, and rank 0 prints the
-summary with every rank's measured peak and chunkce counters. With --parallel tp the
+(all-reduced mean over ranks; the progress bar shows rank 0's own, labelled "rank 0 loss"),
+tokens/s counts all ranks, and rank 0 prints the summary with every rank's measured peak and chunkce counters. With --parallel tp the
 ranks form one tensor-parallel group: every rank trains on the same rows, each decoder
 layer's projections are sharded as in Megatron / torchtitan and lm_head is sharded over
 the vocabulary with its logits gathered (Hugging Face's "colwise_rep"); fsdp2-tp adds
@@ -206,6 +206,7 @@ def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[tor
 
     run, losses, peak_bytes, timed_s, timed_tokens = Run(backend), [], 0, 0.0, 0
     bar = tqdm(batches, desc=f"{backend:>8}", unit="step", dynamic_ncols=True, disable=ranks.rank != 0)
+    loss_label = "loss" if ranks.world_size == 1 else "rank 0 loss"  # the table's: the mean over ranks
     for i, ids in enumerate(bar):
         ids = ids.to(device)
         optimizer.zero_grad(set_to_none=True)   # outside the measured region: frees last grads
@@ -221,7 +222,7 @@ def train(backend: str, config: LlamaConfig, init_state: dict, batches: list[tor
             run.warmup_s += elapsed
         elif i > args.warmup:
             timed_s, timed_tokens = timed_s + elapsed, timed_tokens + ids.numel()
-        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+        bar.set_postfix({loss_label: f"{losses[-1]:.4f}"})
     counters = dict(torch._dynamo.utils.counters["chunkce"])
     per_rank = ranks.all_gather((losses, peak_bytes, run.warmup_s, timed_s, counters))
     run.losses = [sum(rank_losses) / ranks.world_size for rank_losses in zip(*(r[0] for r in per_rank))]

@@ -11,7 +11,9 @@ batches (the standard library's sources, tokenized offline; gradient accumulatio
 micro-batches with different numbers of valid labels), then runs the Trainer's
 evaluation loop with an accuracy metric built from its logits. Per-step losses must agree
 across runs (exit 1 beyond --tol). The peak memory of one training micro-step (forward +
-backward) after warm-up is measured with compile_pass.memory. Runs: ``chunkce`` (no
+backward) after warm-up is measured with compile_pass.memory. The table's times say what they
+cover (COLUMNS): the first optimizer step and the evaluation include compiling, the later steps
+do not. Runs: ``chunkce`` (no
 options: the logits training steps return are lazy, never computed since the Trainer
 never reads them), ``chunkce-keep-logits`` (``returned_logits="keep"``: the projection
 stays for the returned logits), ``inductor`` (stock). See docs/trainers.md.
@@ -37,6 +39,7 @@ from transformers import (
     LlamaForCausalLM,
     PrinterCallback,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 from transformers.utils import logging as hf_logging
@@ -118,17 +121,44 @@ class MeasuredTrainer(Trainer):
         return loss
 
 
+class StepTimes(TrainerCallback):
+    """The wall-clock time at the start of training and at the end of each optimizer step."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.times = [time.perf_counter()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter())
+
+
 @dataclass
 class Result:
-    """One run: per-step losses, evaluation metrics, measured peak bytes, seconds."""
+    """One run: per-step losses, evaluation metrics, measured peak bytes, seconds (see COLUMNS)."""
 
     name: str
     losses: list[float] = field(default_factory=list)
     eval_loss: float = 0.0
     eval_accuracy: float = 0.0
     peak_bytes: int = 0
-    seconds: float = 0.0
+    train_seconds: float = 0.0
+    first_step_seconds: float = 0.0
+    later_step_seconds: float = 0.0
+    eval_seconds: float = 0.0
     counters: dict = field(default_factory=dict)
+
+
+COLUMNS = """\
+  peak MiB     memory of one training micro-step (forward + backward) above what was held before it,
+               measured after the first optimizer step
+  eval loss    the Trainer's evaluate() loss; eval acc: next-token accuracy from its logits
+  train s      Trainer.train(), wall clock, compiling included
+  1st step s   the first optimizer step: compiles the training graph (most of the time)
+  step s       each later optimizer step, mean: no compiling, the steady-state cost
+  eval s       Trainer.evaluate(), wall clock: compiles the evaluation graph, then runs it
+  losses       the training loss of each optimizer step"""
 
 
 def run(name: str, base: LlamaForCausalLM, train: Dataset, evaluation: Dataset, args: argparse.Namespace,
@@ -150,10 +180,16 @@ def run(name: str, base: LlamaForCausalLM, train: Dataset, evaluation: Dataset, 
                               compute_metrics=accuracy)
     trainer.remove_callback(PrinterCallback)   # the per-step log lines; the summary table says it all
     trainer.measure_at = args.accumulation   # the first micro-step of the second optimizer step
-    start = time.perf_counter()
+    steps = StepTimes()
+    trainer.add_callback(steps)
     trainer.train()
+    evaluated = time.perf_counter()
     metrics = trainer.evaluate()
-    result = Result(name, seconds=time.perf_counter() - start, peak_bytes=trainer.peak_bytes,
+    times = steps.times
+    result = Result(name, peak_bytes=trainer.peak_bytes, train_seconds=evaluated - times[0],
+                    first_step_seconds=times[1] - times[0],
+                    later_step_seconds=(times[-1] - times[1]) / max(len(times) - 2, 1),
+                    eval_seconds=time.perf_counter() - evaluated,
                     counters=dict(torch._dynamo.utils.counters["chunkce"]))
     result.losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "step" in h][:args.steps]
     result.eval_loss, result.eval_accuracy = metrics["eval_loss"], metrics["eval_accuracy"]
@@ -182,11 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(name, base, train, evaluation, args, args.output_dir or tmp) for name in args.runs]
 
-    print(f"\n{'run':<20} {'s':>6} {'peak MiB':>9} {'eval loss':>10} {'eval acc':>9}  losses")
+    print(f"\n{'run':<20} {'peak MiB':>9} {'eval loss':>10} {'eval acc':>9} {'train s':>8} {'1st step s':>10} "
+          f"{'step s':>7} {'eval s':>7}  losses")
     for r in results:
         losses = " ".join(f"{loss:.4f}" for loss in r.losses)
-        print(f"{r.name:<20} {r.seconds:>6.1f} {r.peak_bytes / 2**20:>9.1f} {r.eval_loss:>10.4f} "
-              f"{r.eval_accuracy:>9.4f}  {losses}")
+        print(f"{r.name:<20} {r.peak_bytes / 2**20:>9.1f} {r.eval_loss:>10.4f} {r.eval_accuracy:>9.4f} "
+              f"{r.train_seconds:>8.1f} {r.first_step_seconds:>10.1f} {r.later_step_seconds:>7.2f} "
+              f"{r.eval_seconds:>7.1f}  {losses}")
+    print(COLUMNS)
     for r in results:
         if r.counters:
             print(f"{r.name}: counters {r.counters}")
