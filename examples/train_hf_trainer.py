@@ -218,12 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(name, base, train, evaluation, args, args.output_dir or tmp) for name in args.runs]
 
-    print(f"\n{'run':<20} {'peak MiB':>9} {'eval loss':>10} {'eval acc':>9} {'train s':>8} {'1st step s':>10} "
+    print(f"\n{'run':<20} {'peak MiB':>9} {'eval loss':>10} {'eval acc':>9} {'train s':>8} {'1st step s':>11} "
           f"{'step s':>7} {'eval s':>7}  losses")
     for r in results:
         losses = " ".join(f"{loss:.4f}" for loss in r.losses)
         print(f"{r.name:<20} {r.peak_bytes / 2**20:>9.1f} {r.eval_loss:>10.4f} {r.eval_accuracy:>9.4f} "
-              f"{r.train_seconds:>8.1f} {r.first_step_seconds:>10.1f} {r.later_step_seconds:>7.2f} "
+              f"{r.train_seconds:>8.1f} {r.first_step_seconds:>11.1f} {r.later_step_seconds:>7.2f} "
               f"{r.eval_seconds:>7.1f}  {losses}")
     print(COLUMNS)
     for r in results:

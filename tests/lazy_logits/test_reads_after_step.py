@@ -6,7 +6,8 @@ runs it on them; a statistic a read produced before (a logsumexp, an argmax, gat
 the same rows and indices) is served again, equal to what it read before; anything else raises
 :class:`StaleLogitsError`. Each case reads a ``LazyLogits`` over a toy linear head (:mod:`lazy_reads`)
 and compares against torch's reads of stock ``F.linear`` logits of the same leaves before the step.
-The issue's table is one case per row; then one case per kind of statistic read twice.
+The table below is one case per row (each read today, before: StaleLogitsError but the last two); then
+one case per kind of statistic read twice.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def computed(z):
     return z.compute()
 
 
-# the issue's table: (read before the step, read after it); every row is served now
+# (read before the step, read after it); every row is served
 TABLE = {
     "kept_values_then_argmax": (plus_zero, argmax),
     "kept_values_then_logsumexp": (plus_zero, logsumexp),
