@@ -183,9 +183,6 @@ class LazyLogits(torch.Tensor):
     def storage(self) -> Any:
         return self.compute().storage()
 
-    def _typed_storage(self) -> Any:
-        return self.compute()._typed_storage()
-
     def share_memory_(self) -> LazyLogits:
         raise RuntimeError("chunkce: share_memory_() needs a tensor that owns its storage, and LazyLogits computes "
                            "its values on first read: share logits.compute() (the values, a plain tensor) instead")
@@ -216,6 +213,13 @@ class LazyLogits(torch.Tensor):
             forms.break_rows(kwargs["out"])
             return kwargs["out"]
         return out
+
+
+def _computed_typed_storage(self: LazyLogits) -> Any:
+    return internals.typed_storage.read(self.compute())()
+
+
+internals.typed_storage.override(LazyLogits, _computed_typed_storage)
 
 
 class DroppedLogits(LazyLogits):

@@ -357,4 +357,4 @@ def _may_leave_thread() -> bool:
     active profiler (it sees this thread's ops and allocations only), Dynamo's compile lock (a walk
     thread's first kernel compiles under it)."""
     return (not in_walk_thread() and plain_context()
-            and not internals.profiler_enabled() and not internals.compile_lock.get()._is_owned())
+            and not internals.profiler_enabled() and not internals.compile_lock_owned())
