@@ -55,7 +55,7 @@ from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord,
 from compile_pass.graph.returned_logits import Fate, recipe_nodes, returned_chain, returned_head
 from compile_pass.graph.sites import Replay, Reshape, Site
 from compile_pass.graph.spellings.call import LossCall, SpellingKind
-from compile_pass.graph.stages import attempt, reached
+from compile_pass.graph.stages import reached, tolerant
 from compile_pass.lazy_logits.keys import holds
 from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.options import Options
@@ -107,8 +107,7 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         NotImplementedError: ``options.strict`` and a site is refused (the message has the reason).
     """
     order = {node: i for i, node in enumerate(sites[0].node.graph.nodes)} if sites else {}
-    plans = [attempt(options.strict, partial(_plan_site, site, order), partial(_unplanned, site),
-                     "could not plan the site %s; left it unfused", site.node.name) for site in sites]
+    plans = [_plan_site(site, order, strict=options.strict) for site in sites]
     refused = [plan for plan in plans if plan.action is Action.REFUSE]
     if options.strict and refused:
         record = refused[0].record
@@ -120,17 +119,19 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
     for logits in groups.values():
-        attempt(options.strict, partial(_plan_logits, logits, mode, in_subgraph),
-                lambda exc: None, "could not tell which rewritten sites' logits are kept; the graph is rewritten")
+        _plan_logits(logits, mode, in_subgraph, strict=options.strict)
         if take_out and logits.fate is Fate.LAZY:
-            attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,
-                    "could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
+            _plan_one_walk(logits, options, strict=options.strict)
         if not options.grads_in_forward:
-            attempt(options.strict, partial(_plan_fold, logits, order), lambda exc: None,
-                    "could not fold the row statistics into the loss's walk; each walks alone")
+            _plan_fold(logits, order, strict=options.strict)
     return plans, list(groups.values())
 
 
+def _unplanned(site: Site, order: dict[Node, int], exc: Exception) -> SitePlan:
+    return SitePlan(site, Action.REFUSE, failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
+
+
+@tolerant("could not plan the site {site.node.name}; left it unfused", fallback=_unplanned)
 def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
     reached("check", site)
     reason = guard.check(site, order)
@@ -150,10 +151,7 @@ def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
     return SitePlan(site, Action.REWRITE, record, replacement)
 
 
-def _unplanned(site: Site, exc: Exception) -> SitePlan:
-    return SitePlan(site, Action.REFUSE, failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
-
-
+@tolerant("could not tell which rewritten sites' logits are kept; the graph is rewritten")
 def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
     """Fill ``logits.fate``; a site without grad among them is left as stock when they are ``KEPT``."""
     reached("fate", logits.projection.node)
@@ -169,6 +167,7 @@ def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
     logits.fate, logits.droppable = fate, droppable
 
 
+@tolerant("could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
 def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
     """The first site without grad among ``logits.sites`` (``LAZY``) that can, replaced by one
     walk returning the row statistics of the returned logits (:mod:`compile_pass.graph.plan`)."""
@@ -183,6 +182,7 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
             return
 
 
+@tolerant("could not fold the row statistics into the loss's walk; each walks alone")
 def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
     """A loss site and row statistics (a z-loss's logsumexp, an entropy) of the same logits: the
     statistics read the loss's walk (``walk_of``), which walks every head row and returns them
@@ -277,6 +277,11 @@ def _saves_memory(site: Site) -> bool:
         return True
 
 
+def _none_returned(graph: Graph, options: Options, exc: Exception) -> list[LogitsPlan]:
+    return []
+
+
+@tolerant("could not tell whether the graph's returned logits can be lazy; they are computed", fallback=_none_returned)
 def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
     """The returned logits of ``graph`` (a top-level graph with no cross-entropy site: a forward
     without labels) to take out lazy: each projection to the vocabulary

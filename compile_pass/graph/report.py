@@ -32,7 +32,6 @@ import logging
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import partial
 
 from torch.fx import Graph, Node
 
@@ -40,7 +39,7 @@ import compile_pass.torch_internals as internals
 from compile_pass.graph import find
 from compile_pass.graph.refusals import Reason, fix_for
 from compile_pass.graph.returned_logits import Fate
-from compile_pass.graph.stages import attempt, reached
+from compile_pass.graph.stages import reached, tolerant
 from compile_pass.op.tiling import Tiles
 
 log = logging.getLogger(__name__)
@@ -263,9 +262,8 @@ _warned: set[tuple[str, str]] = set()  # (source, reason key) of every warning t
 def publish(report: PassReport, strict: bool = False) -> None:
     """Log each record (the module docstring says at which level), count it, and keep the
     report for :func:`last_report` if it has any site; a failure is logged, not raised, unless
-    ``strict`` (:func:`compile_pass.graph.stages.attempt`)."""
-    attempt(strict, partial(_publish, report), lambda exc: None,
-            "could not report the pass's decisions; the graph is rewritten")
+    ``strict`` (:func:`compile_pass.graph.stages.tolerant`)."""
+    _publish(report, strict=strict)
 
 
 def forget_warnings() -> None:
@@ -273,6 +271,7 @@ def forget_warnings() -> None:
     _warned.clear()
 
 
+@tolerant("could not report the pass's decisions; the graph is rewritten")
 def _publish(report: PassReport) -> None:
     global _latest
     reached("report", report)
