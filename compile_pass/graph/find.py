@@ -28,6 +28,8 @@ from compile_pass.graph import stages
 from compile_pass.graph.nodes import (
     CASTS,
     COPIES,
+    RESHAPES,
+    TOKEN_INDEXES,
     example_value,
     is_tensor_node,
     module_attr,
@@ -100,10 +102,7 @@ def _of_a_vocabulary(site: Site) -> bool:
 VOCAB_MIN = 1024  # below it the logits cost about what a hidden state does: little to lose
 
 # Ops on the logits that keep every logit as it is (shape, dtype or copy only).
-_SHAPE_DTYPE_ONLY = CASTS | COPIES | {
-    "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
-    "getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute",
-}
+_SHAPE_DTYPE_ONLY = CASTS | COPIES | RESHAPES | TOKEN_INDEXES
 _NORMALISERS = {"softmax", "log_softmax", "logsumexp", "_softmax", "_log_softmax"}  # over the vocab dim
 
 

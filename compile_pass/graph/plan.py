@@ -48,7 +48,7 @@ from torch.fx import Graph, Node
 
 from compile_pass.graph import find, guard
 from compile_pass.graph.guard import cast_chains, mutates
-from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
+from compile_pass.graph.nodes import CALLS, example_value, is_tensor_node, size_hint
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord, failed, module_of, source_of
@@ -58,7 +58,7 @@ from compile_pass.graph.spellings.call import LossCall, SpellingKind
 from compile_pass.graph.stages import reached, tolerant
 from compile_pass.lazy_logits.keys import holds
 from compile_pass.op.tiling import accumulate_dtype
-from compile_pass.options import Options
+from compile_pass.options import Options, ReturnedLogits
 
 log = logging.getLogger(__name__)
 
@@ -113,13 +113,13 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         record = refused[0].record
         raise NotImplementedError(f"chunkce: cannot rewrite the cross-entropy at {record.source}: {record.reason} "
                                   "(strict=True; pass strict=False to leave such sites unfused)")
-    mode = options.returned_logits if take_out else "keep"  # nothing leaves the graph: it computes them
+    returned = options.returned_logits if take_out else ReturnedLogits.KEEP  # nothing leaves: all computed
     groups: dict[Node, LogitsPlan] = {}
     for plan in plans:
         if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
     for logits in groups.values():
-        _plan_logits(logits, mode, in_subgraph, strict=options.strict)
+        _plan_logits(logits, returned, in_subgraph, strict=options.strict)
         if take_out and logits.fate is Fate.LAZY:
             _plan_one_walk(logits, options, strict=options.strict)
         if not options.grads_in_forward:
@@ -152,14 +152,14 @@ def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
 
 
 @tolerant("could not tell which rewritten sites' logits are kept; the graph is rewritten")
-def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
+def _plan_logits(logits: LogitsPlan, returned: ReturnedLogits, in_subgraph: bool) -> None:
     """Fill ``logits.fate``; a site without grad among them is left as stock when they are ``KEPT``."""
     reached("fate", logits.projection.node)
-    fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], mode, in_subgraph)
+    fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], returned, in_subgraph)
     left = [plan for plan in logits.sites if not _requires_grad(plan.site.node)] if fate is Fate.KEPT else []
     if left:
         logits.sites = [plan for plan in logits.sites if plan not in left]
-        fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], mode, in_subgraph)
+        fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], returned, in_subgraph)
     for plan in left:
         plan.action, plan.replacement = Action.LEAVE, None
         plan.record = dataclasses.replace(plan.record, decision=Decision.LEFT, reason=NO_GRAD_LOGITS_READ,
@@ -243,7 +243,7 @@ def _made_after(inputs: list[Node], first: int, order: dict[Node, int]) -> list[
         node = stack.pop()
         if order[node] < first or node in made:
             continue
-        if node.op not in ("call_function", "call_method") or mutates(node):
+        if node.op not in CALLS or mutates(node):
             return None
         made.add(node)
         stack.extend(node.all_input_nodes)
@@ -289,7 +289,7 @@ def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
     graph output reads, through the steps of :func:`compile_pass.graph.returned_logits.returned_chain`,
     under ``returned_logits="lazy"``, with more than one row per sequence (a decode step's
     ``[B, 1, V]`` stays computed: it is small, and the next token reads it at once)."""
-    if options.returned_logits != "lazy":
+    if options.returned_logits is not ReturnedLogits.LAZY:
         return []
     plans = []
     for found in find.unmatched_projections(graph, training=False):
@@ -327,9 +327,10 @@ def one_walk_replacement(site: Site, dead: set[Node],
     return partial(replacement, statistics_dtype=returned_dtype), head_rows
 
 
-def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[Fate, bool]:
+def logits_fate(projection: Projection, rewritten: list[Site], returned: ReturnedLogits,
+                in_subgraph: bool) -> tuple[Fate, bool]:
     """``(fate, droppable)`` of ``projection``'s logits after ``rewritten`` (the sites reading
-    them that will be rewritten) under ``returned_logits=mode``."""
+    them that will be rewritten) under ``returned_logits=returned``."""
     dead = dead_after(rewritten)
     if projection.node in dead:
         return Fate.GONE, False
@@ -337,9 +338,9 @@ def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_sub
     loss_parallel = projection.sharded is not None and projection.sharded.loss_parallel
     droppable = chain is not None and not in_subgraph and not loss_parallel
     (output,) = projection.node.graph.find_nodes(op="output")
-    if not droppable or mode not in ("lazy", "drop") or not isinstance(output.args[0], (tuple, list)):
+    if not droppable or returned is ReturnedLogits.KEEP or not isinstance(output.args[0], (tuple, list)):
         return Fate.KEPT, droppable
-    if mode == "drop" and example_value(chain[-1]).requires_grad:
+    if returned is ReturnedLogits.DROP and example_value(chain[-1]).requires_grad:
         return Fate.DROPPED, True
     return (Fate.LAZY if recipe_nodes(projection, chain) is not None else Fate.KEPT), True
 

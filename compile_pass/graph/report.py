@@ -37,7 +37,7 @@ from torch.fx import Graph, Node
 
 import compile_pass.torch_internals as internals
 from compile_pass.graph import find
-from compile_pass.graph.refusals import Reason, fix_for
+from compile_pass.graph.refusals import Reason, Refusal, fix_for
 from compile_pass.graph.returned_logits import Fate
 from compile_pass.graph.stages import reached, tolerant
 from compile_pass.op.tiling import Tiles
@@ -297,7 +297,7 @@ def _publish(report: PassReport) -> None:
             stats["sites_refused"] += 1
             stats[f"refused_{record.reason_key}"] += 1
             module = f" (module {record.module})" if record.module else ""
-            advice = SOFT_CAP_BY_DESIGN if record.reason_key == "soft_cap" else record.fix
+            advice = SOFT_CAP_BY_DESIGN if record.reason_key == Refusal.SOFT_CAP.key else record.fix
             level = _once(record.source, record.reason_key) if record.warns else logging.INFO
             log.log(level, "chunkce: left %s unfused%s: %s; %s",
                     record.source, module, record.reason, advice)
