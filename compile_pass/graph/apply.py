@@ -164,7 +164,7 @@ class Rewritten:
     # saves for backward and the logits' gradient), plus the forward logits and their
     # casts where nothing else needs them
     logits_bytes_avoided: int
-    tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.function.planned_tiles)
+    tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.loss.planned_tiles)
     statistics: tuple[Node, ...] = ()  # a replacement's row statistics beside the loss (graph/plan.py)
 
 

@@ -1,6 +1,6 @@
 """The guard: whether a matched site may be rewritten (None), or a :class:`Reason` why not.
 
-DroppedRecipe is normal: the site is left as it is. The rewrite must reproduce the captured graph
+Refusing is normal: the site is left as it is. The rewrite must reproduce the captured graph
 exactly, so everything between the projection and the loss has to be shape- or dtype-only or one
 scaling by a constant the op takes (:func:`compile_pass.graph.projection.read_scale`), the head
 a plain floating tensor, the dtypes the logits pass through (:func:`cast_chains`, which the
@@ -49,7 +49,7 @@ def check(site: Site, order: dict[Node, int]) -> Reason | None:
     """None when ``site`` may be rewritten, else why not.
 
     Args:
-        site: a site from :func:`compile_pass.graph.sites.find_sites`.
+        site: a site from :func:`compile_pass.graph.find.find_sites`.
         order: position of every node of the graph (to look between projection and loss).
     """
     if site.call is None:  # a site with no call to read stopped (call_module, internal_error)

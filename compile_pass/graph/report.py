@@ -77,7 +77,7 @@ class SiteRecord:
     decision: Decision
     reason: str  # why refused or left; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
     reason_key: str = ""
-    # a rewritten site's [n, Vb] tiles: what the op's own rule (op.chunking.resolve_tiles) gives
+    # a rewritten site's [n, Vb] tiles: what the op's own rule (op.tiling.resolve_tiles) gives
     # for the site's sizes (their hints where symbolic), options and environment at compile time
     tiles: Tiles | None = None
     logits_bytes_avoided: int = 0
@@ -137,8 +137,9 @@ class UnmatchedRecord:
 
 
 def unmatched(graph: Graph) -> list[UnmatchedRecord]:
-    """The records of ``graph``'s projections to the vocabulary but a decode step's (:func:`compile_pass.
-    graph.no_site.unmatched_projections`; the caller checks that the graph has no site and is a top-level graph).
+    """The records of ``graph``'s projections to the vocabulary but a decode step's
+    (:func:`compile_pass.graph.find.unmatched_projections`; the caller checks that the graph has no
+    site and is a top-level graph).
     Never raises: a graph it cannot read gives ``[]`` (logged at DEBUG)."""
     try:
         return [UnmatchedRecord(source_of(found.projection.node), module_of(found.projection.node), found.vocab,

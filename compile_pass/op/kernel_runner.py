@@ -41,7 +41,7 @@ _WALK_THREAD = threading.local()  # .active: this thread runs a walk's parts (ma
 
 
 def in_walk_thread() -> bool:
-    """Whether the calling thread runs a walk's parts (a :class:`compile_pass.op.loops.WalkThreads`
+    """Whether the calling thread runs a walk's parts (a :class:`WalkThreads`
     thread, or a caller running them itself): its kernels are the one-thread variants."""
     return getattr(_WALK_THREAD, "active", False)
 
