@@ -15,6 +15,7 @@ would have no form reads the values, as any other op does.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +55,13 @@ class Layout:
     device: torch.device
 
 
+class Lazy(abc.ABC):  # a type to ask isinstance of: nothing to implement
+    """The lazy tensors (:class:`compile_pass.lazy_logits.tensor.LazyLogits` registers itself), known
+    here without importing them."""
+
+
 def is_lazy(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and hasattr(value, "_copy_of")
+    return isinstance(value, Lazy)
 
 
 def on_meta(value: Any) -> Any:
@@ -106,10 +112,7 @@ def _copy(base: Any, func: Any, args: tuple, kwargs: dict, layout: Layout, stora
         return func(*[a.compute() if is_lazy(a) else a for a in args], **kwargs)
     counts = tuple(len(a._root()._edits) for a in operands)
     copy = type(base)(layout, copy_of=(func, args, kwargs, counts))
-    copy._copied_from = base._inputs()
-    copy._copied_from.copied(copy)
-    if storage is not None:
-        copy._storage = storage
+    copy.read_from(base._inputs(), storage)
     return copy
 
 
@@ -180,7 +183,7 @@ def edit(func: Any, args: tuple, kwargs: dict) -> Any:
     root = tensor._root()
     if kept and root._value is None:
         other = other.detach().clone() if isinstance(other, torch.Tensor) else other
-        root._edits.append((tensor, func, (other, *args[2:]), kwargs))
+        root.add_edit(tensor, func, (other, *args[2:]), kwargs)
         return tensor
     func(tensor.compute(), *args[1:], **kwargs)
     return tensor
