@@ -42,11 +42,9 @@ def chunkce_backend(
         opts = Options.from_mapping(options)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{exc} ({_WHEN_CHECKED})") from None
-    inner = opts.inner_backend
-    if inner != "inductor" and (opts.inductor_config or mode not in (None, "default")):
-        raise ValueError(
-            f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got inner_backend={inner!r}"
-        )
+    if not opts.inductor and (opts.inductor_config or mode not in (None, "default")):
+        raise ValueError(f"chunkce: mode / inductor_config apply to the Inductor inner backend only, got "
+                         f"inner_backend={opts.inner_backend!r}")
     dynamo_scope.install()  # for this thread's next frame: its set may predate the first use, or be new
     computed_where_input(example_inputs)  # a piece of DDP's split graph taking an earlier piece's lazy logits
     result = run_pass(gm.graph, opts, take_out=True, publish=False)
@@ -62,7 +60,7 @@ def _compile_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     """The rewritten graph compiled by the inner backend, under chunkce's cache key tag."""
     inner = opts.inner_backend
     with torch.compiler.config.patch(cache_key_tag=_cache_key_tag(opts)):
-        if inner == "inductor":
+        if opts.inductor:
             patches = dict(internals.list_mode_options(mode)) if mode not in (None, "default") else {}
             patches.update(opts.inductor_config)
             compiled = internals.compile_fx(gm, example_inputs, config_patches=patches or None)

@@ -10,12 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any
 
 from compile_pass.op.checks import check_bool, check_chunking
 
-_INNER_BACKENDS = ("inductor", "aot_eager", "eager")
-RETURNED_LOGITS = ("lazy", "keep", "drop")
+
+class ReturnedLogits(Enum):
+    """The option ``returned_logits``: what the step hands out for logits it need not compute
+    (what became of them is :class:`compile_pass.graph.returned_logits.Fate`)."""
+
+    LAZY = "lazy"  # a LazyLogits, computed when read
+    KEEP = "keep"  # computed in the step
+    DROP = "drop"  # a DroppedLogits
+
+
+class InnerBackend(Enum):
+    """The Dynamo backends chunkce names for compiling the rewritten graph (any other name or a
+    callable is taken too)."""
+
+    INDUCTOR = "inductor"
+    AOT_EAGER = "aot_eager"
+    EAGER = "eager"
 
 
 @dataclass(frozen=True)
@@ -32,7 +48,8 @@ class Options:
         inner_backend: what compiles the rewritten graph: a Dynamo backend name or callable.
         inductor_config: Inductor config patches, for the Inductor inner backend.
         returned_logits: backend only: logits that fed a rewritten loss and that only the graph's
-            output reads are ``"lazy"`` (the default; None means it): a
+            output reads are ``"lazy"`` (the default; None means it; a :class:`ReturnedLogits`
+            or its value): a
             :class:`compile_pass.LazyLogits` that computes them when read; ``"keep"``: computed
             in the step; ``"drop"``: a :class:`compile_pass.DroppedLogits` (docs/models.md).
 
@@ -44,25 +61,21 @@ class Options:
     strict: bool = False
     inner_backend: str | Callable[..., Any] = "inductor"
     inductor_config: Mapping[str, Any] = field(default_factory=dict)
-    returned_logits: str | None = "lazy"
+    returned_logits: ReturnedLogits | str | None = ReturnedLogits.LAZY  # a ReturnedLogits once made
     chunk_bytes: int | None = None
     grads_in_forward: bool = False
 
     def __post_init__(self) -> None:
         check_chunking(self.chunk_size, self.chunk_bytes, self.grads_in_forward, where="chunkce", prefix="option ")
         check_bool("option strict", self.strict, where="chunkce")
-        if self.returned_logits is None:
-            object.__setattr__(self, "returned_logits", "lazy")  # one spelling: equal options, one cache key
-        if self.returned_logits not in RETURNED_LOGITS:
-            raise ValueError(f"chunkce: expected option returned_logits to be one of "
-                             f"{', '.join(map(repr, RETURNED_LOGITS))}, got {self.returned_logits!r}")
+        object.__setattr__(self, "returned_logits", _returned_logits(self.returned_logits))
         if self.inner_backend == "chunkce":
             raise ValueError("chunkce: expected option inner_backend to be another backend, got 'chunkce' itself; "
                              "use 'inductor', 'aot_eager' or 'eager'")
         if not (isinstance(self.inner_backend, str) or callable(self.inner_backend)):
             raise TypeError(
                 "chunkce: expected option inner_backend to be a backend name "
-                f"(e.g. {', '.join(_INNER_BACKENDS)}) or a callable, got {type(self.inner_backend).__name__}"
+                f"(e.g. {', '.join(b.value for b in InnerBackend)}) or a callable, got {type(self.inner_backend).__name__}"
             )
         if not isinstance(self.inductor_config, Mapping):
             raise TypeError(
@@ -96,6 +109,11 @@ class Options:
         return ";".join(f"{f.name}={_key_text(getattr(self, f.name))}" for f in fields(self))
 
     @property
+    def inductor(self) -> bool:
+        """Whether Inductor compiles the rewritten graph."""
+        return self.inner_backend == InnerBackend.INDUCTOR.value
+
+    @property
     def tiles(self) -> tuple[int | None, int | None]:
         """``(chunk_size, chunk_bytes)``: the tiles the op walks, as lazy logits' fused reads take them."""
         return self.chunk_size, self.chunk_bytes
@@ -106,7 +124,22 @@ class Options:
         return {"chunk_size": self.chunk_size, "chunk_bytes": self.chunk_bytes}
 
 
+def _returned_logits(value: ReturnedLogits | str | None) -> ReturnedLogits:
+    """The option as a :class:`ReturnedLogits` (None: ``LAZY``, one spelling: equal options, one cache key)."""
+    if value is None:
+        return ReturnedLogits.LAZY
+    if isinstance(value, ReturnedLogits):
+        return value
+    try:
+        return ReturnedLogits(value)
+    except ValueError:
+        raise ValueError(f"chunkce: expected option returned_logits to be one of "
+                         f"{', '.join(repr(r.value) for r in ReturnedLogits)}, got {value!r}") from None
+
+
 def _key_text(value: Any) -> str:
+    if isinstance(value, Enum):
+        return repr(value.value)
     if isinstance(value, Mapping):
         return "{" + ",".join(f"{k}={value[k]!r}" for k in sorted(value)) + "}"
     if callable(value) and not isinstance(value, str):

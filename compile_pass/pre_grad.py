@@ -15,7 +15,7 @@ import torch
 import compile_pass.torch_internals as internals
 from compile_pass import cache_key
 from compile_pass.graph.pipeline import run_pass
-from compile_pass.options import Options
+from compile_pass.options import Options, ReturnedLogits
 
 
 class ChunkcePreGradPass(internals.custom_graph_pass.get()):
@@ -29,11 +29,11 @@ class ChunkcePreGradPass(internals.custom_graph_pass.get()):
 
     def __init__(self, options: Mapping[str, Any] | Options | None = None) -> None:
         options = Options.from_mapping(options)
-        if options.returned_logits == "drop":
+        if options.returned_logits is ReturnedLogits.DROP:
             raise ValueError("chunkce: returned_logits='drop' needs the chunkce backend "
                              "(torch.compile(model, backend='chunkce', options=...)); the pre-grad pass cannot "
                              "drop logits")
-        self.options = dataclasses.replace(options, returned_logits="keep")
+        self.options = dataclasses.replace(options, returned_logits=ReturnedLogits.KEEP)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         run_pass(graph, self.options, subgraphs=False)  # Inductor visits each subgraph itself

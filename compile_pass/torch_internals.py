@@ -95,6 +95,12 @@ class PrivateAttribute:
             raise _missing(f"{self.owner}.{self.name}")
         return getattr(obj, self.name, None)
 
+    def override(self, cls: type, function: Any) -> None:
+        """``cls.<name> = function``: a subclass's own version of the private method (checked declared first)."""
+        if not _declared(self):
+            raise _missing(f"{self.owner}.{self.name}")
+        setattr(cls, self.name, function)
+
     def declared(self) -> bool:
         """Whether the owner class declares it (an attribute, annotation or ``self.<name>`` assignment)."""
         owner = _resolve(self.owner)
@@ -129,6 +135,8 @@ input_codes = Private("torch._dynamo.convert_frame:input_codes", "the code objec
                       "clean-up)", "torch.compiler.reset() drops every backend's", kind=PrivateKind.OBJECT)
 compile_lock = Private("torch._dynamo.convert_frame:compile_lock", "held while explain drops its caches",
                        kind=PrivateKind.OBJECT)
+compile_lock_owned = Private("torch._dynamo.convert_frame:compile_lock._is_owned", "whether this thread holds "
+                             "Dynamo's compile lock (a walk then stays on it)")
 cached_backends = Private("torch._dynamo.eval_frame:cached_backends", "Dynamo's reference to explain's "
                           "backend", "torch.compiler.reset() drops every backend's", kind=PrivateKind.MAPPING)
 cache_entry_list = Private("torch._dynamo.eval_frame:_debug_get_cache_entry_list",
@@ -195,6 +203,18 @@ has_internal_overlap = Private("torch:_debug_has_internal_overlap", "an in-place
 assert_async = Private("torch:_assert_async", "the op's target range check without a host sync")
 overload_schema = PrivateAttribute("_schema", "torch._ops:OpOverload", "whether an op writes its first argument")
 version = PrivateAttribute("_version", "torch:Tensor", "a tensor's version counter (lazy logits' staleness)")
+typed_storage = PrivateAttribute("_typed_storage", "torch:Tensor", "LazyLogits' storage as torch's own reads take "
+                                 "it (torch.save): the computed values'", "Tensor.untyped_storage()")
+
+# --- aten's private overloads: ops LazyLogits sees below autograd -------------------------------
+aten_to_copy = Private("torch:ops.aten._to_copy.default", "a dtype / device cast of LazyLogits (a lazy copy)",
+                       "Tensor.to, which dispatches to it", kind=PrivateKind.OBJECT)
+aten_unsafe_view = Private("torch:ops.aten._unsafe_view.default", "a reshape of LazyLogits (a lazy view)",
+                           "Tensor.reshape, which dispatches to it", kind=PrivateKind.OBJECT)
+aten_log_softmax = Private("torch:ops.aten._log_softmax.default", "log_softmax of LazyLogits (a derived form)",
+                           "F.log_softmax, which dispatches to it", kind=PrivateKind.OBJECT)
+aten_softmax = Private("torch:ops.aten._softmax.default", "softmax of LazyLogits (a derived form)",
+                       "F.softmax, which dispatches to it", kind=PrivateKind.OBJECT)
 
 # --- graph targets: what Dynamo records for nn.Linear and the losses ---------------------------
 nn_linear = Private("torch._C._nn:linear", "nn.Linear's call in a Dynamo graph", "F.linear (also matched)")

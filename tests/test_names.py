@@ -100,3 +100,95 @@ def test_no_name_has_two_meanings():
         if not all(_same_meaning(value, values[0]) for value in values[1:]):
             clashes[name] = modules
     assert clashes == {}, f"names defined with two meanings (rename one): {clashes}"
+
+
+# Strings that are torch's or Python's own vocabulary, compared where chunkce reads them: an FX
+# node's op, target and arguments, an op's or a function's name, a device type, torch's loss
+# reduction, torch.compile's mode, a Dynamo backend's registered name, Inductor's cpu_backend,
+# DDP's optimize mode, a byte unit.
+_EXTERNAL_STRINGS = {"op", "target", "args", "name", "tensor_op_name", "op_name", "getattr", "type", "device_type",
+                     "reduction", "mode", "inner_backend", "cpu_backend", "get_optimize_ddp_mode", "unit"}
+
+
+def _operand_name(node: ast.AST) -> str | None:
+    """The name an operand ends in: ``x`` of ``a.b.x``, ``f`` of ``f(...)`` / ``a.f(...)``, of a subscript its base's."""
+    while isinstance(node, (ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def _strings(node: ast.AST) -> bool:
+    """Whether ``node`` is a string literal, or a tuple / list / set of them (None among them allowed)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    constants = [item for item in items if isinstance(item, ast.Constant) and item.value is not None]
+    return bool(items) and all(isinstance(item, ast.Constant) for item in items) and bool(constants) and all(
+        isinstance(item.value, str) for item in constants)
+
+
+def inline_string_states(tree: ast.Module) -> list[str]:
+    """``x == "a"``, ``x != "a"``, ``x in ("a", "b")``: a string literal compared with a value
+    of chunkce's own (not one of :data:`_EXTERNAL_STRINGS`), as ``line: name``."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare) or not any(
+                isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            continue
+        operands = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, operands, operands[1:]):
+            # ``"out" in kwargs`` asks for a key: only ``value in ("a", "b")`` compares a state
+            pairs = [(left, right)] if isinstance(op, (ast.In, ast.NotIn)) else [(left, right), (right, left)]
+            for value, literal in pairs:
+                name = _operand_name(value)
+                if _strings(literal) and not _strings(value) and name not in _EXTERNAL_STRINGS:
+                    found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_the_check_sees_inline_string_states():
+    tree = ast.parse('if options.returned_logits != "lazy" or mode in ("lazy", "drop") or inner == "inductor":\n'
+                     '    pass\nif record.reason_key == "soft_cap" or node.op in ("call_function", "call_method"):\n'
+                     '    pass\nif reduction == "sum" or mode not in (None, "default"):\n    pass\n')
+    assert inline_string_states(tree) == ["1: returned_logits", "1: inner", "3: reason_key"]
+
+
+def test_no_string_literal_is_compared_as_a_state():
+    found = {module: names for module, tree in _modules().items() if (names := inline_string_states(tree))}
+    assert found == {}, f"string literals compared as states (make them an Enum's members): {found}"
+
+
+def _tables(module: str, tree: ast.Module) -> list[tuple[frozenset, str, int | None]]:
+    """The tables ``module`` writes: its top-level tuples, lists, sets and dicts of at least two
+    entries (their entries, a dict's keys), and the literal tuples / sets of strings it compares with."""
+    tables, value = [], importlib.import_module(module)
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            table = getattr(value, target.id, None) if isinstance(target, ast.Name) else None
+            if isinstance(table, (tuple, list, set, frozenset, dict)) and len(table) >= 2:
+                try:
+                    tables.append((frozenset(table), f"{module}.{target.id}", id(table)))
+                except TypeError:  # entries that do not hash: not a table of names
+                    pass
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for operand in (node.left, *node.comparators):
+                if isinstance(operand, (ast.Tuple, ast.Set, ast.List)) and len(operand.elts) >= 2 and all(
+                        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in operand.elts):
+                    tables.append((frozenset(e.value for e in operand.elts), f"{module}:{operand.lineno}", None))
+    return tables
+
+
+def test_no_table_is_written_twice():
+    """A table (the same entries, in any order, under any name) is written once and imported
+    where else it is read: the reduction tuple, the softmax functions, the shape-only ops."""
+    where = defaultdict(list)
+    seen_objects = set()
+    for module, tree in _modules().items():
+        for entries, name, obj in _tables(module, tree):
+            if obj is not None:  # a named table imported elsewhere is the same object: counted once
+                if obj in seen_objects:
+                    continue
+                seen_objects.add(obj)
+            where[entries].append(name)
+    twice = {tuple(sorted(map(str, entries)))[:4]: names for entries, names in where.items() if len(names) > 1}
+    assert twice == {}, f"tables written twice (define one where the lowest layer needs it, import it): {twice}"

@@ -54,51 +54,75 @@ def _private(parts: list[str]) -> bool:
 
 
 def _chain(node: ast.AST) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; through calls and subscripts (``a.get()._b`` is ``["a", "get", "_b"]``)."""
     parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        else:
+            node = node.func if isinstance(node, ast.Call) else node.value
     return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
 
 
 def private_torch_names(source: str) -> list[str]:
     """The private torch names ``source`` reaches: imports of a private module or name, attribute
-    chains through a private name from a name bound to torch, and the private attribute names
-    declared in torch_internals (as attributes or as strings). torch.ops.aten's ops (the core ATen IR's names) are public."""
+    chains through a private name from a name bound to torch or to torch_internals (through calls:
+    ``internals.compile_lock.get()._is_owned``; through a module's name assigned such a chain:
+    ``_aten = torch.ops.aten``), aten's private overloads (``torch.ops.aten._to_copy``), the
+    private attribute names declared in torch_internals (as attributes, as strings or as a method
+    a class defines over torch's). aten's public ops (the core ATen IR's names) are public."""
     tree = ast.parse(source)
     found, torch_names = [], set()
     declared = {e.name for e in internals.ENTRIES.values() if isinstance(e, internals.PrivateAttribute)}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] == "torch":
-                    torch_names.add(alias.asname or "torch")
+                if alias.name.split(".")[0] == "torch" or alias.name == "compile_pass.torch_internals":
+                    torch_names.add(alias.asname or alias.name.split(".")[0])
                     if _private(alias.name.split(".")):
                         found.append(f"import {alias.name}")
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+        elif isinstance(node, ast.ImportFrom) and ((node.module or "").split(".")[0] == "torch"
+                                                   or [node.module, node.names[0].name] == ["compile_pass",
+                                                                                           "torch_internals"]):
             for alias in node.names:
                 torch_names.add(alias.asname or alias.name)
                 if _private([*node.module.split("."), alias.name]):
                     found.append(f"from {node.module} import {alias.name}")
+    for node in tree.body:  # a module's name bound to a chain from torch is torch's too (``_aten = torch.ops.aten``)
+        if isinstance(node, ast.Assign) and (chain := _chain(node.value)) and chain[0] in torch_names:
+            torch_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
     parents = {id(child) for node in ast.walk(tree) if isinstance(node, ast.Attribute) for child in [node.value]}
     for node in ast.walk(tree):
         chain = _chain(node) if isinstance(node, ast.Attribute) and id(node) not in parents else None
-        if chain and chain[0] in torch_names and _private(chain[1:]) and chain[1:3] != ["ops", "aten"]:
+        if chain and chain[0] in torch_names and _private(chain[1:]):
             found.append(".".join(chain))
         elif isinstance(node, ast.Attribute) and node.attr in declared:
             found.append(f".{node.attr}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in declared:
             found.append(repr(node.value))  # getattr(obj, "_name")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in declared:
+            found.append(f"def {node.name}")  # a method over torch's private one
     return found
 
 
 def test_the_scan_sees_each_way_of_reaching_a_private_name():
     source = ("import torch\nimport torch._dynamo\nfrom torch.utils._pytree import tree_map\n"
               "from torch._C import _nn\nx = torch._C._nn.linear\ny = torch.ops.aten._to_copy\n"
-              "z = t._version\nw = getattr(p, '_unsharded_param', None)\nv = torch.nn.functional.linear\n")
+              "z = t._version\nw = getattr(p, '_unsharded_param', None)\nv = torch.nn.functional.linear\n"
+              "u = torch.ops.aten.view.default\n")
     assert private_torch_names(source) == [
         "import torch._dynamo", "from torch.utils._pytree import tree_map", "from torch._C import _nn",
-        "torch._C._nn.linear", "._version", "'_unsharded_param'"]
+        "torch._C._nn.linear", "torch.ops.aten._to_copy", "._version", "'_unsharded_param'"]
+
+
+def test_the_scan_sees_aliases_calls_lock_internals_and_overridden_methods():
+    source = ("import torch\nimport compile_pass.torch_internals as internals\n_aten = torch.ops.aten\n"
+              "a = _aten._softmax.default\nb = _aten.softmax.default\nc = internals.compile_lock.get()._is_owned()\n"
+              "d = internals.compile_lock.get().acquire()\nclass T(torch.Tensor):\n"
+              "    def _typed_storage(self):\n        return self._value\n")
+    assert sorted(private_torch_names(source)) == sorted([
+        "_aten._softmax.default", "internals.compile_lock.get._is_owned", "def _typed_storage"])
 
 
 def test_no_module_but_torch_internals_reaches_a_private_torch_name():

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ from compile_pass.graph.returned_logits import Fate
 from compile_pass.graph.returned_logits import take_out as take_out_logits
 from compile_pass.graph.sites import Replay, Reshape, Site, StepKind
 from compile_pass.graph.spellings.call import LossCall
-from compile_pass.graph.stages import attempt, reached
+from compile_pass.graph.stages import reached, tolerant
 from compile_pass.op.grads_in_forward import grads_wanted
 from compile_pass.op.kernels import HeadTransform
 from compile_pass.op.loss import planned_tiles
@@ -77,8 +76,7 @@ def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Option
     # a loss before the row statistics folded into its walk (plan.py, _plan_fold), which read its nodes
     for plan in sorted(plans, key=lambda plan: plan.walk_of is not None):
         if plan.action is Action.REWRITE:
-            plan.record = attempt(options.strict, partial(_rewrite, plan, options), partial(_failed, plan),
-                                  "rewriting %s failed; left it unfused", plan.site.node.format_node())
+            plan.record = _rewrite(plan, options, strict=options.strict)
     for group in logits:
         done = [plan for plan in group.sites if plan.record.decision is Decision.REWRITTEN]
         # a failed rewrite's loss still reads the logits
@@ -86,9 +84,7 @@ def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Option
         saved = None
         statistics = next((plan.statistics for plan in done if plan.statistics and plan.serves_reads), ())
         if fate in (Fate.LAZY, Fate.DROPPED) and take_out:
-            saved = attempt(options.strict, partial(_take_out, group, fate, options, statistics), lambda exc: None,
-                            "taking the returned logits of %s out of the graph failed; the step computes them",
-                            group.projection.node.format_node())
+            saved = _take_out(group, fate, options, statistics, strict=options.strict)
         if fate in (Fate.LAZY, Fate.DROPPED) and saved is None:
             fate = Fate.KEPT
         _note(done, fate, droppable, saved or 0)
@@ -103,14 +99,19 @@ def take_out_returned(logits: list[LogitsPlan], options: Options) -> list[Return
         node = group.projection.node
         source, module = source_of(node), module_of(node)
         vocab = size_hint(example_value(node).shape[-1])
-        saved = attempt(options.strict, partial(_take_out, group, Fate.LAZY, options), lambda exc: None,
-                        "taking the returned logits of %s out of the graph failed; the step computes them",
-                        node.format_node())
+        saved = _take_out(group, Fate.LAZY, options, strict=options.strict)
         if saved is not None:
             records.append(ReturnedRecord(source, module, vocab, saved))
     return records
 
 
+def _failed(plan: SitePlan, options: Options, exc: Exception) -> SiteRecord:
+    reason = guard.internal_error(f"{type(exc).__name__}: {exc}")
+    return dataclasses.replace(plan.record, decision=Decision.REFUSED, reason=str(reason), reason_key=reason.key,
+                               fix=reason.fix, tiles=None)
+
+
+@tolerant("rewriting {plan.site.node} failed; left it unfused", fallback=_failed)
 def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
     graph = plan.site.node.graph
     with Edit(graph) as edit:
@@ -127,12 +128,7 @@ def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
                                folded=walked is not None)
 
 
-def _failed(plan: SitePlan, exc: Exception) -> SiteRecord:
-    reason = guard.internal_error(f"{type(exc).__name__}: {exc}")
-    return dataclasses.replace(plan.record, decision=Decision.REFUSED, reason=str(reason), reason_key=reason.key,
-                               fix=reason.fix, tiles=None)
-
-
+@tolerant("taking the returned logits of {group.projection.node} out of the graph failed; the step computes them")
 def _take_out(group: LogitsPlan, fate: Fate, options: Options, statistics: tuple = ()) -> int:
     graph = group.projection.node.graph
     with Edit(graph) as edit:
@@ -168,7 +164,7 @@ class Rewritten:
     # saves for backward and the logits' gradient), plus the forward logits and their
     # casts where nothing else needs them
     logits_bytes_avoided: int
-    tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.function.planned_tiles)
+    tiles: Tiles  # the op's [n, Vb] tiles at the traced sizes (op.loss.planned_tiles)
     statistics: tuple[Node, ...] = ()  # a replacement's row statistics beside the loss (graph/plan.py)
 
 

@@ -20,7 +20,6 @@ dim (``softmax``, ``log_softmax``, ``logsumexp``). What is flagged: docs/api.md,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch.fx import Graph, Node
@@ -29,6 +28,8 @@ from compile_pass.graph import stages
 from compile_pass.graph.nodes import (
     CASTS,
     COPIES,
+    RESHAPES,
+    TOKEN_INDEXES,
     example_value,
     is_tensor_node,
     module_attr,
@@ -44,9 +45,15 @@ from compile_pass.graph.spellings.call import SpellingKind
 from compile_pass.lazy_logits.keys import is_last_dim
 
 
-def find_sites(graph: Graph, in_subgraph: bool = False, strict: bool = False) -> list[Site]:
+def _unread_graph(graph: Graph, in_subgraph: bool, exc: Exception) -> Exception:
+    return exc
+
+
+@stages.tolerant("could not read the graph's cross-entropy sites; left it unchanged", fallback=_unread_graph)
+def find_sites(graph: Graph, in_subgraph: bool = False, *, strict: bool) -> list[Site]:
     """Every node of ``graph`` a spelling reads, in graph order, matched back to its projection;
-    a node that fails to read is a site stopped as ``INTERNAL_ERROR`` (unless ``strict``).
+    a node that fails to read is a site stopped as ``INTERNAL_ERROR`` (unless ``strict``); the
+    exception where the graph cannot be read (called with ``strict=``: :func:`compile_pass.graph.stages.tolerant`).
 
     ``in_subgraph``: ``graph`` is a higher-order op's body, whose inputs come from the
     enclosing graph (a loss on such an input is ``subgraph_input``, not a graph break).
@@ -58,8 +65,7 @@ def find_sites(graph: Graph, in_subgraph: bool = False, strict: bool = False) ->
             if isinstance(module_attr(graph, node.target), torch.nn.CrossEntropyLoss):
                 sites.append(Site(node, None, stop=node, stop_kind=Refusal.CALL_MODULE))
             continue
-        site = stages.attempt(strict, partial(_read, node, in_subgraph), partial(_unreadable, node),
-                              "could not read %s; left it unfused", node.name)
+        site = _read(node, in_subgraph, strict=strict)
         if site is not None:
             sites.append(site)
     losses = {site.projection.node for site in sites if site.projection is not None and site.call is not None
@@ -68,6 +74,11 @@ def find_sites(graph: Graph, in_subgraph: bool = False, strict: bool = False) ->
             or site.projection.node in losses]
 
 
+def _unreadable(node: Node, in_subgraph: bool, exc: Exception) -> Site:
+    return Site(node, None, stop=node, stop_kind=Refusal.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}")
+
+
+@stages.tolerant("could not read {node.name}; left it unfused", fallback=_unreadable)
 def _read(node: Node, in_subgraph: bool) -> Site | None:
     call = read_call(node)
     if call is None:
@@ -88,17 +99,10 @@ def _of_a_vocabulary(site: Site) -> bool:
     return is_vocabulary(size_hint(logits.shape[-1]), hidden_size)
 
 
-def _unreadable(node: Node, exc: Exception) -> Site:
-    return Site(node, None, stop=node, stop_kind=Refusal.INTERNAL_ERROR, error=f"{type(exc).__name__}: {exc}")
-
-
 VOCAB_MIN = 1024  # below it the logits cost about what a hidden state does: little to lose
 
 # Ops on the logits that keep every logit as it is (shape, dtype or copy only).
-_SHAPE_DTYPE_ONLY = CASTS | COPIES | {
-    "view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as",
-    "getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute",
-}
+_SHAPE_DTYPE_ONLY = CASTS | COPIES | RESHAPES | TOKEN_INDEXES
 _NORMALISERS = {"softmax", "log_softmax", "logsumexp", "_softmax", "_log_softmax"}  # over the vocab dim
 
 

@@ -1,6 +1,6 @@
 """The guard: whether a matched site may be rewritten (None), or a :class:`Reason` why not.
 
-DroppedRecipe is normal: the site is left as it is. The rewrite must reproduce the captured graph
+Refusing is normal: the site is left as it is. The rewrite must reproduce the captured graph
 exactly, so everything between the projection and the loss has to be shape- or dtype-only or one
 scaling by a constant the op takes (:func:`compile_pass.graph.projection.read_scale`), the head
 a plain floating tensor, the dtypes the logits pass through (:func:`cast_chains`, which the
@@ -22,18 +22,16 @@ import torch
 from torch.fx import Node
 
 import compile_pass.torch_internals as internals
-from compile_pass.graph.nodes import example_value, is_tensor_node, op_name
+from compile_pass.graph.nodes import CALLS, example_value, is_tensor_node, op_name
 from compile_pass.graph.projection import as_projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.sites import Site, StepKind
 from compile_pass.graph.spellings.call import LossCall
 from compile_pass.graph.tensor_parallel import local_value, loss_parallel_problem
+from compile_pass.lazy_logits.keys import holds
+from compile_pass.op.checks import LOSS_REDUCTIONS
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LOSSLESS = {  # widening casts: every value of the first dtype is exact in the second
-    (torch.float16, torch.float32), (torch.float16, torch.float64), (torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.float64), (torch.float32, torch.float64),
-}
 _INPLACE_OPERATORS = {
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
     operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor, operator.setitem,
@@ -51,7 +49,7 @@ def check(site: Site, order: dict[Node, int]) -> Reason | None:
     """None when ``site`` may be rewritten, else why not.
 
     Args:
-        site: a site from :func:`compile_pass.graph.sites.find_sites`.
+        site: a site from :func:`compile_pass.graph.find.find_sites`.
         order: position of every node of the graph (to look between projection and loss).
     """
     if site.call is None:  # a site with no call to read stopped (call_module, internal_error)
@@ -82,7 +80,7 @@ def _check_call(site: Site) -> Reason | None:
     if call.class_dim == 1 and is_tensor_node(call.input) and target.dim() != example_value(call.input).dim() - 1:
         return Reason(Refusal.TARGET, detail=f"class-index target of shape {tuple(target.shape)} for logits of "
                                              f"shape {tuple(example_value(call.input).shape)}")
-    if call.reduction not in ("mean", "sum", "none"):
+    if call.reduction not in LOSS_REDUCTIONS:
         return Reason(Refusal.ARGUMENT, what=f"reduction {call.reduction!r}",
                       expected="a constant 'mean', 'sum' or 'none'")
     if isinstance(call.ignore_index, bool) or not isinstance(call.ignore_index, int):
@@ -94,7 +92,7 @@ def _check_call(site: Site) -> Reason | None:
             return Reason(Refusal.ARGUMENT, what="class weight", expected="a tensor computed in this graph")
         problem = _not_plain_floating(example_value(call.weight))
         if problem:
-            return Reason(Refusal.CLASS_WEIGHT, problem=problem)
+            return Reason(Refusal.CLASS_WEIGHT, problem=problem[1])
     return None
 
 
@@ -116,14 +114,16 @@ def stop_reason(site: Site) -> Reason | None:
     return Reason(kind, **fields)
 
 
-def _not_plain_floating(t: torch.Tensor) -> str | None:
+def _not_plain_floating(t: torch.Tensor) -> tuple[Refusal, str] | None:
+    """What is wrong with ``t`` for the op (its kind, ``SUBCLASS`` or ``WEIGHT_DTYPE``, and its
+    words), None: a plain floating tensor."""
     if internals.is_traceable_wrapper_subclass(t) or not (type(t) in (torch.Tensor, torch.nn.Parameter)
                                                           or internals.is_fake(t)):
         name = type(t).__name__
         what = ": a sharded (FSDP2 outside its unit's forward) or tensor parallel weight" if name == "DTensor" else ""
-        return f"a tensor subclass ({name}{what})"
+        return Refusal.SUBCLASS, f"a tensor subclass ({name}{what})"
     if t.dtype not in _PLAIN_FLOATS:
-        return f"of dtype {t.dtype}, not a plain floating dtype"
+        return Refusal.WEIGHT_DTYPE, f"of dtype {t.dtype}, not a plain floating dtype"
     return None
 
 
@@ -144,18 +144,18 @@ def _check_projection(site: Site) -> Reason | None:
         value = example_value(node)
         problem = _not_plain_floating(local_value(value) if projection.sharded is not None else value)
         if problem:
-            kind = Refusal.WEIGHT_DTYPE if "dtype" in problem else Refusal.SUBCLASS
-            return Reason(kind, role=role, problem=problem)
+            kind, words = problem
+            return Reason(kind, role=role, problem=words)
     return None
 
 
 def _check_casts(site: Site) -> Reason | None:
     """Each chain of casts the op collapses into one (to the scaling's dtype, then to the
-    loss's: ``dtype_chains.cast_chains``) passes only through widening intermediate dtypes."""
+    loss's: :func:`cast_chains`) passes only through widening intermediate dtypes."""
     chains = cast_chains(site)
     for position, dtypes in enumerate(chains):
         for before, after in zip(dtypes, dtypes[1:-1]):
-            if (before, after) not in _LOSSLESS:
+            if not holds(after, before):  # a narrowing cast on the way
                 chain = " -> ".join(str(d).removeprefix("torch.") for d in dtypes)
                 where = "" if len(chains) == 1 else (" before the scaling", " after the scaling")[position]
                 return Reason(Refusal.LOSSY_CAST, chain=chain, where=where)
@@ -201,7 +201,7 @@ def _check_between(site: Site, order: dict[Node, int]) -> Reason | None:
 def _storage(node: Node) -> Node:
     """The node whose memory ``node`` views (itself when it is no view of another node; an
     in-place op's result is its input)."""
-    while node.op in ("call_method", "call_function") and (op_name(node) in _VIEWS or mutates(node)) \
+    while node.op in CALLS and (op_name(node) in _VIEWS or mutates(node)) \
             and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
     return node

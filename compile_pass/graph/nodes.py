@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.node import map_arg
@@ -35,6 +36,15 @@ _TORCH_FUNCTIONS = {
 # device: checked where read) or copy them; the matcher passes them, the logits drop looks through them.
 CASTS = {"float", "half", "bfloat16", "double", "to", "type", "type_as"}
 COPIES = {"contiguous", "clone"}
+# Ops that only change shape (row-major, vocab dim kept last); ops that select or reorder token dims.
+RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
+TRANSPOSES = {"transpose", "swapaxes", "swapdims"}
+TOKEN_INDEXES = {"getitem", "narrow", "select", "permute", *TRANSPOSES}
+CALLS = ("call_function", "call_method")  # the node ops that call a function or a tensor method
+# The functions a graph calls for these (each spelling of it)
+MULTIPLY = (operator.mul, torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply)
+SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
+LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, torch.Tensor.log_softmax)
 # Metadata an inserted node inherits from the node it replaces (source line, module path).
 _INHERITED_META = ("stack_trace", "nn_module_stack")
 

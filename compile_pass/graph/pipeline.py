@@ -10,7 +10,6 @@ nothing; applying (:mod:`compile_pass.graph.apply`) edits each site all or nothi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 from torch.fx import Graph, GraphModule
 
@@ -22,7 +21,6 @@ from compile_pass.graph.plan import plan_returned, plan_sites
 from compile_pass.graph.report import PassReport, SiteRecord, failed, unmatched
 from compile_pass.graph.report import publish as publish_report
 from compile_pass.graph.returned_logits import add_outputs
-from compile_pass.graph.stages import attempt
 from compile_pass.lazy_logits import LazyOutputs
 from compile_pass.op.tiling import settings
 from compile_pass.options import Options
@@ -58,8 +56,7 @@ def run_pass(graph: Graph, options: Options | None = None, *, subgraphs: bool = 
     result = PassResult(PassReport(records))
     if not records and not is_subgraph(graph):  # no site: a forward without labels, or the win lost
         if take_out and not in_subgraph and not _ddp_partition(graph):
-            returned = attempt(options.strict, partial(plan_returned, graph, options), lambda exc: [],
-                               "could not tell whether the graph's returned logits can be lazy; they are computed")
+            returned = plan_returned(graph, options, strict=options.strict)
             result.report.returned = take_out_returned(returned, options)
         result.report.unmatched = unmatched(graph)
     if take_out and not in_subgraph:
@@ -84,9 +81,8 @@ def fuse_linear_cross_entropy(graph: Graph, options: Options | None = None, *, s
 
 
 def _run_graph(graph: Graph, options: Options, in_subgraph: bool, take_out: bool) -> list[SiteRecord]:
-    sites = attempt(options.strict, lambda: find_sites(graph, in_subgraph, options.strict), lambda exc: exc,
-                    "could not read the graph's cross-entropy sites; left it unchanged")
-    if isinstance(sites, Exception):
+    sites = find_sites(graph, in_subgraph, strict=options.strict)
+    if isinstance(sites, Exception):  # the graph could not be read
         return [failed("(whole graph)", guard.internal_error(f"{type(sites).__name__}: {sites}"))]
     plans, logits = plan_sites(sites, options, in_subgraph, take_out and not in_subgraph)
     return apply_plans(plans, logits, options, take_out and not in_subgraph)

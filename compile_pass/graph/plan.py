@@ -48,17 +48,17 @@ from torch.fx import Graph, Node
 
 from compile_pass.graph import find, guard
 from compile_pass.graph.guard import cast_chains, mutates
-from compile_pass.graph.nodes import example_value, is_tensor_node, size_hint
+from compile_pass.graph.nodes import CALLS, example_value, is_tensor_node, size_hint
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason
 from compile_pass.graph.report import NO_GRAD_LOGITS_READ, Decision, SiteRecord, failed, module_of, source_of
 from compile_pass.graph.returned_logits import Fate, recipe_nodes, returned_chain, returned_head
 from compile_pass.graph.sites import Replay, Reshape, Site
 from compile_pass.graph.spellings.call import LossCall, SpellingKind
-from compile_pass.graph.stages import attempt, reached
+from compile_pass.graph.stages import reached, tolerant
 from compile_pass.lazy_logits.keys import holds
 from compile_pass.op.tiling import accumulate_dtype
-from compile_pass.options import Options
+from compile_pass.options import Options, ReturnedLogits
 
 log = logging.getLogger(__name__)
 
@@ -107,30 +107,31 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
         NotImplementedError: ``options.strict`` and a site is refused (the message has the reason).
     """
     order = {node: i for i, node in enumerate(sites[0].node.graph.nodes)} if sites else {}
-    plans = [attempt(options.strict, partial(_plan_site, site, order), partial(_unplanned, site),
-                     "could not plan the site %s; left it unfused", site.node.name) for site in sites]
+    plans = [_plan_site(site, order, strict=options.strict) for site in sites]
     refused = [plan for plan in plans if plan.action is Action.REFUSE]
     if options.strict and refused:
         record = refused[0].record
         raise NotImplementedError(f"chunkce: cannot rewrite the cross-entropy at {record.source}: {record.reason} "
                                   "(strict=True; pass strict=False to leave such sites unfused)")
-    mode = options.returned_logits if take_out else "keep"  # nothing leaves the graph: it computes them
+    returned = options.returned_logits if take_out else ReturnedLogits.KEEP  # nothing leaves: all computed
     groups: dict[Node, LogitsPlan] = {}
     for plan in plans:
         if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
     for logits in groups.values():
-        attempt(options.strict, partial(_plan_logits, logits, mode, in_subgraph),
-                lambda exc: None, "could not tell which rewritten sites' logits are kept; the graph is rewritten")
+        _plan_logits(logits, returned, in_subgraph, strict=options.strict)
         if take_out and logits.fate is Fate.LAZY:
-            attempt(options.strict, partial(_plan_one_walk, logits, options), lambda exc: None,
-                    "could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
+            _plan_one_walk(logits, options, strict=options.strict)
         if not options.grads_in_forward:
-            attempt(options.strict, partial(_plan_fold, logits, order), lambda exc: None,
-                    "could not fold the row statistics into the loss's walk; each walks alone")
+            _plan_fold(logits, order, strict=options.strict)
     return plans, list(groups.values())
 
 
+def _unplanned(site: Site, order: dict[Node, int], exc: Exception) -> SitePlan:
+    return SitePlan(site, Action.REFUSE, failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
+
+
+@tolerant("could not plan the site {site.node.name}; left it unfused", fallback=_unplanned)
 def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
     reached("check", site)
     reason = guard.check(site, order)
@@ -150,18 +151,15 @@ def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
     return SitePlan(site, Action.REWRITE, record, replacement)
 
 
-def _unplanned(site: Site, exc: Exception) -> SitePlan:
-    return SitePlan(site, Action.REFUSE, failed(site.node.name, guard.internal_error(f"{type(exc).__name__}: {exc}")))
-
-
-def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
+@tolerant("could not tell which rewritten sites' logits are kept; the graph is rewritten")
+def _plan_logits(logits: LogitsPlan, returned: ReturnedLogits, in_subgraph: bool) -> None:
     """Fill ``logits.fate``; a site without grad among them is left as stock when they are ``KEPT``."""
     reached("fate", logits.projection.node)
-    fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], mode, in_subgraph)
+    fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], returned, in_subgraph)
     left = [plan for plan in logits.sites if not _requires_grad(plan.site.node)] if fate is Fate.KEPT else []
     if left:
         logits.sites = [plan for plan in logits.sites if plan not in left]
-        fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], mode, in_subgraph)
+        fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], returned, in_subgraph)
     for plan in left:
         plan.action, plan.replacement = Action.LEAVE, None
         plan.record = dataclasses.replace(plan.record, decision=Decision.LEFT, reason=NO_GRAD_LOGITS_READ,
@@ -169,6 +167,7 @@ def _plan_logits(logits: LogitsPlan, mode: str, in_subgraph: bool) -> None:
     logits.fate, logits.droppable = fate, droppable
 
 
+@tolerant("could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
 def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
     """The first site without grad among ``logits.sites`` (``LAZY``) that can, replaced by one
     walk returning the row statistics of the returned logits (:mod:`compile_pass.graph.plan`)."""
@@ -183,6 +182,7 @@ def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
             return
 
 
+@tolerant("could not fold the row statistics into the loss's walk; each walks alone")
 def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
     """A loss site and row statistics (a z-loss's logsumexp, an entropy) of the same logits: the
     statistics read the loss's walk (``walk_of``), which walks every head row and returns them
@@ -243,7 +243,7 @@ def _made_after(inputs: list[Node], first: int, order: dict[Node, int]) -> list[
         node = stack.pop()
         if order[node] < first or node in made:
             continue
-        if node.op not in ("call_function", "call_method") or mutates(node):
+        if node.op not in CALLS or mutates(node):
             return None
         made.add(node)
         stack.extend(node.all_input_nodes)
@@ -277,6 +277,11 @@ def _saves_memory(site: Site) -> bool:
         return True
 
 
+def _none_returned(graph: Graph, options: Options, exc: Exception) -> list[LogitsPlan]:
+    return []
+
+
+@tolerant("could not tell whether the graph's returned logits can be lazy; they are computed", fallback=_none_returned)
 def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
     """The returned logits of ``graph`` (a top-level graph with no cross-entropy site: a forward
     without labels) to take out lazy: each projection to the vocabulary
@@ -284,7 +289,7 @@ def plan_returned(graph: Graph, options: Options) -> list[LogitsPlan]:
     graph output reads, through the steps of :func:`compile_pass.graph.returned_logits.returned_chain`,
     under ``returned_logits="lazy"``, with more than one row per sequence (a decode step's
     ``[B, 1, V]`` stays computed: it is small, and the next token reads it at once)."""
-    if options.returned_logits != "lazy":
+    if options.returned_logits is not ReturnedLogits.LAZY:
         return []
     plans = []
     for found in find.unmatched_projections(graph, training=False):
@@ -322,9 +327,10 @@ def one_walk_replacement(site: Site, dead: set[Node],
     return partial(replacement, statistics_dtype=returned_dtype), head_rows
 
 
-def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_subgraph: bool) -> tuple[Fate, bool]:
+def logits_fate(projection: Projection, rewritten: list[Site], returned: ReturnedLogits,
+                in_subgraph: bool) -> tuple[Fate, bool]:
     """``(fate, droppable)`` of ``projection``'s logits after ``rewritten`` (the sites reading
-    them that will be rewritten) under ``returned_logits=mode``."""
+    them that will be rewritten) under ``returned_logits=returned``."""
     dead = dead_after(rewritten)
     if projection.node in dead:
         return Fate.GONE, False
@@ -332,9 +338,9 @@ def logits_fate(projection: Projection, rewritten: list[Site], mode: str, in_sub
     loss_parallel = projection.sharded is not None and projection.sharded.loss_parallel
     droppable = chain is not None and not in_subgraph and not loss_parallel
     (output,) = projection.node.graph.find_nodes(op="output")
-    if not droppable or mode not in ("lazy", "drop") or not isinstance(output.args[0], (tuple, list)):
+    if not droppable or returned is ReturnedLogits.KEEP or not isinstance(output.args[0], (tuple, list)):
         return Fate.KEPT, droppable
-    if mode == "drop" and example_value(chain[-1]).requires_grad:
+    if returned is ReturnedLogits.DROP and example_value(chain[-1]).requires_grad:
         return Fate.DROPPED, True
     return (Fate.LAZY if recipe_nodes(projection, chain) is not None else Fate.KEPT), True
 

@@ -31,6 +31,9 @@ from torch.fx import Graph, Node
 
 import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import (
+    CALLS,
+    MULTIPLY,
+    TRANSPOSES,
     create_node,
     dims_arg,
     example_value,
@@ -80,14 +83,14 @@ def _transposed_2d_input(node: Any) -> Node | None:
     name, rest = tensor_op_name(node), list(node.args[1:])
     if name == "permute":
         return source if [d % 2 for d in dims_arg(rest)] == [1, 0] else None
-    if name in ("transpose", "swapaxes", "swapdims"):
+    if name in TRANSPOSES:
         return source if len(rest) == 2 and {d % 2 for d in rest} == {0, 1} else None
     return source  # t, .T, .mT
 
 
 def as_projection(node: Any) -> Projection | None:
     """The plain linear / matmul producing ``node``, or None."""
-    if not isinstance(node, Node) or node.op not in ("call_function", "call_method"):
+    if not isinstance(node, Node) or node.op not in CALLS:
         return None
     target = function_of(node)
     if target in _LINEAR:
@@ -127,7 +130,6 @@ def _is_bias_of(b: torch.Tensor, logits: torch.Tensor) -> bool:
 
 
 # A scaling of the logits by a constant, out of place: absorbed into the op.
-_MULTIPLY = (operator.mul, torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply)
 _DIVIDE = (operator.truediv, torch.div, torch.divide, torch.true_divide, torch.Tensor.div,
            torch.Tensor.divide, torch.Tensor.true_divide)
 # ... in place: refused (``Refusal.IN_PLACE_SCALE``).
@@ -169,9 +171,9 @@ def read_scale(node: Node) -> ScaleRead | None:
     """The scaling a multiply / divide ``node`` applies to the logits (in their own dtype), a stop
     (``IN_PLACE_SCALE``, ``SCALE_REQUIRES_GRAD``, ``SCALE_OPERAND``), or None for no such node."""
     function = function_of(node)
-    if function in _SCALE_IN_PLACE or (function in _MULTIPLY + _DIVIDE and "out" in node.kwargs):
+    if function in _SCALE_IN_PLACE or (function in MULTIPLY + _DIVIDE and "out" in node.kwargs):
         return ScaleRead(None, Refusal.IN_PLACE_SCALE)
-    if function not in _MULTIPLY + _DIVIDE:
+    if function not in MULTIPLY + _DIVIDE:
         return None
     divides = function in _DIVIDE
     kwargs = dict(node.kwargs)

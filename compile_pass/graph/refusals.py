@@ -80,7 +80,7 @@ class Refusal(enum.Enum):
                        "otherwise the site stays unfused, exact")
     IN_PLACE_SCALE = ("mutation", "in-place `{op}` between projection and loss (logits scaled in place; written "
                       "out of place, `logits = logits * s`, the op takes the scale)", _MUTATION_FIX)
-    # -- what the diagnostics name an opaque stop (diagnostics.name_opaque) --
+    # -- what the guard names an opaque stop (guard.name_opaque) --
     SOFT_CAP = ("soft_cap", "soft-capped logits: `{op}` between projection and loss",
                 "fix: none for soft-capped heads (tanh); the site stays unfused, exact")
     PRODUCER = ("producer", "{what} is not {expected}",
@@ -135,7 +135,7 @@ class Refusal(enum.Enum):
 
 
 # The kinds the matcher stops its walk with (Site.stop_kind); the guard words each as itself,
-# except OPAQUE, which the diagnostics may name more precisely as one of OPAQUE_NAMED.
+# except OPAQUE, which the guard may name more precisely as one of OPAQUE_NAMED.
 STOPS = frozenset({
     Refusal.OPAQUE, Refusal.GRAPH_INPUT, Refusal.SUBGRAPH_INPUT, Refusal.CLASS_DIM_1, Refusal.VOCAB_DIM,
     Refusal.ADVANCED_INDEX, Refusal.SYMBOLIC_RESHAPE, Refusal.UNREADABLE, Refusal.CALL_MODULE,

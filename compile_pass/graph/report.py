@@ -33,15 +33,14 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import partial
 
 from torch.fx import Graph, Node
 
 import compile_pass.torch_internals as internals
 from compile_pass.graph import find
-from compile_pass.graph.refusals import Reason, fix_for
+from compile_pass.graph.refusals import Reason, Refusal, fix_for
 from compile_pass.graph.returned_logits import Fate
-from compile_pass.graph.stages import attempt, reached
+from compile_pass.graph.stages import reached, tolerant
 from compile_pass.op.tiling import Tiles
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class SiteRecord:
     decision: Decision
     reason: str  # why refused or left; for a rewritten site, notes (e.g. LOGITS_KEPT) or ""
     reason_key: str = ""
-    # a rewritten site's [n, Vb] tiles: what the op's own rule (op.chunking.resolve_tiles) gives
+    # a rewritten site's [n, Vb] tiles: what the op's own rule (op.tiling.resolve_tiles) gives
     # for the site's sizes (their hints where symbolic), options and environment at compile time
     tiles: Tiles | None = None
     logits_bytes_avoided: int = 0
@@ -139,8 +138,9 @@ class UnmatchedRecord:
 
 
 def unmatched(graph: Graph) -> list[UnmatchedRecord]:
-    """The records of ``graph``'s projections to the vocabulary but a decode step's (:func:`compile_pass.
-    graph.no_site.unmatched_projections`; the caller checks that the graph has no site and is a top-level graph).
+    """The records of ``graph``'s projections to the vocabulary but a decode step's
+    (:func:`compile_pass.graph.find.unmatched_projections`; the caller checks that the graph has no
+    site and is a top-level graph).
     Never raises: a graph it cannot read gives ``[]`` (logged at DEBUG)."""
     try:
         return [UnmatchedRecord(source_of(found.projection.node), module_of(found.projection.node), found.vocab,
@@ -274,9 +274,8 @@ _warned: set[tuple[str, str]] = set()  # (source, reason key) of every warning t
 def publish(report: PassReport, strict: bool = False) -> None:
     """Log each record (the module docstring says at which level), count it, and keep the
     report for :func:`last_report` if it has any site; a failure is logged, not raised, unless
-    ``strict`` (:func:`compile_pass.graph.stages.attempt`)."""
-    attempt(strict, partial(_publish, report), lambda exc: None,
-            "could not report the pass's decisions; the graph is rewritten")
+    ``strict`` (:func:`compile_pass.graph.stages.tolerant`)."""
+    _publish(report, strict=strict)
 
 
 def forget_warnings() -> None:
@@ -284,6 +283,7 @@ def forget_warnings() -> None:
     _warned.clear()
 
 
+@tolerant("could not report the pass's decisions; the graph is rewritten")
 def _publish(report: PassReport) -> None:
     global _latest
     reached("report", report)
@@ -309,7 +309,7 @@ def _publish(report: PassReport) -> None:
             stats["sites_refused"] += 1
             stats[f"refused_{record.reason_key}"] += 1
             module = f" (module {record.module})" if record.module else ""
-            advice = SOFT_CAP_BY_DESIGN if record.reason_key == "soft_cap" else record.fix
+            advice = SOFT_CAP_BY_DESIGN if record.reason_key == Refusal.SOFT_CAP.key else record.fix
             level = _once(record.source, record.reason_key) if record.warns else logging.INFO
             log.log(level, "chunkce: left %s unfused%s: %s; %s",
                     record.source, module, record.reason, advice)

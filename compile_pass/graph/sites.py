@@ -28,6 +28,9 @@ from torch.fx import Node
 from compile_pass.graph.nodes import (
     CASTS,
     COPIES,
+    RESHAPES,
+    TOKEN_INDEXES,
+    TRANSPOSES,
     dims_arg,
     example_value,
     is_tensor_node,
@@ -41,11 +44,8 @@ from compile_pass.graph.stages import reached
 from compile_pass.graph.tensor_parallel import read_sharded
 from compile_pass.lazy_logits.keys import is_last_dim
 
-# Ops on the logits that only change shape (row-major, vocab dim kept last), copy,
-# or cast: the hidden states need nothing for them but a final flatten.
-_RESHAPE = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
-# Ops that select or reorder token dims: replayed on the hidden states.
-_TOKEN_INDEX = {"getitem", "narrow", "select", "transpose", "swapaxes", "swapdims", "permute"}
+# RESHAPES, COPIES, CASTS: the hidden states need nothing for them but a final flatten;
+# TOKEN_INDEXES (select or reorder token dims): replayed on the hidden states.
 
 
 class Step(NamedTuple):
@@ -124,7 +124,7 @@ def _classify(node: Node) -> StepKind | Refusal:
     before, after = example_value(node.args[0]), example_value(node)
     ndim = before.dim()
     if ndim == 0 or after.dim() == 0 or not same_size(after.shape[-1], before.shape[-1]):
-        return Refusal.VOCAB_DIM if name in _RESHAPE | _TOKEN_INDEX else Refusal.OPAQUE
+        return Refusal.VOCAB_DIM if name in RESHAPES | TOKEN_INDEXES else Refusal.OPAQUE
     if name in CASTS:
         same = after.shape == before.shape and after.device == before.device
         return StepKind.CAST if same and after.is_floating_point() else Refusal.OPAQUE
@@ -132,14 +132,14 @@ def _classify(node: Node) -> StepKind | Refusal:
         return Refusal.OPAQUE
     if name in COPIES:
         return StepKind.COPY if after.shape == before.shape else Refusal.OPAQUE
-    if name in _RESHAPE:
+    if name in RESHAPES:
         return StepKind.RESHAPE
     if name == "getitem":
         return _index_keeps_vocab_dim(node.args[1], ndim) or StepKind.INDEX
     if name in ("narrow", "select"):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         return StepKind.INDEX if isinstance(dim, int) and not is_last_dim(dim, ndim) else Refusal.VOCAB_DIM
-    if name in ("transpose", "swapaxes", "swapdims"):
+    if name in TRANSPOSES:
         dims = node.args[1:]
         ok = len(dims) == 2 and all(isinstance(d, int) and not is_last_dim(d, ndim) for d in dims)
         return StepKind.INDEX if ok else Refusal.VOCAB_DIM
@@ -154,7 +154,7 @@ def _moves_class_dim_to_1(node: Any) -> bool:
     if not isinstance(node, Node) or not is_tensor_node(node) or example_value(node).dim() != 3:
         return False
     name, args = tensor_op_name(node), list(node.args[1:])
-    if name in ("transpose", "swapaxes", "swapdims"):
+    if name in TRANSPOSES:
         return len(args) == 2 and all(isinstance(d, int) for d in args) and {d % 3 for d in args} == {1, 2}
     if name == "permute":
         dims = dims_arg(args)

@@ -18,12 +18,13 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.head import Head
 from compile_pass.lazy_logits.keys import Key, Temperature, holds
 from compile_pass.op.kernels import accumulate_dtype
 
 _aten = torch.ops.aten
-_RESHAPES = {_aten.view.default, _aten._unsafe_view.default}
+_RESHAPES = {_aten.view.default, internals.aten_unsafe_view.get()}
 
 
 class RowValues(Enum):

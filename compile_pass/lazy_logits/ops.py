@@ -15,6 +15,7 @@ would have no form reads the values, as any other op does.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,20 +26,22 @@ from compile_pass.lazy_logits import forms
 from compile_pass.lazy_logits.keys import is_last_dim
 
 _aten = torch.ops.aten
+_TO_COPY, _UNSAFE_VIEW = internals.aten_to_copy.get(), internals.aten_unsafe_view.get()
+_LOG_SOFTMAX, _SOFTMAX = internals.aten_log_softmax.get(), internals.aten_softmax.get()
 # Ops that only change a tensor's metadata (view, dtype, device): they give another lazy
 # tensor. accelerate's mixed-precision wrapper calls .float() on every output, callers
 # detach or move outputs: none of that reads a value.
 METADATA_OPS = {
-    _aten.detach.default, _aten.alias.default, _aten._to_copy.default, _aten.clone.default,
-    _aten.view.default, _aten._unsafe_view.default, _aten.t.default, _aten.transpose.int,
+    _aten.detach.default, _aten.alias.default, _TO_COPY, _aten.clone.default,
+    _aten.view.default, _UNSAFE_VIEW, _aten.t.default, _aten.transpose.int,
     _aten.permute.default, _aten.slice.Tensor, _aten.select.int, _aten.unsqueeze.default,
     _aten.squeeze.dim, _aten.squeeze.default, _aten.squeeze.dims, _aten.expand.default,
     _aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int,
 }
 _MULTI = {_aten.split.Tensor, _aten.split_with_sizes.default, _aten.unbind.int}  # views returning a list
-COPY_OPS = {_aten.clone.default, _aten._to_copy.default}  # of METADATA_OPS, those that copy; the rest are views
+COPY_OPS = {_aten.clone.default, _TO_COPY}  # of METADATA_OPS, those that copy; the rest are views
 _SCALES = {_aten.div.Tensor: False, _aten.div.Scalar: False, _aten.mul.Tensor: True, _aten.mul.Scalar: True}
-_DERIVED = {*_SCALES, _aten._log_softmax.default, _aten._softmax.default, _aten.exp.default}
+_DERIVED = {*_SCALES, _LOG_SOFTMAX, _SOFTMAX, _aten.exp.default}
 EDITS = {_aten.div_.Tensor: False, _aten.div_.Scalar: False, _aten.mul_.Tensor: True, _aten.mul_.Scalar: True}
 
 
@@ -52,8 +55,13 @@ class Layout:
     device: torch.device
 
 
+class Lazy(abc.ABC):  # a type to ask isinstance of: nothing to implement
+    """The lazy tensors (:class:`compile_pass.lazy_logits.tensor.LazyLogits` registers itself), known
+    here without importing them."""
+
+
 def is_lazy(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and hasattr(value, "_copy_of")
+    return isinstance(value, Lazy)
 
 
 def on_meta(value: Any) -> Any:
@@ -104,10 +112,7 @@ def _copy(base: Any, func: Any, args: tuple, kwargs: dict, layout: Layout, stora
         return func(*[a.compute() if is_lazy(a) else a for a in args], **kwargs)
     counts = tuple(len(a._root()._edits) for a in operands)
     copy = type(base)(layout, copy_of=(func, args, kwargs, counts))
-    copy._copied_from = base._inputs()
-    copy._copied_from.copied(copy)
-    if storage is not None:
-        copy._storage = storage
+    copy.read_from(base._inputs(), storage)
     return copy
 
 
@@ -159,9 +164,9 @@ def _derived_storage(func: Any, args: tuple, dtype: torch.dtype) -> forms.Storag
         if is_lazy(a):
             return forms.scaled(a, b, _SCALES[func], dtype)
         return forms.scaled(b, a, True, dtype) if _SCALES[func] else None
-    if func in (_aten._log_softmax.default, _aten._softmax.default) and is_lazy(args[0]):
+    if func in (_LOG_SOFTMAX, _SOFTMAX) and is_lazy(args[0]):
         last = is_last_dim(args[1], args[0].dim())
-        kind = forms.RowValues.LOG_PROBS if func is _aten._log_softmax.default else forms.RowValues.PROBS
+        kind = forms.RowValues.LOG_PROBS if func is _LOG_SOFTMAX else forms.RowValues.PROBS
         return forms.softmaxed(args[0], kind, dtype) if last else None
     if func is _aten.exp.default:
         return forms.exponentiated(args[0], dtype)
@@ -178,7 +183,7 @@ def edit(func: Any, args: tuple, kwargs: dict) -> Any:
     root = tensor._root()
     if kept and root._value is None:
         other = other.detach().clone() if isinstance(other, torch.Tensor) else other
-        root._edits.append((tensor, func, (other, *args[2:]), kwargs))
+        root.add_edit(tensor, func, (other, *args[2:]), kwargs)
         return tensor
     func(tensor.compute(), *args[1:], **kwargs)
     return tensor

@@ -39,6 +39,7 @@ import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.cache import Statistics, cache_of
 from compile_pass.lazy_logits.forms import Form, RowValues, form_of
 from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.checks import LOSS_REDUCTIONS
 
 
 def fused(func: object, args: tuple, kwargs: dict) -> object:
@@ -188,7 +189,7 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, 
                    label_smoothing: float = 0.0) -> object:
     form = form_of(input)
     if (form is None or form.kind is not RowValues.LOGITS or weight is not None or size_average is not None or reduce is not None
-            or reduction not in ("none", "mean", "sum") or label_smoothing != 0.0 or input.dim() not in (1, 2)
+            or reduction not in LOSS_REDUCTIONS or label_smoothing != 0.0 or input.dim() not in (1, 2)
             or not isinstance(target, Tensor) or target.dtype != torch.int64 or target.shape != input.shape[:-1]):
         return NotImplemented
     probe_target = torch.zeros(1, dtype=torch.int64, device=input.device)

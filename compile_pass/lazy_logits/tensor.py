@@ -53,9 +53,18 @@ class LazyLogits(torch.Tensor):
             self._form = forms.root_storage(self._source, head, self.shape)
         return self._form
 
-    @_storage.setter
-    def _storage(self, storage: forms.Storage) -> None:
-        self._form = storage
+    def read_from(self, inputs: Inputs, storage: forms.Storage | None) -> None:
+        """A lazy copy's: its values are read from ``inputs`` (pending there until taken), its form
+        ``storage`` (None: made on first use, or none)."""
+        self._copied_from = inputs
+        inputs.copied(self)
+        if storage is not None:
+            self._form = storage
+
+    def add_edit(self, view: LazyLogits, func: Any, args: tuple, kwargs: dict) -> None:
+        """A root's: ``func(view, *args, **kwargs)``, an in-place edit of ``view`` (itself or one of
+        its views), applied when its values are computed (:func:`compile_pass.lazy_logits.ops.replay`)."""
+        self._edits.append((view, func, args, kwargs))
 
     @property
     def _rows(self) -> torch.Tensor | None:
@@ -188,9 +197,6 @@ class LazyLogits(torch.Tensor):
     def storage(self) -> Any:
         return self.compute().storage()
 
-    def _typed_storage(self) -> Any:
-        return self.compute()._typed_storage()
-
     def share_memory_(self) -> LazyLogits:
         raise RuntimeError("chunkce: share_memory_() needs a tensor that owns its storage, and LazyLogits computes "
                            "its values on first read: share logits.compute() (the values, a plain tensor) instead")
@@ -221,6 +227,16 @@ class LazyLogits(torch.Tensor):
             forms.break_rows(kwargs["out"])
             return kwargs["out"]
         return out
+
+
+ops.Lazy.register(LazyLogits)
+
+
+def _computed_typed_storage(self: LazyLogits) -> Any:
+    return internals.typed_storage.read(self.compute())()
+
+
+internals.typed_storage.override(LazyLogits, _computed_typed_storage)
 
 
 class DroppedLogits(LazyLogits):

@@ -19,7 +19,7 @@ from torch import Tensor
 from compile_pass.op.loops import autocast_enabled
 from compile_pass.op.schema import LOSS_NAME
 
-_REDUCTIONS = ("mean", "sum", "none")
+LOSS_REDUCTIONS = ("mean", "sum", "none")  # a loss's reductions, as torch spells them
 _TARGET_DTYPES = (torch.int64, torch.uint8)  # what F.cross_entropy accepts for class indices
 
 
@@ -115,8 +115,8 @@ def check_loss_options(reduction, ignore_index, label_smoothing, logits_dtype) -
     Raises:
         TypeError / ValueError: as :func:`compile_pass.op.loss.linear_cross_entropy` documents.
     """
-    if reduction not in _REDUCTIONS:
-        _fail(ValueError, f"expected reduction in {_REDUCTIONS}, got {reduction!r}")
+    if reduction not in LOSS_REDUCTIONS:
+        _fail(ValueError, f"expected reduction in {LOSS_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         _fail(TypeError, f"expected ignore_index to be an int, got {type(ignore_index).__name__}")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):

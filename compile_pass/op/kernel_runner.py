@@ -41,7 +41,7 @@ _WALK_THREAD = threading.local()  # .active: this thread runs a walk's parts (ma
 
 
 def in_walk_thread() -> bool:
-    """Whether the calling thread runs a walk's parts (a :class:`compile_pass.op.loops.WalkThreads`
+    """Whether the calling thread runs a walk's parts (a :class:`WalkThreads`
     thread, or a caller running them itself): its kernels are the one-thread variants."""
     return getattr(_WALK_THREAD, "active", False)
 
@@ -357,4 +357,4 @@ def _may_leave_thread() -> bool:
     active profiler (it sees this thread's ops and allocations only), Dynamo's compile lock (a walk
     thread's first kernel compiles under it)."""
     return (not in_walk_thread() and plain_context()
-            and not internals.profiler_enabled() and not internals.compile_lock.get()._is_owned())
+            and not internals.profiler_enabled() and not internals.compile_lock_owned())

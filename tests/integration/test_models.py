@@ -34,6 +34,7 @@ import compile_pass
 from compile_pass import DroppedLogits, LazyLogits
 from compile_pass.graph.report import LOGITS_DROPPED
 from compile_pass.graph.returned_logits import STAND_IN
+from compile_pass.options import ReturnedLogits
 from builders import OP, op_node, reduction_of
 
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
@@ -459,7 +460,7 @@ def test_logits_are_lazy_without_grad_kept_when_read_in_graph_and_by_default():
 def test_pre_grad_pass_refuses_dropped_logits():
     with pytest.raises(ValueError, match="returned_logits='drop' needs the chunkce backend"):
         compile_pass.ChunkcePreGradPass(DROP)
-    assert compile_pass.ChunkcePreGradPass().options.returned_logits == "keep"  # lazy needs the backend's wrapper
+    assert compile_pass.ChunkcePreGradPass().options.returned_logits is ReturnedLogits.KEEP  # lazy needs the wrapper
     with pytest.raises(ValueError, match="unknown option 'drop_unused_logits'"):
         compile_pass.ChunkcePreGradPass({"drop_unused_logits": True})
 

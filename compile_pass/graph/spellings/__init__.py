@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from torch.fx import Node
 
+from compile_pass.graph.nodes import CALLS
 from compile_pass.graph.spellings import losses, statistics
 from compile_pass.graph.spellings.call import Call, Spelling
 
@@ -30,7 +31,7 @@ SPELLINGS: tuple[Spelling, ...] = (losses.CROSS_ENTROPY, losses.NLL_LOSS, losses
 
 def read_call(node: Node) -> Call | None:
     """What ``node`` computes of the logits, in the first spelling that reads it; None: no spelling does."""
-    if node.op not in ("call_function", "call_method"):
+    if node.op not in CALLS:
         return None
     for spelling in SPELLINGS:
         call = spelling.read(node)

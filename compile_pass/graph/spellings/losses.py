@@ -42,7 +42,16 @@ from torch.fx import Node
 
 import compile_pass.torch_internals as internals
 from compile_pass.graph import tensor_parallel
-from compile_pass.graph.nodes import example_value, function_of, is_tensor_node, same_size, tensor_op_name
+from compile_pass.graph.nodes import (
+    CALLS,
+    LOG_SOFTMAX,
+    SOFTMAX,
+    example_value,
+    function_of,
+    is_tensor_node,
+    same_size,
+    tensor_op_name,
+)
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import LossCall, Spelling, StepKind
@@ -202,7 +211,7 @@ class GatherCall(LossCall):
 def read_gather(node: Node) -> GatherCall | None:
     """A ``reduction="none"`` cross-entropy of ``z`` and the labels (:class:`GatherCall` says how its
     value is the gather's), or None."""
-    target = function_of(node) if node.op in ("call_function", "call_method") else None
+    target = function_of(node) if node.op in CALLS else None
     if target in _GATHER:
         signature = inspect.signature(lambda input, dim, index, *, sparse_grad=False: None)
     elif target in _TAKE_ALONG_DIM:
@@ -322,8 +331,6 @@ def _gather_form(call: GatherCall) -> dict[str, bool]:
 GATHER = Spelling("gather", read_gather, replace_gather, one_walk=one_walk_gather)
 
 
-_LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, torch.Tensor.log_softmax)
-_SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
 _LOG = (torch.log, torch.Tensor.log)
 _NEG = (operator.neg, torch.neg, torch.negative, torch.Tensor.neg, torch.Tensor.negative)
 _MAX_STEPS = 16  # nodes between a loss and its log_softmax the reader looks through
@@ -353,15 +360,15 @@ def find_log_softmax(start: Node, negations: bool) -> LogProbs | None:
     path: list[Node] = []  # from the loss input back, the log_softmax excluded
     node = start
     for _ in range(_MAX_STEPS):
-        if node.op not in ("call_function", "call_method") or not is_tensor_node(node):
+        if node.op not in CALLS or not is_tensor_node(node):
             return None
         target = function_of(node)
         if not node.args or not is_tensor_node(node.args[0]):  # e.g. input= as a keyword: not read
             return None
-        if target in _LOG_SOFTMAX:
+        if target in LOG_SOFTMAX:
             return LogProbs({node: StepKind.LOG_SOFTMAX, **dict.fromkeys(negs, StepKind.NEG)}, len(negs) % 2 == 1,
                             _log_softmax_problem(node, path))
-        if target in _LOG and isinstance(node.args[0], Node) and function_of(node.args[0]) in _SOFTMAX:
+        if target in _LOG and isinstance(node.args[0], Node) and function_of(node.args[0]) in SOFTMAX:
             return LogProbs({}, False, "log(softmax(logits)) is not torch's log_softmax (it rounds differently "
                                        "and overflows to -inf): write F.log_softmax(logits, dim=-1) or "
                                        "F.cross_entropy")

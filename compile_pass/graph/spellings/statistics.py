@@ -28,7 +28,6 @@ node was (:func:`row_shape`) and cast to its dtype; the op's backward recomputes
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -42,6 +41,9 @@ from torch.fx import Node
 from compile_pass.graph.nodes import (
     CASTS,
     COPIES,
+    LOG_SOFTMAX,
+    MULTIPLY,
+    SOFTMAX,
     example_value,
     function_of,
     is_tensor_node,
@@ -194,8 +196,8 @@ def read_row_sum(node: Node) -> ReductionCall | None:
         return None
     logits, keepdim, every = reduced
     function = function_of(logits)
-    if function in (*_SOFTMAX, *_LOG_SOFTMAX, *_EXP) or (
-            function in _MUL and sum(is_tensor_node(arg) for arg in logits.args) > 1):
+    if function in (*SOFTMAX, *LOG_SOFTMAX, *_EXP) or (
+            function in MULTIPLY and sum(is_tensor_node(arg) for arg in logits.args) > 1):
         return None
     return ReductionCall(input=logits, spelling=ROW_SUM, class_dim=-1, keepdim=keepdim, every=every,
                          reduction=REDUCTIONS[function_of(node)])
@@ -204,9 +206,6 @@ def read_row_sum(node: Node) -> ReductionCall | None:
 ROW_SUM = Spelling("row_sum", read_row_sum, replace_reduction, kind=SpellingKind.STATISTIC)
 
 
-_MUL = (operator.mul, torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.multiply)
-_SOFTMAX = (F.softmax, torch.softmax, torch.special.softmax, torch.Tensor.softmax)
-_LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, torch.special.log_softmax, torch.Tensor.log_softmax)
 _EXP = (torch.exp, torch.Tensor.exp)
 _REPEATABLE = CASTS | COPIES | {"view", "reshape", "getitem", "flatten", "unsqueeze", "squeeze"}  # same input, same value
 _MAX_DEPTH = 8  # nodes of a repeated chain compared
@@ -219,7 +218,7 @@ def read_entropy(node: Node) -> ReductionCall | None:
     if reduced is None:
         return None
     product, keepdim, every = reduced
-    if function_of(product) not in _MUL or len(product.args) != 2 or product.kwargs:
+    if function_of(product) not in MULTIPLY or len(product.args) != 2 or product.kwargs:
         return None
     for probabilities, other in (product.args, product.args[::-1]):
         probs = _probabilities(probabilities)
@@ -230,7 +229,7 @@ def read_entropy(node: Node) -> ReductionCall | None:
         if repeated is not None:
             what, other_nodes = RowValues.P_Z, repeated
         else:
-            other_logits = _last_dim_softmax(other, _LOG_SOFTMAX)
+            other_logits = _last_dim_softmax(other, LOG_SOFTMAX)
             repeated = None if other_logits is None else _repeat_of(other_logits, logits)
             if repeated is None:
                 continue
@@ -258,11 +257,11 @@ def _repeat_of(node: Any, logits: Node, depth: int = _MAX_DEPTH) -> tuple[Node, 
 
 def _probabilities(node: Any) -> tuple[Node, tuple[Node, ...]] | None:
     """``(z, nodes)`` when ``node`` is ``softmax(z, -1)`` or ``log_softmax(z, -1).exp()``."""
-    logits = _last_dim_softmax(node, _SOFTMAX)
+    logits = _last_dim_softmax(node, SOFTMAX)
     if logits is not None:
         return logits, (node,)
     if isinstance(node, Node) and function_of(node) in _EXP and len(node.args) == 1 and not node.kwargs:
-        logits = _last_dim_softmax(node.args[0], _LOG_SOFTMAX)
+        logits = _last_dim_softmax(node.args[0], LOG_SOFTMAX)
         if logits is not None:
             return logits, (node, node.args[0])
     return None
