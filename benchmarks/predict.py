@@ -1,0 +1,78 @@
+"""What a case will need before it runs: the memory of a provider's op call, of a training step.
+
+    op_bytes("unfused-compiled", tokens=4096, hidden=2048, vocab=128256)   # the process's peak
+    step_bytes(REAL_MODELS["llama3.2-1b"], layers=2, tokens=4096, backend="inductor")
+    too_big(need, cap_gib=14.0)    # "needs ~18.2 GiB (predicted; over --mem-cap-gib 14), not run" or None
+
+``benchmarks.real_heads`` and ``benchmarks.budget`` never start a case predicted above the
+machine's share (``--mem-cap-gib``): an out-of-memory kill on a shared machine takes other
+processes with it. Such a case is a result row, "out of memory: needs ~X GiB (predicted ...)".
+
+Estimates of a whole process, generous on purpose, in the element size of fp32:
+
+* op call: the interpreter and compiler (``PROCESS``), the inputs and their gradients
+  (``[N, H]`` + ``[V, H]`` twice), and the provider's working set
+  ``logits x N V + hidden x N H`` (``OP_WORKING_SET``): the unfused loss holds whole
+  ``[N, V]`` buffers (Inductor's compiled one: the logits, one buffer, as measured at
+  4096 x 2048 x 128256); the chunkers hold chunks sized to about the hidden states'
+  bytes; the auto-chunker a slice of its ``num_chunk`` (8) at a time;
+* training step: the process, parameters + AdamW's two states + gradients, the
+  single-tensor AdamW's temporaries (two of the largest parameter, the embedding), the
+  layers' saved activations (``ACTIVATIONS``, per token and layer) and the backend's
+  ``[N, V]`` buffers (``STEP_LOGITS``: Inductor's compiled HF loss holds about three).
+"""
+
+from __future__ import annotations
+
+from benchmarks.real_models import RealModel
+
+GiB = 2**30
+FP32 = 4
+OOM = "out of memory"  # the status of a case not run for its predicted memory
+PROCESS = 1.5 * GiB  # torch, transformers, Inductor's compiler and its generated code
+# provider -> (multiple of N x V, multiple of N x H) bytes of working set beyond the gradients
+OP_WORKING_SET = {
+    "unfused-eager": (3.0, 0.0),
+    "unfused-compiled": (1.25, 0.0),
+    "autochunk": (2.0 / 8, 0.0),
+    "autochunk-forced": (0.0, 4.0),
+    "torch-lce": (0.0, 4.0),
+    "torch-lce-compiled": (0.0, 4.0),
+    "chunkce": (0.0, 4.0),
+    "chunkce-compiled": (0.0, 4.0),
+    "chunkce-gif": (0.0, 4.0),
+    "floor-recompute": (0.0, 4.0),
+    "floor-four": (2.0, 0.0),
+    "floor-unfused": (2.0, 0.0),
+}
+STEP_LOGITS = {"eager": 4.0, "inductor": 3.0}  # other backends (chunkce's): tiles, under ACTIVATIONS' margin
+
+
+def op_bytes(provider: str, tokens: int, hidden: int, vocab: int, element: int = FP32) -> int:
+    """Predicted peak of a process running ``provider``'s forward + backward at ``[N, H] x [V, H]``."""
+    logits, hidden_states = OP_WORKING_SET[provider]
+    inputs = (tokens * hidden + vocab * hidden) * element
+    working = (logits * tokens * vocab + hidden_states * tokens * hidden) * element
+    return int(PROCESS + 2 * inputs + working + 64 * 2**20)
+
+
+def activations(model: RealModel, tokens: int, element: int = FP32) -> int:
+    """Saved activations of one decoder layer at ``tokens`` tokens (generous: every projection's
+    input and output, the MLP's three ``[N, I]`` twice over)."""
+    attention = (model.heads + 2 * model.kv_heads) * model.head_dim
+    return tokens * element * (8 * model.hidden_size + 2 * attention + 6 * model.intermediate_size)
+
+
+def step_bytes(model: RealModel, layers: int, tokens: int, backend: str, element: int = FP32) -> int:
+    """Predicted peak of a process running one training step (forward, backward, AdamW)."""
+    params = model.parameters(layers) * element
+    embedding = model.vocab_size * model.hidden_size * element
+    logits = STEP_LOGITS.get(backend, 0.0) * tokens * model.vocab_size * element
+    return int(PROCESS + 4 * params + 2 * embedding + layers * activations(model, tokens, element) + logits)
+
+
+def too_big(need: int, cap_gib: float) -> str | None:
+    """The row's note when ``need`` bytes are over ``cap_gib``, else None."""
+    if need <= cap_gib * GiB:
+        return None
+    return f"needs ~{need / GiB:.1f} GiB (predicted; over --mem-cap-gib {cap_gib:g}), not run"
