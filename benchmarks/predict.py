@@ -12,14 +12,15 @@ Estimates of a whole process, generous on purpose, in the element size of fp32:
 
 * op call: the interpreter and compiler (``PROCESS``), the inputs and their gradients
   (``[N, H]`` + ``[V, H]`` twice), and the provider's working set
-  ``logits x N V + hidden x N H`` (``OP_WORKING_SET``): the unfused loss holds whole
-  ``[N, V]`` buffers (Inductor's compiled one: the logits, one buffer, as measured at
-  4096 x 2048 x 128256); the chunkers hold chunks sized to about the hidden states'
-  bytes; the auto-chunker a slice of its ``num_chunk`` (8) at a time;
-* training step: the process, parameters + AdamW's two states + gradients, the
-  single-tensor AdamW's temporaries (two of the largest parameter, the embedding), the
-  layers' saved activations (``ACTIVATIONS``, per token and layer) and the backend's
-  ``[N, V]`` buffers (``STEP_LOGITS``: Inductor's compiled HF loss holds about three).
+  ``logits x N V + hidden x N H + weight x V H`` (``OP_WORKING_SET``): the unfused loss
+  holds whole ``[N, V]`` buffers (Inductor's compiled one: the logits, one buffer, as
+  measured); the chunkers hold chunks sized to about the hidden states' bytes, and those
+  that compute the gradients in forward a weight gradient's buffer besides;
+* training step: the process, parameters + AdamW's two states + gradients, then the
+  larger of backward's share (the layers' saved activations, :func:`activations`, and the
+  backend's ``[N, V]`` buffers, ``STEP_LOGITS``: Inductor's compiled HF loss holds about
+  three) and the single-tensor AdamW's temporaries (two of the largest parameter, the
+  embedding).
 """
 
 from __future__ import annotations
@@ -30,30 +31,31 @@ GiB = 2**30
 FP32 = 4
 OOM = "out of memory"  # the status of a case not run for its predicted memory
 PROCESS = 1.5 * GiB  # torch, transformers, Inductor's compiler and its generated code
-# provider -> (multiple of N x V, multiple of N x H) bytes of working set beyond the gradients
+TILES = 256 * 2**20  # a chunked provider's tiles (chunkce: 47 MiB at 4096 x 2048 x 128256)
+# provider -> multiples of N x V, N x H and V x H bytes of working set beyond the gradients
 OP_WORKING_SET = {
-    "unfused-eager": (3.0, 0.0),
-    "unfused-compiled": (1.25, 0.0),
-    "autochunk": (2.0 / 8, 0.0),
-    "autochunk-forced": (0.0, 4.0),
-    "torch-lce": (0.0, 4.0),
-    "torch-lce-compiled": (0.0, 4.0),
-    "chunkce": (0.0, 4.0),
-    "chunkce-compiled": (0.0, 4.0),
-    "chunkce-gif": (0.0, 4.0),
-    "floor-recompute": (0.0, 4.0),
-    "floor-four": (2.0, 0.0),
-    "floor-unfused": (2.0, 0.0),
+    "unfused-eager": (3.0, 0.0, 0.0),
+    "unfused-compiled": (1.1, 0.0, 0.0),  # 1.00 measured at 2048 x 256 x 32768 and 4096 x 2048 x 128256
+    "autochunk": (1.1, 0.0, 0.0),  # refuses these graphs at its default thresholds: unchunked
+    "autochunk-forced": (0.25, 4.0, 1.5),
+    "torch-lce": (0.0, 4.0, 1.5),  # a weight gradient's buffer besides the result (1.05x V x H measured)
+    "torch-lce-compiled": (0.0, 4.0, 2.5),
+    "chunkce": (0.0, 4.0, 0.0),
+    "chunkce-compiled": (0.0, 4.0, 0.0),
+    "chunkce-gif": (0.0, 4.0, 0.0),
+    "floor-recompute": (0.0, 4.0, 0.0),
+    "floor-four": (2.0, 0.0, 0.0),
+    "floor-unfused": (2.0, 0.0, 0.0),
 }
 STEP_LOGITS = {"eager": 4.0, "inductor": 3.0}  # other backends (chunkce's): tiles, under ACTIVATIONS' margin
 
 
 def op_bytes(provider: str, tokens: int, hidden: int, vocab: int, element: int = FP32) -> int:
     """Predicted peak of a process running ``provider``'s forward + backward at ``[N, H] x [V, H]``."""
-    logits, hidden_states = OP_WORKING_SET[provider]
+    logits, hidden_states, weight = OP_WORKING_SET[provider]
     inputs = (tokens * hidden + vocab * hidden) * element
-    working = (logits * tokens * vocab + hidden_states * tokens * hidden) * element
-    return int(PROCESS + 2 * inputs + working + 64 * 2**20)
+    working = (logits * tokens * vocab + hidden_states * tokens * hidden + weight * vocab * hidden) * element
+    return int(PROCESS + 2 * inputs + working + TILES)
 
 
 def activations(model: RealModel, tokens: int, element: int = FP32) -> int:
@@ -64,11 +66,14 @@ def activations(model: RealModel, tokens: int, element: int = FP32) -> int:
 
 
 def step_bytes(model: RealModel, layers: int, tokens: int, backend: str, element: int = FP32) -> int:
-    """Predicted peak of a process running one training step (forward, backward, AdamW)."""
+    """Predicted peak of a process running one training step (forward, backward, AdamW): parameters,
+    AdamW's state and the gradients, then the larger of backward's activations and ``[N, V]``
+    buffers and AdamW's temporaries (the optimizer runs after backward has freed them)."""
     params = model.parameters(layers) * element
     embedding = model.vocab_size * model.hidden_size * element
     logits = STEP_LOGITS.get(backend, 0.0) * tokens * model.vocab_size * element
-    return int(PROCESS + 4 * params + 2 * embedding + layers * activations(model, tokens, element) + logits)
+    backward = layers * activations(model, tokens, element) + logits
+    return int(PROCESS + 4 * params + max(backward, 2 * embedding))
 
 
 def too_big(need: int, cap_gib: float) -> str | None:
