@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -119,20 +118,12 @@ def trial(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------- the search
 
 
-def read_results(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 class Search:
     """The trials of one model: cached in the results file, run in fresh processes, predicted first."""
 
     def __init__(self, args: argparse.Namespace, records: list[dict]) -> None:
         self.args, self.records = args, records
-        self.env = {k: v for k, v in harness.environment(torch.device("cpu")).items()
-                    if k in ("device", "cpu_threads", "torch", "transformers", "commit")}
+        self.env = harness.recorded_environment()
 
     def _found(self, kind: str, backend: str, tokens: int) -> dict | None:
         if self.args.redo:
@@ -142,9 +133,7 @@ class Search:
                      and r["status"] != predict.OOM), None)
 
     def _append(self, record: dict) -> dict:
-        os.makedirs(os.path.dirname(self.args.results) or ".", exist_ok=True)
-        with open(self.args.results, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        harness.append_jsonl(self.args.results, record)
         self.records.append(record)
         return record
 
@@ -210,11 +199,6 @@ def document(records: list[dict], args: argparse.Namespace, static: float, cap: 
     trials = sorted((r for r in mine if r["kind"] == "trial"), key=lambda r: (r["backend"], r["tokens"]))
     rows = summary(records, args.model, args.layers, cap)
     base = next((r["tokens"] for r in rows if r["backend"] == "inductor"), 0)
-    envs = [r["env"] for r in mine if r.get("env")]
-
-    def values(key: str) -> str:
-        return ", ".join(dict.fromkeys(str(e[key]) for e in envs)) or "-"
-
     best = markdown(["backend", "largest step, tokens", "x Inductor's", "step s", "tokens/s"],
                     [[r["backend"], r["tokens"], f"{r['tokens'] / base:.2f}x" if base else "",
                       fmt((r["step_ms"] or 0) / 1e3 if r["step_ms"] else None, ".1f"),
@@ -224,9 +208,8 @@ def document(records: list[dict], args: argparse.Namespace, static: float, cap: 
                        str(r["status"] == "measured" and r["total_mib"] <= cap), r.get("note", "")] for r in trials])
     return "\n\n".join([
         f"# A training step under a memory cap: {args.model}, {args.layers} layers (CPU, fp32)",
-        f"Written by `python -m benchmarks.budget` from `{args.results}`: do not edit. torch {values('torch')}, "
-        f"transformers {values('transformers')}, {values('device')} ({values('cpu_threads')} threads), commit "
-        f"{values('commit')}. Cap {cap:.0f} MiB: parameters + AdamW state ({static:.0f} MiB) + "
+        f"Written by `python -m benchmarks.budget` from `{args.results}`: do not edit. "
+        f"{harness.environment_line([r['env'] for r in mine if r.get('env')])}. Cap {cap:.0f} MiB: parameters + AdamW state ({static:.0f} MiB) + "
         f"{args.headroom_gib:g} GiB; tokens in multiples of {args.granularity}, batch 1.",
         best, "Every trial (parameters + AdamW state + the step's measured peak):", tried]) + "\n"
 
@@ -261,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         isolate.Reporter(args.result_json).record(trial(args))
         return 0
     static, cap = cap_of(args)
-    records = read_results(args.results)
+    records = harness.read_jsonl(args.results)
     if not args.table_only:
         harness.print_environment(torch.device("cpu"))
         print(f"cap {cap:.0f} MiB: parameters + AdamW state {static:.0f} MiB + {args.headroom_gib:g} GiB", flush=True)

@@ -28,7 +28,6 @@ that file into ``--write`` after every case.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Iterable
@@ -55,25 +54,12 @@ def _key(record: dict) -> tuple:
     return record["part"], record["head"], int(record["tokens"]), record["impl"]
 
 
-def read_results(path: str) -> list[dict]:
-    """The records of ``path`` (none when it does not exist), in the order written."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def latest(records: Iterable[dict]) -> dict[tuple, dict]:
     """The last record of each case (part, head, tokens, provider or backend), in first-seen order."""
     out: dict[tuple, dict] = {}
     for r in records:
         out[_key(r)] = r
     return out
-
-
-def _environment() -> dict:
-    env = harness.environment(torch.device("cpu"))
-    return {k: env[k] for k in ("device", "cpu_threads", "torch", "transformers", "commit")}
 
 
 def _op_record(head: str, tokens: int, provider: str, rows: list[dict], status: str) -> dict:
@@ -178,17 +164,12 @@ def model_table(records: list[dict]) -> str:
 
 def document(records: list[dict]) -> str:
     """The whole markdown page: where it comes from, then both tables."""
-    envs = [r["env"] for r in records if r.get("env")]
-
-    def values(key: str) -> str:
-        return ", ".join(dict.fromkeys(str(e[key]) for e in envs)) or "-"
-
     sources = "; ".join(f"{name}: <{m.source}>" for name, m in REAL_MODELS.items())
     return "\n\n".join([
         "# The op and a training step at real heads (CPU, fp32)",
-        f"Written by `python -m benchmarks.real_heads` from `{RESULTS}`: do not edit. torch {values('torch')}, "
-        f"transformers {values('transformers')}, {values('device')} ({values('cpu_threads')} threads), "
-        f"commit {values('commit')}. Widths and vocabularies from the published configs ({sources}).",
+        f"Written by `python -m benchmarks.real_heads` from `{RESULTS}`: do not edit. "
+        f"{harness.environment_line([r['env'] for r in records if r.get('env')])}. "
+        f"Widths and vocabularies from the published configs ({sources}).",
         "## The op alone: forward + backward\n\n"
         "Seconds per call (a second call after the compiling one); `x floor`: over `floor-recompute` (chunkce's "
         "four matmuls at its own tiles); `x Inductor`: over `unfused-compiled`. Peak above the inputs; beyond "
@@ -245,10 +226,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    records = read_results(args.results)
+    records = harness.read_jsonl(args.results)
     if not args.table_only:
         harness.print_environment(torch.device("cpu"))
-        env = _environment()
+        env = harness.recorded_environment()
         todo = pending(cases(args), records, args.redo)
         for number, (part, head, tokens, impl) in enumerate(todo, 1):
             print(f"[{number}/{len(todo)}] {part} {head} {tokens} {impl}", flush=True)
@@ -257,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {record['status']}: " + (f"{record.get('ms') or record.get('step_ms'):.0f} ms, "
                                                f"peak {record['peak_mib']:.0f} MiB" if record["status"] == "measured"
                                                else record["note"]), flush=True)
-            os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
-            with open(args.results, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            harness.append_jsonl(args.results, record)
             records.append(record)
             write_document(records, args.write)
     write_document(records, args.write)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import budget, predict, real_heads
+from benchmarks import budget, harness, predict, real_heads
 from benchmarks.real_models import REAL_MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def test_a_run_skips_cases_it_has_and_predicts_again_those_it_did_not_run(tmp_pa
     path.write_text("\n".join(json.dumps(r) for r in (
         _op("llama3.2-1b", 4096, "chunkce", 1, 1),
         _op("llama3.2-1b", 4096, "unfused-compiled", None, 0, status=predict.OOM))) + "\n")
-    records = real_heads.read_results(str(path))
+    records = harness.read_jsonl(str(path))
     assert real_heads.pending(todo, records, redo=False) == todo[1:]
     assert real_heads.pending(todo, records, redo=True) == todo
 
@@ -184,11 +184,11 @@ def test_real_heads_command_at_the_tiny_head(tmp_path):
             "chunkce", "floor-recompute", "--backends", "inductor", "chunkce", "--steps", "1",
             "--results", str(results), "--write", str(table)]
     _run(*argv, tmp_path=tmp_path)
-    records = real_heads.read_results(str(results))
+    records = harness.read_jsonl(str(results))
     assert [r["status"] for r in records] == ["measured"] * 5
     assert "chunkce" in table.read_text() and "x floor" in table.read_text()
     out = _run(*argv, tmp_path=tmp_path)  # everything is there: nothing runs again
-    assert len(real_heads.read_results(str(results))) == 5 and "[1/" not in out
+    assert len(harness.read_jsonl(str(results))) == 5 and "[1/" not in out
 
 
 @pytest.mark.slow
@@ -197,7 +197,7 @@ def test_budget_command_at_the_tiny_model(tmp_path):
     _run("benchmarks.budget", "--model", "tiny", "--headroom-gib", "0.03", "--granularity", "128",
          "--max-tokens", "2048", "--steps", "1", "--results", str(results), "--write", str(table),
          "--plot", str(plot), tmp_path=tmp_path)
-    records = budget.read_results(str(results))
+    records = harness.read_jsonl(str(results))
     trials = [r for r in records if r["kind"] == "trial"]
     cap = budget.cap_of(argparse.Namespace(model="tiny", layers=2, headroom_gib=0.03))[1]
     for backend in ("inductor", "chunkce"):  # the answer is measured on both sides
