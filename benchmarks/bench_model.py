@@ -219,7 +219,7 @@ def _busy_time(run, prepare, args: argparse.Namespace) -> dict:
     return {"busy": f"{args.busy} {args.busy_kind}", "busy_step_ms_p50": stats.p50}
 
 
-def start(config: ModelConfig, backend: str, args: argparse.Namespace):
+def setup_step(config: ModelConfig, backend: str, args: argparse.Namespace):
     """A fresh Dynamo, the config's model and batch, AdamW and the loss function to step
     (``args``: ``device``, ``seed``, ``lr``, ``compile``, ``chunk_size``)."""
     torch._dynamo.reset()
@@ -239,7 +239,7 @@ def static_bytes(model, optimizer) -> int:
 def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     """One (config, backend) training run in this process; every number measured."""
     config, device = CONFIGS[name], args.device
-    model, ids, optimizer, loss_fn = start(CONFIGS[name], backend, args)
+    model, ids, optimizer, loss_fn = setup_step(CONFIGS[name], backend, args)
 
     def step(_=None) -> float:
         loss = loss_fn(ids)
@@ -324,7 +324,7 @@ def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
     the second batch size.
     """
     config, device = CONFIGS[name], args.device
-    model, _, optimizer, loss_fn = start(CONFIGS[name], backend, args)
+    model, _, optimizer, loss_fn = setup_step(CONFIGS[name], backend, args)
     gen = torch.Generator(device).manual_seed(args.seed + 2)
 
     def batch_ids(batch: int) -> torch.Tensor:

@@ -7,7 +7,7 @@
 
 The model (``--model``): Llama-3.2-1B's published widths, vocabulary and tied head
 (``benchmarks.real_models``) at ``--layers`` decoder layers, fp32, batch 1 (``tiny``:
-``bench_model``'s ``cpu-micro``). The cap is the model's parameters and AdamW's two states
+``bench_model``'s ``cpu-micro`` at those layers). The cap is the model's parameters and AdamW's two states
 plus ``--headroom-gib``. A trial is one token count in a fresh process: a first step
 (compiling, making AdamW's state), then one step (forward, backward, AdamW) whose peak
 above the parameters and state is measured (``compile_pass.memory``; gradients freed before
@@ -48,7 +48,7 @@ MODELS = ("llama3.2-1b", "tiny")
 def config(model: str, layers: int, tokens: int) -> bench_model.ModelConfig:
     """The step's config at ``tokens`` tokens (batch 1)."""
     if model == "tiny":
-        return dataclasses.replace(bench_model.CONFIGS["cpu-micro"], batch=1, seq_len=tokens)
+        return dataclasses.replace(bench_model.CONFIGS["cpu-micro"], layers=layers, batch=1, seq_len=tokens)
     return bench_model.real_config(model, layers=layers, batch=1, seq_len=tokens)
 
 
@@ -98,7 +98,7 @@ def trial(args: argparse.Namespace) -> dict:
     device = torch.device("cpu")
     step_config = config(args.model, args.layers, args.trial)
     settings = argparse.Namespace(device=device, seed=0, lr=1e-4, compile="loss", chunk_size=None)
-    model, ids, optimizer, loss_fn = bench_model.start(step_config, args.backend, settings)
+    model, ids, optimizer, loss_fn = bench_model.setup_step(step_config, args.backend, settings)
 
     def step(_=None) -> None:
         loss_fn(ids).backward()

@@ -162,12 +162,12 @@ def model_table(records: list[dict]) -> str:
                      "max loss gap to Inductor"], body)
 
 
-def document(records: list[dict]) -> str:
+def document(records: list[dict], results: str = RESULTS) -> str:
     """The whole markdown page: where it comes from, then both tables."""
     sources = "; ".join(f"{name}: <{m.source}>" for name, m in REAL_MODELS.items())
     return "\n\n".join([
         "# The op and a training step at real heads (CPU, fp32)",
-        f"Written by `python -m benchmarks.real_heads` from `{RESULTS}`: do not edit. "
+        f"Written by `python -m benchmarks.real_heads` from `{results}`: do not edit. "
         f"{harness.environment_line([r['env'] for r in records if r.get('env')])}. "
         f"Widths and vocabularies from the published configs ({sources}).",
         "## The op alone: forward + backward\n\n"
@@ -178,10 +178,10 @@ def document(records: list[dict]) -> str:
     ]) + "\n"
 
 
-def write_document(records: list[dict], path: str) -> None:
+def write_document(records: list[dict], path: str, results: str) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        f.write(document(records))
+        f.write(document(records, results))
 
 
 # ---------------------------------------------------------------- the run
@@ -216,7 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=1, help="timed op calls after the measured one")
     p.add_argument("--steps", type=int, default=3, help="timed training steps")
     p.add_argument("--mem-cap-gib", type=float, default=14.0, help="do not start a case predicted above this")
-    p.add_argument("--run-timeout", type=float, default=None, help="seconds per case's process")
+    p.add_argument("--run-timeout", type=float, default=5400.0,
+                   help="seconds per case's process (a case past it is a failed row, and the run goes on)")
     p.add_argument("--results", default=RESULTS, help="JSON lines, appended to")
     p.add_argument("--write", default=TABLE, help="the markdown table")
     p.add_argument("--redo", action="store_true", help="run the cases already in --results again")
@@ -240,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                                                else record["note"]), flush=True)
             harness.append_jsonl(args.results, record)
             records.append(record)
-            write_document(records, args.write)
-    write_document(records, args.write)
-    print(f"\n{document(records)}\nwrote {args.write}")
+            write_document(records, args.write, args.results)
+    write_document(records, args.write, args.results)
+    print(f"\n{document(records, args.results)}\nwrote {args.write}")
     ours_failed = [r for r in latest(records).values() if r["status"] == "failed" and r["impl"] in (OURS, FLOOR)]
     return 1 if ours_failed else 0
 
