@@ -112,10 +112,13 @@ def run_model(head: str, backend: str, args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------- the table
 
 
-def _head_cell(head: str) -> str:
-    shape = SHAPES[HEADS[head][0]]
+def _head_cell(head: str, part: str = "op") -> str:
+    if part == "op":
+        hidden, vocab = SHAPES[HEADS[head][0]].hidden_size, SHAPES[HEADS[head][0]].vocab_size
+    else:
+        hidden, vocab = CONFIGS[HEADS[head][1]].hidden_size, CONFIGS[HEADS[head][1]].vocab_size
     tied = f", {'tied' if REAL_MODELS[head].tied else 'untied'}" if head in REAL_MODELS else ""
-    return f"{head} ({shape.hidden_size} x {shape.vocab_size}{tied})"
+    return f"{head} ({hidden} x {vocab}{tied})"
 
 
 def op_table(records: list[dict]) -> str:
@@ -149,17 +152,18 @@ def model_table(records: list[dict]) -> str:
         base = mine.get("inductor", {})
         for backend, r in mine.items():
             if r["status"] != "measured":
-                body.append([_head_cell(head), tokens, backend, f"{r['status']}: {r['note']}", *[""] * 5])
+                body.append([_head_cell(head, "model"), tokens, backend, f"{r['status']}: {r['note']}", *[""] * 6])
                 continue
             gap = ""
             if base.get("losses") and backend != "inductor":
                 gap = f"{max(abs(a - b) for a, b in zip(r['losses'], base['losses'])):.1e}"
-            body.append([_head_cell(head), tokens, backend, fmt(r["step_ms"] / 1e3, ".1f"),
+            body.append([_head_cell(head, "model"), tokens, backend, fmt(r["step_ms"] / 1e3, ".1f"),
                          ratio(r["step_ms"], base.get("step_ms")), fmt(r["peak_mib"], ".0f"),
-                         ratio(r["peak_mib"], base.get("peak_mib")), fmt(r["static_mib"], ".0f"), gap])
+                         ratio(r["peak_mib"], base.get("peak_mib")), fmt(r["static_mib"], ".0f"), gap,
+                         r.get("sites_rewritten") or "-"])
     return markdown(["head (H x V)", "tokens", "backend", "step s (median)", "x Inductor",
                      "peak MiB above params + AdamW", "x Inductor", "params + AdamW MiB",
-                     "max loss gap to Inductor"], body)
+                     "max loss gap to Inductor", "sites rewritten"], body)
 
 
 def document(records: list[dict], results: str = RESULTS) -> str:
@@ -211,8 +215,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", nargs="+", choices=HEADS, default=list(REAL_MODELS))
     p.add_argument("--parts", nargs="+", choices=("op", "model"), default=["op", "model"])
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="the op's token counts")
-    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), help="the op's (benchmarks.impls)")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help="the step's (bench_model)")
+    p.add_argument("--providers", nargs="+", choices=predict.OP_WORKING_SET, default=list(PROVIDERS),
+                   help="the op's (benchmarks.impls)")
+    p.add_argument("--backends", nargs="+", choices=("eager", "inductor", "chunkce"), default=list(BACKENDS),
+                   help="the step's (bench_model)")
     p.add_argument("--reps", type=int, default=1, help="timed op calls after the measured one")
     p.add_argument("--steps", type=int, default=3, help="timed training steps")
     p.add_argument("--mem-cap-gib", type=float, default=14.0, help="do not start a case predicted above this")
