@@ -201,7 +201,7 @@ def document(records: list[dict], args: argparse.Namespace, static: float, cap: 
     base = next((r["tokens"] for r in rows if r["backend"] == "inductor"), 0)
     best = markdown(["backend", "largest step, tokens", "x Inductor's", "step s", "tokens/s"],
                     [[r["backend"], r["tokens"], f"{r['tokens'] / base:.2f}x" if base else "",
-                      fmt((r["step_ms"] or 0) / 1e3 if r["step_ms"] else None, ".1f"),
+                      fmt(r["step_ms"] / 1e3 if r["step_ms"] else None, ".1f"),
                       fmt(r["tokens_per_s"], ".0f")] for r in rows])
     tried = markdown(["backend", "tokens", "MiB in all", "fits", "note"],
                      [[r["backend"], r["tokens"], fmt(r.get("total_mib"), ".0f"),
