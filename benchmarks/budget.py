@@ -1,8 +1,8 @@
 """A fixed memory budget: the most tokens a training step fits under a cap, per backend, and their speed.
 
     python -m benchmarks.budget                      # Llama-3.2-1B's widths, two layers: Inductor, chunkce
-    python -m benchmarks.budget --model tiny --headroom-gib 0.06 --granularity 128 \
-        --results /tmp/budget.jsonl --write /tmp/budget.md --plot /tmp/budget.png   # a check, seconds
+    python -m benchmarks.budget --model tiny --headroom-gib 0.006 --granularity 128 --max-tokens 512 \
+        --results /tmp/budget.jsonl --write /tmp/budget.md --plot /tmp/budget.png   # a check, minutes
     python -m benchmarks.budget --table-only         # table and plot again from the results
 
 The model (``--model``): Llama-3.2-1B's published widths, vocabulary and tied head
