@@ -36,7 +36,7 @@ TILES = 256 * 2**20  # a chunked provider's tiles (chunkce: 47 MiB at 4096 x 204
 OP_WORKING_SET = {
     "unfused-eager": (3.0, 0.0, 0.0),
     "unfused-compiled": (1.1, 0.0, 0.0),  # 1.00 measured at 2048 x 256 x 32768 and 4096 x 2048 x 128256
-    "autochunk": (1.1, 0.0, 0.0),  # refuses these graphs at its default thresholds: unchunked
+    "autochunk": (1.1, 0.0, 0.0),  # unchunked where it refuses; see AUTOCHUNK_AMPLIFY
     "autochunk-forced": (0.25, 4.0, 1.5),  # 2 / num_chunk x N V measured (num_chunk 4); 8 at N 4096
     "torch-lce": (0.0, 4.0, 1.5),  # a weight gradient's buffer besides the result (1.05x V x H measured)
     "torch-lce-compiled": (0.0, 4.0, 2.5),
@@ -47,12 +47,19 @@ OP_WORKING_SET = {
     "floor-four": (2.0, 0.0, 0.0),
     "floor-unfused": (2.0, 0.0, 0.0),
 }
+# Inductor's auto-chunker at its defaults chunks (into 8) only where the matmul's [N, V] output is
+# more than auto_chunker.amplify_ratio_threshold (8) times its inputs' [N, H] + [V, H]
+# (torch/_inductor/fx_passes/auto_chunker/core.py, find_amplifier_node): refused at a ratio of
+# 7.5 (2048 x 256 x 32768), 0.25x N V measured at 21 (4096 x 128 x 8192).
+AUTOCHUNK_AMPLIFY = 8
 STEP_LOGITS = {"eager": 4.0, "inductor": 3.0}  # other backends (chunkce's): tiles, under ACTIVATIONS' margin
 
 
 def op_bytes(provider: str, tokens: int, hidden: int, vocab: int, element: int = FP32) -> int:
     """Predicted peak of a process running ``provider``'s forward + backward at ``[N, H] x [V, H]``."""
     logits, hidden_states, weight = OP_WORKING_SET[provider]
+    if provider == "autochunk" and tokens * vocab > AUTOCHUNK_AMPLIFY * (tokens + vocab) * hidden:
+        logits = 2.0 / 8
     inputs = (tokens * hidden + vocab * hidden) * element
     working = (logits * tokens * vocab + hidden_states * tokens * hidden + weight * vocab * hidden) * element
     return int(PROCESS + 2 * inputs + working + TILES)

@@ -41,7 +41,7 @@ from benchmarks.real_models import REAL_MODELS
 from benchmarks.tables import fmt, markdown, num, ratio
 
 MiB = harness.MiB
-PROVIDERS = ("unfused-compiled", "torch-lce", "autochunk-forced", "chunkce", "floor-recompute")
+PROVIDERS = ("unfused-compiled", "torch-lce", "autochunk", "autochunk-forced", "chunkce", "floor-recompute")
 BACKENDS = ("inductor", "chunkce")
 BASELINE, OURS, FLOOR = "unfused-compiled", "chunkce", "floor-recompute"
 # head -> (bench_op shape, bench_model config)

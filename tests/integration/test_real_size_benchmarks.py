@@ -67,6 +67,18 @@ def test_predictions_keep_the_whole_logits_off_the_machine_and_let_the_chunked_o
     assert predict.too_big(predict.step_bytes(llama, 2, 4096, "chunkce"), 14.0) is None
 
 
+def test_auto_chunker_predicted_chunked_only_where_its_matmul_amplifies_its_inputs_over_8x():
+    def working_set(tokens, hidden, vocab):
+        return predict.op_bytes("autochunk", tokens, hidden, vocab) - predict.op_bytes("chunkce", tokens, hidden, vocab)
+
+    llama, gemma = REAL_MODELS["llama3.2-1b"], REAL_MODELS["gemma3-1b"]
+    # 16384 x 128256 is 7.1x (16384 + 128256) x 2048: refused, so the whole logits
+    assert working_set(16384, llama.hidden_size, llama.vocab_size) > 16384 * llama.vocab_size * 4
+    # 16384 x 262144 is 13.4x (16384 + 262144) x 1152: chunked into 8
+    assert working_set(16384, gemma.hidden_size, gemma.vocab_size) < 16384 * gemma.vocab_size * 4 / 3
+    assert working_set(4096, 128, 8192) < working_set(2048, 256, 32768)  # chunked (21x), refused (7.5x)
+
+
 def test_predicted_step_grows_with_tokens_by_the_logits_for_inductor_only():
     llama = REAL_MODELS["llama3.2-1b"]
     logits = 8192 * llama.vocab_size * 4  # [8192, V] fp32
