@@ -20,7 +20,7 @@ Estimates of a whole process, generous on purpose, in the element size of fp32:
   larger of backward's share (the layers' saved activations, :func:`activations`, and the
   backend's ``[N, V]`` buffers, ``STEP_LOGITS``: Inductor's compiled HF loss holds about
   three) and the single-tensor AdamW's temporaries (two of the largest parameter, the
-  embedding).
+  embedding: 2.00x measured in a step after the first on CPU).
 """
 
 from __future__ import annotations
