@@ -1,4 +1,4 @@
-"""Model-level benchmark: one Llama training step, eager vs Inductor vs chunkce.
+"""Model-level benchmark: one training step, eager vs Inductor vs chunkce.
 
     python -m benchmarks.bench_model --device cpu --configs cpu-small --isolate
     python -m benchmarks.bench_model --configs gpu-1b --isolate --csv model.csv   # on a GPU: bf16
@@ -8,7 +8,8 @@
         --step eval eval-read --steps 3    # evaluation steps (no_grad, labels), logits unread / read
 
 A ``transformers`` ``LlamaForCausalLM`` built from a registry config (random
-weights, same seed everywhere), trained on one fixed random batch. Per backend:
+weights, same seed everywhere; the ``<name>-2l`` configs build the published model of
+``benchmarks.real_models``, its family and tied head, at two decoder layers), trained on one fixed random batch. Per backend:
 ``--warmup`` steps (compilation), one step under ``compile_pass.memory.PeakMemory``
 (forward + backward + AdamW step, gradients freed before it), one more with the
 forward + backward alone measured, then ``--steps`` timed steps. Reported: peak
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from benchmarks import busy, harness, isolate
+from benchmarks.real_models import REAL_MODELS
 from benchmarks.tables import fmt, markdown, num, ratio
 
 MiB = harness.MiB
@@ -64,10 +66,33 @@ class ModelConfig:
     batch: int
     seq_len: int
     dtype: str  # parameters (and so activations) dtype
+    model: str = ""  # a published model of benchmarks.real_models ("": Llama, the fields above, untied)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
+
+    def transformers_config(self):
+        """The transformers config: the published model's at ``layers`` layers, or a Llama."""
+        from transformers import AutoConfig
+
+        if self.model:
+            real = REAL_MODELS[self.model]
+            return AutoConfig.for_model(real.model_type, **real.transformers_kwargs(self.layers),
+                                        max_position_embeddings=self.seq_len, use_cache=False,
+                                        attn_implementation="sdpa")
+        return AutoConfig.for_model("llama", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                                    intermediate_size=self.intermediate_size, num_hidden_layers=self.layers,
+                                    num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                                    max_position_embeddings=self.seq_len, use_cache=False,
+                                    tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def real_config(name: str, layers: int = 2, batch: int = 1, seq_len: int = 4096) -> ModelConfig:
+    """A published model (``benchmarks.real_models``) at ``layers`` layers, fp32, one batch shape."""
+    m = REAL_MODELS[name]
+    return ModelConfig(m.vocab_size, m.hidden_size, m.intermediate_size, layers, m.heads, m.kv_heads,
+                       batch=batch, seq_len=seq_len, dtype="fp32", model=name)
 
 
 CONFIGS = {
@@ -79,20 +104,17 @@ CONFIGS = {
     # Llama-3.2-1B's widths and vocabulary, fewer layers (compile time), untied head.
     "gpu-1b": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=4, seq_len=2048, dtype="bf16"),
     "gpu-1b-16k": ModelConfig(128256, 2048, 8192, 4, 32, 8, batch=8, seq_len=2048, dtype="bf16"),
+    # the published models (benchmarks.real_models) at two decoder layers, 1 x 4096 tokens, fp32
+    **{f"{name}-2l": real_config(name) for name in REAL_MODELS},
 }
 
 
 def build(config: ModelConfig, device: torch.device, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hf = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                     intermediate_size=config.intermediate_size, num_hidden_layers=config.layers,
-                     num_attention_heads=config.heads, num_key_value_heads=config.kv_heads,
-                     max_position_embeddings=config.seq_len, use_cache=False,
-                     tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(hf).to(DTYPES[config.dtype])
+        model = AutoModelForCausalLM.from_config(config.transformers_config()).to(DTYPES[config.dtype])
     model.train()
     gen = torch.Generator(device).manual_seed(seed + 1)
     input_ids = torch.randint(0, config.vocab_size, (config.batch, config.seq_len), device=device,
@@ -197,16 +219,17 @@ def _busy_time(run, prepare, args: argparse.Namespace) -> dict:
     return {"busy": f"{args.busy} {args.busy_kind}", "busy_step_ms_p50": stats.p50}
 
 
-def _start(name: str, backend: str, args: argparse.Namespace):
-    """A fresh Dynamo, the config's model and batch, AdamW and the loss function to step."""
+def setup_step(config: ModelConfig, backend: str, args: argparse.Namespace):
+    """A fresh Dynamo, the config's model and batch, AdamW and the loss function to step
+    (``args``: ``device``, ``seed``, ``lr``, ``compile``, ``chunk_size``)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model, ids = build(CONFIGS[name], args.device, args.seed)
+    model, ids = build(config, args.device, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     return model, ids, optimizer, loss_function(model, backend, args.compile, args.chunk_size)
 
 
-def _static_bytes(model, optimizer) -> int:
+def static_bytes(model, optimizer) -> int:
     """Parameters plus the optimizer's state tensors."""
     tensors = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values()
                                       if isinstance(t, torch.Tensor))]
@@ -216,7 +239,7 @@ def _static_bytes(model, optimizer) -> int:
 def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     """One (config, backend) training run in this process; every number measured."""
     config, device = CONFIGS[name], args.device
-    model, ids, optimizer, loss_fn = _start(name, backend, args)
+    model, ids, optimizer, loss_fn = setup_step(CONFIGS[name], backend, args)
 
     def step(_=None) -> float:
         loss = loss_fn(ids)
@@ -232,8 +255,8 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     harness.synchronize(device)
     warmup_s = time.perf_counter() - start
 
-    static = _static_bytes(model, optimizer)
-    peak, loss = _peak(optimizer, device, step)
+    static = static_bytes(model, optimizer)
+    peak, loss = peak_of(optimizer, device, step)
     losses.append(loss)
 
     def forward_backward():  # without the optimizer step, whose temporaries can set a small model's peak
@@ -241,7 +264,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
         loss.backward()
         return loss.detach()
 
-    peak_fwd_bwd, loss = _peak(optimizer, device, forward_backward)
+    peak_fwd_bwd, loss = peak_of(optimizer, device, forward_backward)
     optimizer.step()
     losses.append(loss)
 
@@ -269,7 +292,7 @@ def run_one(name: str, backend: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _peak(optimizer, device: torch.device, run):
+def peak_of(optimizer, device: torch.device, run):
     """``(peak bytes, result)`` of ``run()``, measured with the gradients freed before it."""
     optimizer.zero_grad(set_to_none=True)
     harness.release_memory(device)
@@ -284,7 +307,7 @@ def _step_total_mib(model, optimizer, loss_fn, ids, device, static: int) -> tupl
         loss_fn(ids).backward()
         optimizer.step()
 
-    peak, _ = _peak(optimizer, device, step)
+    peak, _ = peak_of(optimizer, device, step)
     return peak / MiB, (static + peak) / MiB
 
 
@@ -301,7 +324,7 @@ def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
     the second batch size.
     """
     config, device = CONFIGS[name], args.device
-    model, _, optimizer, loss_fn = _start(name, backend, args)
+    model, _, optimizer, loss_fn = setup_step(CONFIGS[name], backend, args)
     gen = torch.Generator(device).manual_seed(args.seed + 2)
 
     def batch_ids(batch: int) -> torch.Tensor:
@@ -309,7 +332,7 @@ def search_cap(name: str, backend: str, args: argparse.Namespace) -> dict:
 
     loss_fn(batch_ids(1)).backward()  # compiles, and makes AdamW's state
     optimizer.step()
-    static = _static_bytes(model, optimizer)
+    static = static_bytes(model, optimizer)
     trials: dict[int, tuple[float, float]] = {}
 
     def fits(batch: int) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.impls import IGNORE_INDEX, OpInputs
+from benchmarks.real_models import REAL_MODELS
 
 WEIGHT_STD = 0.02  # lm_head init (Hugging Face's initializer_range), see setup()
 
@@ -38,6 +39,8 @@ SHAPES = {
     "h256-v32k": Shape(256, 32768),
     "small": Shape(1024, 32000),
     "cpu-tiny": Shape(128, 8192),  # fp32 on 2 CPU cores in seconds
+    # the published heads (benchmarks.real_models): llama3.2-1b, qwen3-0.6b, gemma3-1b, smollm2-360m
+    **{name: Shape(m.hidden_size, m.vocab_size) for name, m in REAL_MODELS.items()},
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

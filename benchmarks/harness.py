@@ -4,6 +4,7 @@
     peak, retained = memory_region(run, prepare, device)          # bytes, measured
     rss = rss_region(run, prepare)                                # bytes of resident memory, Linux
     write_csv(rows, "out.csv")                                    # tables: benchmarks.tables
+    append_jsonl("r.jsonl", record); read_jsonl("r.jsonl")        # resumable results
 
 ``prepare`` runs before each timed or measured call and is never counted (it zeroes
 gradients, or runs the forward whose backward is measured); ``run`` gets what it
@@ -20,6 +21,7 @@ import csv
 import ctypes
 import gc
 import importlib
+import json
 import os
 import platform
 import statistics
@@ -225,3 +227,37 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str, *, append: bool = False
         if new:
             writer.writeheader()
         writer.writerows(rows)
+
+
+RECORDED = ("device", "cpu_threads", "torch", "transformers", "commit")  # what a result record keeps
+
+
+def recorded_environment() -> dict[str, str]:
+    """The part of :func:`environment` a CPU result keeps beside its numbers."""
+    env = environment(torch.device("cpu"))
+    return {k: env[k] for k in RECORDED}
+
+
+def environment_line(envs: Sequence[dict[str, str]]) -> str:
+    """``"torch 2.13.0+cpu, transformers 5.24.0, <cpu> (2 threads), commit abc1234"`` of the
+    results' environments (each field's distinct values, comma-separated)."""
+    def values(key: str) -> str:
+        return ", ".join(dict.fromkeys(str(e[key]) for e in envs if key in e)) or "-"
+
+    return (f"torch {values('torch')}, transformers {values('transformers')}, {values('device')} "
+            f"({values('cpu_threads')} threads), commit {values('commit')}")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file, in the order written (none when it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """One record appended to ``path`` (its folder made), flushed as it is written."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -1,7 +1,8 @@
 """The benchmark plots (matplotlib, PNG): scaling of every provider, and the model under a memory cap.
 
     plot_scaling(rows, "docs/img/scaling_cpu.png")        # rows of benchmarks.scaling
-    plot_model_cap(rows, cap_mib, "docs/img/model_cap_cpu.png")  # rows of bench_model --cap-mib
+    plot_model_cap(rows, cap_mib, "cap.png")             # rows of bench_model --cap-mib
+    plot_budget(trials, best, cap_mib, "docs/img/budget_cpu.png")  # records of benchmarks.budget
 
 matplotlib is imported here only (the ``Agg`` backend: no display needed); the
 benchmarks run without it when no plot is asked for.
@@ -92,6 +93,42 @@ def plot_model_cap(rows: Sequence[dict], cap_mib: float, path: str, *, title: st
            ylabel="MiB: parameters + optimizer state + step peak", title=title or "training step under a memory cap")
     ax.grid(True, alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_budget(trials: Sequence[dict], best: Sequence[dict], cap_mib: float, path: str, *, title: str = "") -> None:
+    """Three panels, per backend: every trial's memory against tokens per step with the cap, the
+    largest step that fit, and the tokens/s of that step (``benchmarks.budget``'s records)."""
+    plt = _pyplot()
+    fig, (mem_ax, fit_ax, speed_ax) = plt.subplots(1, 3, figsize=(15, 4.8))
+    colors = {}
+    for backend in dict.fromkeys(r["backend"] for r in (*trials, *best)):
+        points = sorted((int(r["tokens"]), float(r["total_mib"]) / 1024) for r in trials if r["backend"] == backend)
+        color = f"C{len(colors)}"
+        colors[backend] = color
+        if points:
+            mem_ax.plot(*zip(*points), marker="o", label=backend, linestyle=_style(backend), color=color)
+    mem_ax.axhline(cap_mib / 1024, color="black", linewidth=1)
+    mem_ax.text(mem_ax.get_xlim()[0], cap_mib / 1024, f" cap {cap_mib / 1024:.1f} GiB", va="bottom", fontsize=9)
+    mem_ax.set(xlabel="tokens per training step", ylabel="GiB: parameters + AdamW state + step peak",
+               title="every trial")
+    mem_ax.grid(True, alpha=0.3)
+    mem_ax.legend()
+    names = [r["backend"] for r in best]
+    for ax, key, label, spec in ((fit_ax, "tokens", "tokens per step that fit", "{:.0f}"),
+                                 (speed_ax, "tokens_per_s", "tokens/s at that step", "{:.0f}")):
+        values = [float(r[key] or 0) for r in best]
+        bars = ax.bar(names, values, color=[colors[n] for n in names])
+        for bar, value in zip(bars, values):
+            ax.annotate(spec.format(value) if value else "not measured", (bar.get_x() + bar.get_width() / 2, value),
+                        ha="center", va="bottom", fontsize=9)
+        ax.set(ylabel=label, title=label)
+        ax.grid(True, axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)

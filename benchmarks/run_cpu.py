@@ -15,8 +15,8 @@ provider or backend in a fresh process below that:
    (last: its ``--max-call-s`` keeps the whole run inside its time)
 
 Writes ``<out>/op_cpu.csv``, ``scaling_cpu.csv``, ``model_cpu.csv``,
-``model_cap_cpu.csv``, ``cpu_tables.md`` (the markdown tables the docs quote) and
-the plots into ``<img>``; default ``benchmarks/results`` and ``docs/img``
+``model_cap_cpu.csv`` and its plot, ``cpu_tables.md`` (the markdown tables the docs
+quote), and the scaling plot into ``<img>``; default ``benchmarks/results`` and ``docs/img``
 (``--quick``: a temporary directory, so a check never overwrites the documented run).
 The tables are each benchmark's own markdown tables (``op_report.op_table``,
 ``bench_model.step_table`` / ``cap_table``, ``scaling.tables``) read back from the
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--isolate", *chunk, "--csv", os.path.join(out, "model_cpu.csv")],
         "cap": ["-m", "benchmarks.bench_model", "--device", "cpu", *CAP[mode], "--backends", "inductor", "chunkce",
                 "--isolate", *chunk, "--csv", os.path.join(out, "model_cap_cpu.csv"),
-                "--plot", os.path.join(img, "model_cap_cpu.png")],
+                "--plot", os.path.join(out, "model_cap_cpu.png")],
         "scaling": ["-m", "benchmarks.scaling", "--device", "cpu", *SCALING[mode], "--impls", *CPU_IMPLS, *chunk,
                     "--csv", os.path.join(out, "scaling_cpu.csv"), "--plot", os.path.join(img, "scaling_cpu.png")],
     }
