@@ -48,10 +48,11 @@ from benchmarks.real_models import REAL_MODELS
 from benchmarks.tables import fmt, markdown, num, ratio
 
 MiB = harness.MiB
-BACKENDS = ("eager", "inductor", "chunkce", "chunkce-keep", "chunkce-drop")
-# chunkce with no options (returned logits lazy), and the other two returned_logits behaviours
+BACKENDS = ("eager", "inductor", "chunkce", "chunkce-keep", "chunkce-drop", "chunkce-gif")
+# chunkce with no options (returned logits lazy), the other two returned_logits behaviours, and the
+# gradients computed during forward (three matmuls a chunk where the recompute runs four)
 CHUNKCE_OPTIONS = {"chunkce": {}, "chunkce-keep": {"returned_logits": "keep"},
-                   "chunkce-drop": {"returned_logits": "drop"}}
+                   "chunkce-drop": {"returned_logits": "drop"}, "chunkce-gif": {"grads_in_forward": True}}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -217,7 +217,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384], help="the op's token counts")
     p.add_argument("--providers", nargs="+", choices=predict.OP_WORKING_SET, default=list(PROVIDERS),
                    help="the op's (benchmarks.impls)")
-    p.add_argument("--backends", nargs="+", choices=("eager", "inductor", "chunkce"), default=list(BACKENDS),
+    p.add_argument("--backends", nargs="+", choices=("eager", "inductor", "chunkce", "chunkce-gif"), default=list(BACKENDS),
                    help="the step's (bench_model)")
     p.add_argument("--reps", type=int, default=1, help="timed op calls after the measured one")
     p.add_argument("--steps", type=int, default=3, help="timed training steps")
