@@ -34,6 +34,7 @@ SHAPES = {
     "h2048-v128k": Shape(2048, 128256),
     "h1024-v32k": Shape(1024, 32768),
     "h1024-v262k": Shape(1024, 262144),  # Gemma 3's vocabulary
+    "h2048-v248k": Shape(2048, 248320),  # the CCE anchor (16384 x 2048 x 248320, TRL #6858)
     "h256-v128k": Shape(256, 128256),
     "h128-v128k": Shape(128, 128256),
     "h256-v32k": Shape(256, 32768),

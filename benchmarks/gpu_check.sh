@@ -1,115 +1,128 @@
 #!/usr/bin/env bash
-# One prepared run for a scarce GPU session: versions, GPU tests, op benchmark, model benchmark.
+# One prepared run for a scarce GPU session (under 8 minutes on one H100 / H200), one report.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh            # from the repository root
 #
-# Everything is logged to $OUT/log.txt; CSVs and the JUnit report go to $OUT/. Each
-# section runs under `timeout`, capped so the whole script ends within $BUDGET seconds
-# (default 450); a failing or timed-out section is reported and the next one runs.
-# Without CUDA the same sections run on CPU at CPU sizes (a check of the script).
-# Carried wheels in .whl/ (liger-kernel, cut-cross-entropy) are installed to /tmp/site.
+# Sections, each under `timeout` capped so the whole script ends within $BUDGET seconds (default
+# 420): versions (and the torch below our pin, said and run anyway), the carried peers, the GPU
+# tests (pytest -m gpu), the dry run of calls per op (benchmarks.calls_per_op), the anchor shapes
+# for chunkce (default and grads_in_forward) against QuACK, Liger, CCE, torch's chunked
+# F.linear_cross_entropy and Inductor unfused with peak memory (benchmarks.bench_op), and the
+# accelerator tile curve (benchmarks.tile_kernels curve). $OUT/report.md holds every section's
+# command and output; $OUT/log.txt everything; CSVs and the JUnit report beside them. A failing or
+# timed-out section is reported and the next one runs. Without CUDA the same sections run at CPU
+# sizes (the script's check: tests/integration/test_gpu_check.py). Wheels carried in .whl/
+# (liger-kernel, cut-cross-entropy; docs/benchmarks.md says why QuACK's are not) go to /tmp/site.
 set -uo pipefail
 
 OUT=${OUT:-/tmp/chunkce_gpu_check}
-BUDGET=${BUDGET:-450}
+BUDGET=${BUDGET:-420}
 PY=${PYTHON:-python3}
+PIN=2.13  # pyproject's lowest torch
 mkdir -p "$OUT"
+REPORT="$OUT/report.md"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 
 # The package is not installed there: import it from the checkout. Importing
-# compile_pass registers the "chunkce" backend (compile_pass/__init__.py), so the
-# missing entry point does not matter.
+# compile_pass registers the "chunkce" backend (compile_pass/__init__.py).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 KINETO_LOG_LEVEL=99 TOKENIZERS_PARALLELISM=false
 
-section() { echo; echo "=== $1  [$(date +%T), ${SECONDS}s of ${BUDGET}s]"; }
-
-# capped CAP CMD...: run CMD under timeout min(CAP, time left); skip it when too little is left.
-capped() {
-    local cap=$1; shift
+# section TITLE CAP CMD...: CMD under timeout min(CAP, time left), its output into the log and,
+# under "## TITLE" with the command and its status, into the report; skipped when too little is left.
+section() {
+    local title=$1 cap=$2; shift 2
     local left=$((BUDGET - SECONDS - 5))
     local limit=$((cap < left ? cap : left))
-    if ((limit < 30)); then echo "--- skipped: ${left}s left"; return 0; fi
-    echo "--- timeout ${limit}s: $*"
-    timeout -k 10 "$limit" "$@"
+    echo; echo "=== $title  [$(date +%T), ${SECONDS}s of ${BUDGET}s]"
+    { echo; echo "## $title"; echo; echo "\`$*\`"; echo; } >>"$REPORT"
+    if ((limit < 20)); then
+        echo "skipped: ${left}s left" | tee -a "$REPORT"; return 0
+    fi
+    local part="$OUT/.section.txt"
+    timeout -k 10 "$limit" "$@" >"$part" 2>&1
     local rc=$?
-    ((rc == 124 || rc == 137)) && echo "--- TIMED OUT after ${limit}s" || echo "--- rc=$rc"
-    return 0
+    cat "$part"
+    local status="rc=$rc"
+    ((rc == 124 || rc == 137)) && status="TIMED OUT after ${limit}s"
+    { echo '```'; cat "$part"; echo '```'; echo; echo "status: $status"; } >>"$REPORT"
+    echo "--- $status"
+    rm -f "$part"
 }
 
-section "versions"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null \
-    || echo "no nvidia-smi"
+echo "# chunkce GPU check ($(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))" >"$REPORT"
+
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH \
-        || echo "wheel install failed; liger / cce will be skipped"
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site \
+        || echo "wheel install failed: the peers in .whl/ will be skipped"
 fi
-"$PY" - <<'EOF'
-import importlib, platform
+
+section "versions and peers" 60 "$PY" - "$PIN" <<'PYEOF'
+import importlib, platform, sys
 import torch, torch.nn.functional as F
+pin = tuple(int(p) for p in sys.argv[1].split("."))
+found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-for name in ("triton", "transformers", "liger_kernel", "cut_cross_entropy", "tabulate"):
+if found < pin:
+    print(f"torch {torch.__version__} is below chunkce's range (torch>={sys.argv[1]}): running anyway; "
+          "what fails on it is in the sections below")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device: {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, "
+          f"capability {p.major}.{p.minor}")
+for name, module in (("triton", "triton"), ("liger-kernel", "liger_kernel"),
+                     ("cut-cross-entropy", "cut_cross_entropy"), ("quack-kernels", "quack.linear_cross_entropy")):
     try:
-        print(f"{name} {getattr(importlib.import_module(name), '__version__', '?')}")
+        importlib.import_module(module)
+        print(f"peer {name}: importable ({getattr(sys.modules[module.split('.')[0]], '__version__', '?')})")
     except Exception as e:
-        print(f"{name} missing ({type(e).__name__}: {e})")
-print("F.linear_cross_entropy:", hasattr(F, "linear_cross_entropy"),
-      "| nn.LinearCrossEntropyOptions:", hasattr(torch.nn, "LinearCrossEntropyOptions"))
-print("aten.addmm overloads:", torch.ops.aten.addmm.overloads())
-acc = getattr(torch, "accelerator", None)
-print("torch.accelerator:", [n for n in ("empty_cache", "memory_allocated", "max_memory_allocated",
-                                         "reset_peak_memory_stats", "synchronize") if hasattr(acc, n)])
+        print(f"peer {name}: SKIPPED, {type(e).__name__}: {e}"
+              + ("; not carried: its nvidia-cutlass-dsl-libs-cu12 wheel is 87 MiB, over the 64 MiB a run carries"
+                 if name == "quack-kernels" else ""))
+print("F.linear_cross_entropy with LinearCrossEntropyOptions:",
+      hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"))
 import compile_pass
 print("chunkce backend registered:", "chunkce" in torch._dynamo.list_backends(exclude_tags=()))
-EOF
+PYEOF
+
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     DEVICE=cuda
-    OP_ARGS=(--shapes llama3-8b gemma-2b-like --tokens 8192 16384 --dtype bf16 --warmup 2 --reps 5)
-    MODEL_ARGS=(--configs gpu-1b --steps 5 --backends eager chunkce inductor)
-    SWEEP_ARGS=(--tokens 8192 --chunk-size auto 256 1024 2048 4096 --warmup 2 --reps 5)
-    PROFILE_ARGS=(--shape llama3-8b --tokens 8192 --chunk-size auto 2048)
-    SCALING_ARGS=(--shape llama3-8b --dtype bf16 --tokens 4096 8192 16384 32768 --mem-cap-gib 100 --max-call-s 20
-                  --impls unfused-compiled torch-lce-compiled chunkce chunkce-compiled chunkce-gif liger cce
-                  floor-recompute)
+    ANCHORS=(--shapes llama3-8b --tokens 4096 8192 --dtype bf16)
+    ANCHOR_248K=(--shapes h2048-v248k --tokens 16384 --dtype bf16)
+    IMPLS=(--impls chunkce chunkce-gif quack liger cce torch-lce unfused-compiled)
+    BENCH=(--warmup 2 --reps 5)
+    CURVE=(--shapes large --budgets-mib 32 64 128 256 --floors 1024 2048 4096 --reps 5)
+    DRY=(--device h100 --budgets-mib 64 128)
 else
     DEVICE=cpu
     echo "no CUDA: running the CPU fallback sizes"
-    OP_ARGS=(--shapes cpu-tiny --tokens 2048 --dtype fp32 --impls unfused-eager chunkce liger cce)
-    MODEL_ARGS=(--configs cpu-small --steps 2 --warmup 1 --backends eager chunkce)
-    SWEEP_ARGS=(--tokens 2048 --chunk-size auto 256)
-    PROFILE_ARGS=(--shape cpu-tiny --tokens 2048 --chunk-size 256)
-    SCALING_ARGS=(--shape cpu-tiny --tokens 512 1024 --impls unfused-compiled chunkce floor-recompute)
+    ANCHORS=(--shapes cpu-tiny --tokens 512 --dtype fp32)
+    ANCHOR_248K=(--shapes cpu-tiny --tokens 256 --dtype fp32)
+    IMPLS=(--impls chunkce chunkce-gif quack liger cce unfused-eager)  # torch-lce: seconds a call on CPU
+    BENCH=(--warmup 1 --reps 1)
+    CURVE=(--shapes example-32k --budgets-mib 7 --floors 512 --reps 1)
+    DRY=(--device h100)
 fi
 
-section "tests: tests/integration/test_gpu.py tests/op/test_op.py"
-capped 150 "$PY" -m pytest tests/integration/test_gpu.py tests/op/test_op.py -q -x -rs -p no:cacheprovider \
-    --durations=12 --junitxml="$OUT/junit.xml"
+section "GPU tests (pytest -m gpu)" 150 "$PY" -m pytest -m gpu tests/integration/test_gpu.py \
+    tests/integration/test_memory.py tests/op/test_autograd.py -q -rs -p no:cacheprovider \
+    --durations=8 --junitxml="$OUT/junit.xml"
 
-section "op benchmark: every provider (benchmarks/impls.py), full mode, HF-style fp32 logits, speed + memory + error"
-capped 150 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]}" --modes full \
-    --logits-dtype fp32 --csv "$OUT/op.csv"
+section "calls per op, dry run (benchmarks.calls_per_op)" 30 "$PY" -m benchmarks.calls_per_op "${DRY[@]}"
 
-section "model benchmark: Llama train step, eager / inductor / chunkce, fresh process each"
-capped 170 "$PY" -m benchmarks.bench_model --device "$DEVICE" "${MODEL_ARGS[@]}" --isolate \
-    --csv "$OUT/model.csv"
+section "anchors: chunkce (default, grads_in_forward) against the peers, time and peak memory" 150 \
+    "$PY" -m benchmarks.bench_op --device "$DEVICE" "${ANCHORS[@]}" "${IMPLS[@]}" "${BENCH[@]}" \
+    --modes full --runs speed memory --csv "$OUT/anchors.csv"
 
-section "extra, if time is left: chunkce's chunk size against speed and memory (full mode)"
-capped 80 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]:0:2}" "${SWEEP_ARGS[@]}" \
-    --impls chunkce --modes full --runs speed memory --logits-dtype fp32 --csv "$OUT/op_chunk_sweep.csv"
+section "anchor 16384 x 2048 x 248320 (CCE's)" 90 \
+    "$PY" -m benchmarks.bench_op --device "$DEVICE" "${ANCHOR_248K[@]}" "${IMPLS[@]}" "${BENCH[@]}" \
+    --modes full --runs speed memory --csv "$OUT/anchor_248k.csv"
 
-section "extra, if time is left: memory and time against tokens, every provider on one plot"
-capped 120 "$PY" -m benchmarks.scaling --device "$DEVICE" "${SCALING_ARGS[@]}" --logits-dtype fp32 \
-    --csv "$OUT/scaling.csv" --plot "$OUT/scaling.png"
+section "accelerator tile curve (benchmarks.tile_kernels curve)" 90 \
+    "$PY" -m benchmarks.tile_kernels curve --device "$DEVICE" "${CURVE[@]}"
 
-section "extra, if time is left: where the op's time goes (torch.profiler)"
-capped 60 "$PY" -m benchmarks.profile_op --device "$DEVICE" "${PROFILE_ARGS[@]}" --logits-dtype fp32
-
-section "extra, if time is left: op benchmark with logits in bf16 (no upcast), forward + backward"
-capped 90 "$PY" -m benchmarks.bench_op --device "$DEVICE" "${OP_ARGS[@]:0:2}" --tokens 8192 \
-    --modes forward backward --runs speed memory --csv "$OUT/op_same_logits.csv"
-
-section "done"
+echo; echo "report: $REPORT"
 ls -la "$OUT"
 sleep 1  # let tee flush log.txt before the files are collected

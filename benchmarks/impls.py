@@ -26,6 +26,8 @@ target, ignore_index=-100)`` (mean) and gets its gradients into ``hidden.grad`` 
     floor-unfused         the three matmuls of the unfused design alone, on the whole [N, V]
     liger                 ``liger_kernel``'s fused linear cross-entropy (CUDA, Triton)
     cce                   Apple's Cut Cross-Entropy (CUDA, Triton)
+    quack                 QuACK's ``quack.linear_cross_entropy.chunked_linear_cross_entropy``
+                          (CUDA, CuTe DSL, SM90+; chunk_size 4096, as Liger's benchmark calls it)
 
 A provider of others (torch's or Inductor's chunker on an older torch, Liger or CCE
 off CUDA or not installed) that cannot run here says why (``Impl.problem``) and is
@@ -350,6 +352,21 @@ def _build_cce(inputs: OpInputs) -> LossFn:
                                         ignore_index=IGNORE_INDEX)
 
 
+def _quack_problem(device: torch.device, inputs: OpInputs) -> str | None:
+    if device.type != "cuda":
+        return "quack needs CUDA (CuTe DSL kernels)"
+    problem = _triton_problem("quack.linear_cross_entropy")(device, inputs)
+    if problem is None and torch.cuda.get_device_capability(device) < (9, 0):
+        return f"quack needs SM90+ (Hopper), got {torch.cuda.get_device_name(device)}"
+    return problem
+
+
+def _build_quack(inputs: OpInputs) -> LossFn:
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    return lambda: chunked_linear_cross_entropy(inputs.hidden, inputs.weight, inputs.target, chunk_size=4096,
+                                                ignore_index=IGNORE_INDEX, reduction="mean")
+
+
 def _native_logits(inputs: OpInputs) -> str:
     # These compute the softmax in fp32 from logits in the input dtype; no separate cast.
     return "logits in input dtype" if inputs.logits_dtype is not None else ""
@@ -379,6 +396,7 @@ IMPLS: dict[str, Impl] = {impl.name: impl for impl in (
     Impl("floor-unfused", _build_unfused_floor, note=lambda i: "3 matmuls, whole [N, V]", computes_loss=False),
     Impl("liger", _build_liger, _triton_problem("liger_kernel.transformers.functional"), _grads_in_forward),
     Impl("cce", _build_cce, _triton_problem("cut_cross_entropy"), _native_logits),
+    Impl("quack", _build_quack, _quack_problem, _native_logits),
 )}
 
 

@@ -5,6 +5,7 @@
     python -m benchmarks.tile_kernels curve --shapes example-32k --reps 3
     python -m benchmarks.tile_kernels memory                # working set at the default tiles, 32k to 262k vocab
     python -m benchmarks.tile_kernels argmax                # a tile's row maximum and argmax, two spellings
+    python -m benchmarks.tile_kernels calls                 # us a compiled tile kernel's call costs, above its work
 
 ``count`` runs each walk of the op once under ``torch.profiler`` (after two warm-up calls) and
 divides what ran by the tiles the walk took (the per-tile kernel's runs, from
@@ -33,6 +34,14 @@ per shape. ``memory`` prints that working set at the default tiles for ``--vocab
 times the statistics kernels' row maximum and argmax of one default tile (``[512, 1792]`` fp32, one
 intra-op thread, as a walk thread runs it), each compiled by Inductor: ``kernels._maximum`` (the
 first column holding the maximum, a float minimum) against the same with ``torch.argmax``.
+``calls`` measures what one call of a compiled tile kernel costs as the op calls it: the
+``chunk_forward`` call of a real op call on a tiny tile (``--call-shape``, one walk thread) is
+captured, compiled, then replayed ``--calls`` times through ``kernel_runner.run`` (the op's path),
+through the compiled function itself (Dynamo's and AOTAutograd's wrappers, without ``run``'s
+hooks and config patch), and eagerly (``CHUNKCE_EAGER_KERNELS=1``'s path); the kernel's own work
+is the profiler's records of its generated code (CPU: ``cpp.enable_kernel_profile``'s record
+around each ``cpp_fused_*`` function; CUDA: the device kernels' time), and a call's cost is the
+time per call less that work. On CPU one intra-op thread (a walk thread's). Median of ``--rounds`` rounds, each path interleaved.
 Inputs: hidden states ``randn``, weight std 0.02, fp32, 5 % of targets ignored.
 """
 
@@ -336,10 +345,95 @@ def run_argmax(args) -> None:
         print(f"| {name} | {statistics.median(measured) * 1e3:.2f} |")
 
 
+# ---- calls --------------------------------------------------------------------------------
+
+
+def _captured_call(tokens: int, hidden: int, vocab: int, device: torch.device) -> tuple:
+    """``(fn_name, variant, args)`` of the first ``chunk_forward`` call a real op call makes (one walk
+    thread, default tiles), after two calls that compile it."""
+    captured = []
+    real_run = kernel_runner.run
+
+    def capture(fn_name, variant, eager, *args):
+        if fn_name == "chunk_forward" and not captured:
+            captured.append((fn_name, variant, args))
+        return real_run(fn_name, variant, eager, *args)
+
+    hidden_states, weight, target = _inputs(tokens, hidden, vocab, device)
+    kernel_runner.run = capture
+    try:
+        for _ in range(2):
+            captured.clear()
+            compile_pass.linear_cross_entropy(hidden_states.detach(), weight.detach(), target)
+    finally:
+        kernel_runner.run = real_run
+    return captured[0]
+
+
+def _kernel_work_us(call, device: torch.device, calls: int) -> float:
+    """The kernel's own work per call (us): its profiler records, as the module docstring says."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            call()
+        harness.synchronize(device)
+    if device.type == "cuda":
+        cuda = torch.autograd.DeviceType.CUDA
+        total = sum(e.device_time for e in prof.events() if e.device_type == cuda)
+    else:
+        total = sum(e.cpu_time for e in prof.events() if "cpp_fused" in e.name)
+    return total / calls
+
+
+def run_calls(args) -> None:
+    import os
+
+    os.environ["CHUNKCE_WALK_THREADS"] = "1"  # the op's kernels on this thread, as on an accelerator
+    if args.device.type == "cpu":
+        torch.set_num_threads(1)  # a tiny tile: no parallel region to wait at (a walk thread's one thread)
+    torch._inductor.config.cpp.enable_kernel_profile = True  # a record around each compiled C++ kernel
+    tokens, hidden, vocab = args.call_shape
+    fn_name, variant, kernel_args = _captured_call(tokens, hidden, vocab, args.device)
+    below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
+    compiled = kernel_runner.compiled(fn_name, variant)
+
+    def through_run():
+        kernel_runner.run(fn_name, variant, False, *kernel_args)
+
+    def compiled_function():
+        with below_autograd():
+            compiled(*kernel_runner._symbolic(list(kernel_args)))
+
+    def eager():
+        kernel_runner.run(fn_name, variant, True, *kernel_args)
+
+    paths = {"kernel_runner.run (the op's path)": through_run,
+             "the compiled function (Dynamo + AOTAutograd wrappers)": compiled_function,
+             "eager (CHUNKCE_EAGER_KERNELS=1)": eager}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for call in paths.values():
+        call()
+    for _ in range(args.rounds):
+        for name, call in paths.items():
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                call()
+            harness.synchronize(args.device)
+            times[name].append((time.perf_counter() - start) / args.calls * 1e6)
+    work = _kernel_work_us(through_run, args.device, args.calls)
+    print(f"{fn_name} on a [{tokens}, {vocab}] fp32 tile (H {hidden}), variant {variant}; {args.calls} calls "
+          f"a round, median of {args.rounds} rounds; the kernel's own work {work:.1f} us a call")
+    print("| path | us a call | us a call above the kernel's work |\n|---|---:|---:|")
+    for name, measured in times.items():
+        median = statistics.median(measured)
+        above = f"{median - work:.1f}" if "eager" not in name else "-"
+        print(f"| {name} | {median:.1f} | {above} |")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("mode", choices=("count", "curve", "memory", "argmax", "curve-points"))
+    p.add_argument("mode", choices=("count", "curve", "memory", "argmax", "calls", "curve-points"))
     p.add_argument("--device", default=None, help="default: the current accelerator, else cpu")
     p.add_argument("--tokens", type=int, default=2048, help="count, memory")
     p.add_argument("--hidden", type=int, default=256, help="count, memory")
@@ -352,6 +446,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="curve: timed rounds (after one call per point "
                    "measured for memory)")
     p.add_argument("--timeout", type=float, default=900, help="curve: seconds per shape's process")
+    p.add_argument("--call-shape", type=int, nargs=3, default=[64, 16, 256], metavar=("N", "H", "V"),
+                   help="calls: the op call whose tile is replayed (one tile at the default budget)")
+    p.add_argument("--calls", type=int, default=300, help="calls: calls a round")
+    p.add_argument("--rounds", type=int, default=5, help="calls: rounds")
     isolate.add_result_argument(p)
     args = p.parse_args(argv)
     args.device = torch.device(args.device) if args.device else harness.default_device()
@@ -363,7 +461,7 @@ def main(argv=None) -> int:
     if args.mode != "curve-points":
         harness.print_environment(args.device)
     modes = {"count": run_count, "curve": run_curve, "memory": run_memory, "argmax": run_argmax,
-             "curve-points": curve_points}
+             "calls": run_calls, "curve-points": curve_points}
     modes[args.mode](args)
     return 0
 

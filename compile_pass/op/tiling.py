@@ -24,7 +24,7 @@ MiB = 1024 * 1024
 # The default tiles: a budget and a token floor per device kind, this one place. Choose them from
 # ``python -m benchmarks.tile_kernels curve`` (time and working set against both; docs/op.md, "Tiles").
 DEFAULT_CHUNK_BYTES = 7 * MiB  # bytes of one tile of logits: the default budget on CPU
-DEFAULT_CHUNK_BYTES_ACCELERATOR = 64 * MiB  # and on accelerators
+DEFAULT_CHUNK_BYTES_ACCELERATOR = 128 * MiB  # and on accelerators (benchmarks.calls_per_op: docs/op.md, "Calls per op")
 MIN_FULL_SPEED_TOKENS_CPU = 512  # tokens
 MIN_FULL_SPEED_TOKENS_ACCELERATOR = 2048  # tokens
 ALIGN = 32  # tokens

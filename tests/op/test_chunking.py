@@ -48,7 +48,7 @@ def no_chunk_environment(monkeypatch):
     ((2048, 262144, 4, "cpu"), (512, 3584)),
     ((4096, 1024, 4, "cpu"), (1792, 1024)),  # a small vocabulary: whole rows, the budget's tokens
     ((100, 1000, 4, "cpu"), (100, 1000)),  # capped at the tokens and columns there are
-    ((8192, 128256, 2, "cuda"), (2048, 16384)),  # the accelerator floor and its 64 MiB budget
+    ((8192, 128256, 2, "cuda"), (2048, 32768)),  # the accelerator floor and its 128 MiB budget
 ])
 def test_rule_values(shape, expected):
     assert resolve_tiles(None, *shape) == Tiles(*expected)
@@ -62,7 +62,7 @@ def test_rule_values(shape, expected):
     ((2048, 262144, 4, "cpu"), (512, 1664)),
     ((4096, 1024, 4, "cpu"), (704, 512)),  # whole rows would fit: two blocks, for the backward's split
     ((100, 1000, 4, "cpu"), (64, 256)),
-    ((8192, 128256, 2, "cuda"), (2048, 16384)),  # one walk thread on accelerators
+    ((8192, 128256, 2, "cuda"), (2048, 32768)),  # one walk thread on accelerators
 ])
 def test_rule_values_on_two_walk_threads(monkeypatch, shape, expected):
     monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
