@@ -58,7 +58,7 @@ class Setup:
     seed: int = 0
 
 
-TEST_SETUP = Setup(hidden_size=32, batch_size=4, seq_len=32)
+TEST_SETUP = Setup(hidden_size=32, layers=2, batch_size=4, seq_len=32)
 
 
 @dataclass(frozen=True)
