@@ -10,6 +10,7 @@ benchmarks run without it when no plot is asked for.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -129,6 +130,45 @@ def plot_budget(trials: Sequence[dict], best: Sequence[dict], cap_mib: float, pa
         ax.grid(True, axis="y", alpha=0.3)
     if title:
         fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_LONG_RUN_COLOR = {"chunkce": "tab:red", "inductor": "tab:blue", "eager": "tab:gray"}
+
+
+def plot_long_run(records: Sequence[dict], path: str) -> None:
+    """``benchmarks.long_run``'s runs, one column each: the loss curves (held-out loss as markers)
+    above the per-step gaps to Inductor, chunkce's and eager's (log scale)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(records), figsize=(6.5 * len(records), 8), squeeze=False, sharex="col")
+    for column, record in enumerate(records):
+        curve_ax, gap_ax = axes[0][column], axes[1][column]
+        losses, reference = record["losses"], record["losses"]["inductor"]
+        steps = min(len(v) for v in losses.values())
+        x = range(1, steps + 1)
+        for backend, series in losses.items():
+            on_top = backend == "chunkce"   # dashed over the others: the curves coincide
+            curve_ax.plot(x, series[:steps], "--" if on_top else "-", lw=0.8, color=_LONG_RUN_COLOR[backend],
+                          zorder=3 if on_top else 2, label=f"{backend} (train)")
+            evals = len(record["perplexity"][backend])
+            curve_ax.plot(record["eval_steps"][:evals], [math.log(p) for p in record["perplexity"][backend]],
+                          "o", ms=4, mfc="none", color=_LONG_RUN_COLOR[backend], label=f"{backend} (held-out)")
+            if backend != "inductor":
+                gaps = [max(abs(a - b), 1e-9) for a, b in zip(series[:steps], reference[:steps])]
+                gap_ax.plot(x, gaps, lw=0.8, color=_LONG_RUN_COLOR[backend], label=f"|{backend} - inductor|")
+        s = record["setup"]
+        curve_ax.set_title(f"{s['dtype']}: Llama, {s['layers']} layers, hidden {s['hidden_size']}, "
+                           f"{s['batch_size']} x {s['seq_len']} tokens a step")
+        curve_ax.set_ylabel("loss (held-out: log perplexity)")
+        curve_ax.legend(fontsize=8)
+        gap_ax.set_yscale("log")
+        gap_ax.set_xlabel("step")
+        gap_ax.set_ylabel("|loss - Inductor's loss| (equal: at 1e-9)")
+        gap_ax.legend(fontsize=8)
+    fig.suptitle(f"chunkce, Inductor and eager from the same weights and batches (CPU, torch {records[0]['torch']})")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
