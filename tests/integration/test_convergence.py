@@ -20,7 +20,7 @@ from torch._inductor.utils import fresh_cache
 
 from benchmarks.convergence import TEST_SETUP, compare
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("eager_kernels")]
+pytestmark = [pytest.mark.slow, pytest.mark.pinned, pytest.mark.usefixtures("eager_kernels")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.pinned]
 
 ROOT = Path(__file__).parents[2]
 SECTIONS = ("## versions and peers", "## GPU tests (pytest -m gpu)", "## calls per op, dry run",

@@ -87,6 +87,7 @@ def _number(pattern: str, text: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.pinned
 def test_the_example_prints_the_readme_results(tmp_path):
     """The set-up command's example, its defaults: each backend's peak, their ratio, the losses' agreement."""
     out = run_readme_command(tmp_path, "examples/train_compiled.py")
@@ -109,6 +110,7 @@ def test_the_example_prints_the_readme_results(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned
 @pytest.mark.parametrize("parallel", PARALLEL)
 def test_the_torchrun_command(tmp_path, parallel):
     """What check_ranks asserts, at the README's size; one tokenizer, trained by rank 0 and read by rank 1."""
@@ -118,6 +120,7 @@ def test_the_torchrun_command(tmp_path, parallel):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned
 def test_the_trainer_command(tmp_path):
     """The Trainer example's defaults: chunkce beside stock Inductor, the same losses (the script's
     exit code), the site rewritten, chunkce's training peak the lower."""

@@ -190,6 +190,7 @@ def _run(*argv, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned
 def test_real_heads_command_at_the_tiny_head(tmp_path):
     results, table = tmp_path / "r.jsonl", tmp_path / "t.md"
     argv = ["benchmarks.real_heads", "--heads", "tiny", "--tokens", "256", "--providers", "unfused-compiled",
@@ -208,6 +209,7 @@ def test_real_heads_command_at_the_tiny_head(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.pinned
 def test_budget_command_at_the_tiny_model(tmp_path):
     results, table, plot = tmp_path / "b.jsonl", tmp_path / "b.md", tmp_path / "b.png"
     # the cap (13.2 MiB) fits 128 tokens of Inductor's step (12.0 MiB measured) and not 256 (14.5 MiB)
