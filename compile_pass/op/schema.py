@@ -150,7 +150,7 @@ class ResolvedCall:
     def resolve(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
                 *, option_defaults: Mapping[str, Any] = LOSS_DEFAULTS, whole_rows: bool = False,
                 vocab_offset: int = 0, vocab_size: int | None = None) -> ResolvedCall:
-        """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
+        """The resolved options of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
         ``options``: the tiles (:func:`~compile_pass.op.tiling.resolve_tiles`), the
         environment's flags, the transform's dtype resolved; ``vocab_offset`` / ``vocab_size``
         place a shard (default: the whole head).

@@ -276,11 +276,11 @@ def _linear_statistics_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | 
     arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start, vocab_size = arguments["vocab_start"], arguments["vocab_size"]
     _check_indices(indices, weight.shape[0] if vocab_size is None else vocab_size)
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as op_call:
         if arguments["row_statistics"]:
-            return statistics_loops.statistics_walk(plan, hidden_states, weight, bias, indices, temperature,
+            return statistics_loops.statistics_walk(op_call, hidden_states, weight, bias, indices, temperature,
                                                     vocab_start)
-        selected = statistics_loops.selected_forward(plan, hidden_states, weight, bias, indices, temperature,
+        selected = statistics_loops.selected_forward(op_call, hidden_states, weight, bias, indices, temperature,
                                                      vocab_start)
         return (selected, *_empty_statistics(selected))
 
@@ -319,9 +319,9 @@ def _linear_statistics_backward_op(grad_selected: Tensor | None, grad_lse: Tenso
     output_mask = arguments.pop("output_mask")
     arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start = arguments["vocab_start"]
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as op_call:
         return statistics_loops.statistics_gradients(
-            plan, (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum), hidden_states, weight, bias, indices,
+            op_call, (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum), hidden_states, weight, bias, indices,
             temperature, (row_max, row_log_sum, row_mean, argmax), output_mask, vocab_start)
 
 
