@@ -195,8 +195,9 @@ def test_no_table_is_written_twice():
 
 
 # The type each of these names holds wherever a parameter or a class's field is so named and
-# annotated: one name, one concept (``plan`` is a site's plan, never an op call's resolved options).
-_ONE_TYPE = {"plan": "SitePlan"}
+# annotated: one name, one concept (``plan`` is a site's plan, never an op call's resolved options;
+# ``form`` a lazy tensor's form, never a spelling's name).
+_ONE_TYPE = {"plan": "SitePlan", "form": "Form"}
 
 
 def _annotated(tree: ast.Module) -> list[tuple[int, str, str]]:

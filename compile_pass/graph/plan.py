@@ -141,13 +141,13 @@ def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
         if isinstance(replacement, Reason):
             reason, replacement = replacement, None
     reached("plan", site)
-    source, form = source_of(site.node), site.call.form if site.call is not None else ""
+    source, spelling = source_of(site.node), site.call.spelling.name if site.call is not None else ""
     if reason is not None:
         module = module_of(site.projection.node if site.projection else site.stop)
-        record = SiteRecord(source, module, Decision.REFUSED, str(reason), reason.key, fix=reason.fix, form=form,
-                            warns=_saves_memory(site))
+        record = SiteRecord(source, module, Decision.REFUSED, str(reason), reason.key, fix=reason.fix,
+                            spelling=spelling, warns=_saves_memory(site))
         return SitePlan(site, Action.REFUSE, record)
-    record = SiteRecord(source, module_of(site.projection.node), Decision.REWRITTEN, "", form=form)
+    record = SiteRecord(source, module_of(site.projection.node), Decision.REWRITTEN, "", spelling=spelling)
     return SitePlan(site, Action.REWRITE, record, replacement)
 
 

@@ -188,6 +188,6 @@ class ResolvedCall:
 
     def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
         """The kernels' compile key (never a value): device type, projection dtype (of ``logits``),
-        logits dtype, class weights and smoothing present, the transform's form."""
+        logits dtype, class weights and smoothing present, the transform's variant."""
         return (logits.device.type, logits.dtype, self.options["logits_dtype"],
-                class_weight is not None, self.kernel_label_smoothing is not None, self.transform.form())
+                class_weight is not None, self.kernel_label_smoothing is not None, self.transform.variant())

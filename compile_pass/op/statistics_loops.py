@@ -26,12 +26,12 @@ def kernel_args(op_call: ResolvedCall, vocab_start: int) -> StatisticsArgs:
 
 
 def variant(op_call: ResolvedCall, logits: Tensor, *present) -> tuple:
-    """The kernels' compile key: device, dtypes, the transform's and temperature's forms, which
+    """The kernels' compile key: device, dtypes, the transform's variant, whether a temperature is given, which
     optional tensors are given (``present``), never a value."""
     options = op_call.options
     temperature = None if options["temperature_value"] is None else "number"
     return (logits.device.type, logits.dtype, options["logits_dtype"], options["statistics_dtype"],
-            op_call.transform.form(), temperature, options["temperature_multiplies"],
+            op_call.transform.variant(), temperature, options["temperature_multiplies"],
             *(tensor is not None for tensor in present))
 
 
