@@ -26,8 +26,8 @@ from compile_pass.op.loops import (
     _product_scratch,
     dense_vector,
     op_body,
-    row_statistics,
     walk_buffers,
+    walk_token_chunk,
 )
 from compile_pass.op.schema import INPUTS, LOSS_NAME, OUTPUT_MASK, OpSchema, ResolvedCall
 from compile_pass.op.tiling import accumulate_dtype, spans
@@ -100,8 +100,8 @@ def chunked_grads_in_forward(op_call: ResolvedCall, hidden_states: Tensor, weigh
     scratch = _product_scratch(grad_hidden, hidden_states, chunks, hidden_size)  # [n, H]
     for start, end in chunks:
         hidden_chunk = hidden_states[start:end]  # [n, H]
-        logits_chunk = row_statistics(op_call, buffer, state, start, end, hidden_states, weight, target, bias,
-                                      class_weight, vocab_blocks)  # [n, V]
+        logits_chunk = walk_token_chunk(op_call, buffer, state, start, end, hidden_states, weight, target, bias,
+                                        class_weight, vocab_blocks)  # [n, V]
         if want_hidden or want_weight or want_bias:
             grad_logits = _backward_kernel(op_call, logits_chunk, state.row_max[start:end],
                                            state.row_log_sum[start:end], target[start:end],

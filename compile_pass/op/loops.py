@@ -128,9 +128,9 @@ def walk_buffers(op_call: ResolvedCall, like: Tensor, num_tokens: int) -> kernel
                                  op_call.kernel_label_smoothing is not None)
 
 
-def row_statistics(op_call: ResolvedCall, buffer: TileBuffer, state: kernels.ForwardState, start: int, end: int,
-                   hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                   class_weight: Tensor | None, vocab_blocks: list) -> Tensor:
+def walk_token_chunk(op_call: ResolvedCall, buffer: TileBuffer, state: kernels.ForwardState, start: int, end: int,
+                     hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                     class_weight: Tensor | None, vocab_blocks: list) -> Tensor:
     """The token chunk ``[start, end)``'s walk over its vocabulary blocks: writes the whole rows'
     ``loss``, ``row_max`` and ``row_log_sum`` into ``state`` (:func:`walk_buffers`); returns the
     last block's logits ``[n, Vb]`` (in ``buffer``)."""
