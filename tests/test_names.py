@@ -231,3 +231,14 @@ def test_the_check_sees_a_name_of_another_type():
 def test_each_concept_name_holds_one_type():
     found = {module: names for module, tree in _modules().items() if (names := names_of_another_type(tree))}
     assert found == {}, f"names annotated with a type other than theirs (_ONE_TYPE; rename them): {found}"
+
+
+def test_no_two_modules_share_a_name():
+    """Two ``statistics.py`` (the op's, the spellings') read as one module in an import, a
+    traceback or the module map: every module of the package has a file name of its own."""
+    where = defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            where[path.name].append(str(path.relative_to(PACKAGE)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert twice == {}, f"modules named alike (rename one): {twice}"
