@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import compile_pass.torch_internals as internals
-from compile_pass.lazy_logits.cache import Statistics, cache_of
+from compile_pass.lazy_logits.cache import cache_of
 from compile_pass.lazy_logits.forms import Form, RowContent, form_of
 from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.op.checks import LOSS_REDUCTIONS
+from compile_pass.op.statistics import RowStatistics
 
 
 def fused(func: object, args: tuple, kwargs: dict) -> object:
@@ -66,7 +67,7 @@ def _grad(input: Tensor) -> bool:
     return torch.is_grad_enabled() and input.requires_grad
 
 
-def _statistics(form: Form, grad: bool, indices: Tensor | None = None) -> Statistics:
+def _statistics(form: Form, grad: bool, indices: Tensor | None = None) -> RowStatistics:
     """The statistics of every row of ``form`` (gathered at ``indices`` ``[n, K]``), key by key."""
     groups = form.groups()
     if len(groups) == 1:
@@ -78,7 +79,7 @@ def _statistics(form: Form, grad: bool, indices: Tensor | None = None) -> Statis
         order.append(where)
     inverse = torch.argsort(torch.cat(order))
     joined = [None if p0 is None else torch.cat([p[i] for p in parts]) for i, p0 in enumerate(parts[0])]
-    return Statistics(*(None if t is None else t.index_select(0, inverse.to(t.device)) for t in joined))
+    return RowStatistics(*(None if t is None else t.index_select(0, inverse.to(t.device)) for t in joined))
 
 
 def _rounded(values: Tensor, form: Form, dtype: torch.dtype) -> Tensor:
@@ -142,7 +143,7 @@ REDUCTIONS: dict[object, Reduction] = {
 }
 """The torch functions (as a graph's nodes and ``__torch_function__`` see them) of each reduction."""
 
-FromStatistics = Callable[[Statistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
+FromStatistics = Callable[[RowStatistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
 _ROW_SUMS: dict[RowContent, FromStatistics] = {
     RowContent.LOGITS: lambda stats, vocab_size: stats.row_sum,
     RowContent.LOG_PROBS: lambda stats, vocab_size: stats.row_sum - vocab_size * stats.lse,
@@ -153,9 +154,8 @@ _ROW_SUMS: dict[RowContent, FromStatistics] = {
 
 def reduction_from_statistics(reduction: Reduction, kind: RowContent) -> FromStatistics | None:
     """The value per row of ``reduction`` over the last dim of rows holding ``kind``, from the op's
-    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics` or
-    :class:`~compile_pass.lazy_logits.cache.Statistics`) and the vocabulary's size; None where
-    no statistic gives it."""
+    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics`) and the
+    vocabulary's size; None where no statistic gives it."""
     if reduction is Reduction.LOGSUMEXP:
         return (lambda stats, vocab_size: stats.lse) if kind is RowContent.LOGITS else None
     row_sum = _ROW_SUMS.get(kind)
