@@ -192,3 +192,53 @@ def test_no_table_is_written_twice():
             where[entries].append(name)
     twice = {tuple(sorted(map(str, entries)))[:4]: names for entries, names in where.items() if len(names) > 1}
     assert twice == {}, f"tables written twice (define one where the lowest layer needs it, import it): {twice}"
+
+
+# The type each of these names holds wherever a parameter or a class's field is so named and
+# annotated: one name, one concept (``plan`` is a site's plan, never an op call's resolved options;
+# ``form`` a lazy tensor's form, never a spelling's name).
+_ONE_TYPE = {"plan": "SitePlan", "form": "Form"}
+
+
+def _annotated(tree: ast.Module) -> list[tuple[int, str, str]]:
+    """``(line, name, annotation)`` of every annotated parameter and class field, ``| None`` dropped."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            found += [(a.lineno, a.arg, a.annotation) for a in (*arguments.posonlyargs, *arguments.args,
+                                                                *arguments.kwonlyargs) if a.annotation is not None]
+        elif isinstance(node, ast.ClassDef):
+            found += [(n.lineno, n.target.id, n.annotation) for n in node.body
+                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    return [(line, name, ast.unparse(annotation).strip("'\"").removesuffix(" | None"))
+            for line, name, annotation in found]
+
+
+def names_of_another_type(tree: ast.Module) -> list[str]:
+    """``line: name: annotation`` where a name of :data:`_ONE_TYPE` is annotated with another type."""
+    return [f"{line}: {name}: {annotation}" for line, name, annotation in _annotated(tree)
+            if name in _ONE_TYPE and annotation != _ONE_TYPE[name]]
+
+
+def test_the_check_sees_a_name_of_another_type():
+    tree = ast.parse("def walk(plan: ResolvedCall, x: int) -> None:\n    pass\n"
+                     "def apply(plan: SitePlan | None) -> None:\n    pass\n"
+                     "class Result:\n    plan: 'LazyOutputs'\n")
+    assert names_of_another_type(tree) == ["1: plan: ResolvedCall", "6: plan: LazyOutputs"]
+
+
+def test_each_concept_name_holds_one_type():
+    found = {module: names for module, tree in _modules().items() if (names := names_of_another_type(tree))}
+    assert found == {}, f"names annotated with a type other than theirs (_ONE_TYPE; rename them): {found}"
+
+
+def test_no_two_modules_share_a_name():
+    """Two ``statistics.py`` (the op's, the spellings') read as one module in an import, a
+    traceback or the module map: every module of the package has a file name of its own."""
+    where = defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            where[path.name].append(str(path.relative_to(PACKAGE)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert twice == {}, f"modules named alike (rename one): {twice}"

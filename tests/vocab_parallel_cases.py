@@ -123,7 +123,7 @@ def _sweep(shard: Shard, dtype: torch.dtype) -> dict[str, Any]:
         for smoothing in (0.0, 0.1):
             for weighted in (False, True):
                 for transform in (HeadTransform(), HeadTransform(scale=0.75), HeadTransform(scale=1.5, divides=True)):
-                    key = f"{reduction}-eps{smoothing}-cw{int(weighted)}-{transform.form()}"
+                    key = f"{reduction}-eps{smoothing}-cw{int(weighted)}-{transform.variant()}"
                     result = run_both(shard, weight, bias, hidden, target, class_weight if weighted else None,
                                       reduction=reduction, transform=transform, label_smoothing=smoothing,
                                       logits_dtype=dtype)

@@ -66,7 +66,7 @@ def internal_error(what: str | None) -> Reason:
 def _check_call(site: Site) -> Reason | None:
     call = site.call
     if call.unsupported:  # a spelling the op cannot reproduce
-        return Reason(Refusal.LOSS_SPELLING, form=call.form, detail=call.unsupported)
+        return Reason(Refusal.LOSS_SPELLING, spelling=call.spelling.name, detail=call.unsupported)
     if not isinstance(call, LossCall):  # a row statistic: no target, no loss argument
         return None
     if not is_tensor_node(call.target):

@@ -141,13 +141,13 @@ def _plan_site(site: Site, order: dict[Node, int]) -> SitePlan:
         if isinstance(replacement, Reason):
             reason, replacement = replacement, None
     reached("plan", site)
-    source, form = source_of(site.node), site.call.form if site.call is not None else ""
+    source, spelling = source_of(site.node), site.call.spelling.name if site.call is not None else ""
     if reason is not None:
         module = module_of(site.projection.node if site.projection else site.stop)
-        record = SiteRecord(source, module, Decision.REFUSED, str(reason), reason.key, fix=reason.fix, form=form,
-                            warns=_saves_memory(site))
+        record = SiteRecord(source, module, Decision.REFUSED, str(reason), reason.key, fix=reason.fix,
+                            spelling=spelling, warns=_saves_memory(site))
         return SitePlan(site, Action.REFUSE, record)
-    record = SiteRecord(source, module_of(site.projection.node), Decision.REWRITTEN, "", form=form)
+    record = SiteRecord(source, module_of(site.projection.node), Decision.REWRITTEN, "", spelling=spelling)
     return SitePlan(site, Action.REWRITE, record, replacement)
 
 
@@ -310,13 +310,13 @@ def one_walk_replacement(site: Site, dead: set[Node],
     the loss's walk cannot serve the reads: a spelling without ``one_walk`` (or its refusal),
     another scale than the returned logits', or logits that the loss and the reads see as
     different values or accumulate in different dtypes."""
-    spelling = site.call.spelling.one_walk
-    replacement = spelling(site.call, site.projection) if spelling is not None else None
+    one_walk = site.call.spelling.one_walk
+    replacement = one_walk(site.call, site.projection) if one_walk is not None else None
     found = returned_head(site.projection, dead, tiles)
     if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
         return None
     head, chain = found
-    if (site.scale is None) != (head.scale is None) or (site.scale is not None and site.scale.node not in chain):
+    if (site.scale is None) == head.scaled or (site.scale is not None and site.scale.node not in chain):
         return None
     loss_dtype, returned_dtype = cast_chains(site)[-1][-1], head.logits_dtype
     same_values = loss_dtype == returned_dtype or (holds(loss_dtype, head.computed_dtype)

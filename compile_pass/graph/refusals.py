@@ -90,7 +90,7 @@ class Refusal(enum.Enum):
                      "fix: compute the logits with nn.Linear / F.linear / a matmul by a [V, H] (or [H, V]) "
                      "weight inside the compiled region")
     # -- the guard's own checks --
-    LOSS_SPELLING = ("loss_spelling", "{form}: {detail}",
+    LOSS_SPELLING = ("loss_spelling", "{spelling}: {detail}",
                      "fix: write the loss as F.cross_entropy(logits.view(-1, V), labels.view(-1), ...) or as "
                      "the reason says")
     TARGET = ("target", "{detail}",

@@ -85,7 +85,7 @@ class SiteRecord:
     fix: str = ""  # how to make a refused site rewritable (never empty then), or a kept logits droppable
     # how the loss is spelled: "cross_entropy", "nll_loss" (of a log_softmax), "gather" (of a
     # log_softmax: the per-token log-probabilities); "" when unknown
-    form: str = ""
+    spelling: str = ""
     # a refused site: whether a rewrite would have saved memory (logged at WARNING, else at INFO)
     warns: bool = True
     # what became of the logits, on the record that says so (``reason``): every rewritten site of
@@ -185,14 +185,14 @@ class PassReport:
         return [r for r in self.records if r.decision is Decision.REFUSED]
 
     def __str__(self) -> str:
-        kinds = Counter(kind_of(r.form) for r in self.records)
+        kinds = Counter(kind_of(r.spelling) for r in self.records)
         sites = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
         sites = f"{sites} site(s)" if len(kinds) < 2 else f"{len(self.records)} sites ({sites})"
         header = f"chunkce: {sites}, {len(self.rewritten)} rewritten, {len(self.refused)} refused"
         left = [r for r in self.records if r.decision is Decision.LEFT]
         header += f", {len(left)} left as stock" if left else ""
         columns = ("#", "decision", "spelling", "source", "module", "tiles", "logits avoided", "reason")
-        rows = [(str(i), r.decision, r.form or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",
+        rows = [(str(i), r.decision, r.spelling or "-", _shorten(r.source, _SOURCE_WIDTH), r.module or "-",
                  tiles_text(r.tiles), format_bytes(r.logits_bytes_avoided), r.reason or "-")
                 for i, r in enumerate(self.records, 1)]
         widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
@@ -213,11 +213,11 @@ _SOURCE_WIDTH = 72
 _KINDS = {"cross_entropy": "cross-entropy", "nll_loss": "cross-entropy"}  # nll_loss of a log_softmax
 
 
-def kind_of(form: str) -> str:
-    """What a site with spelling ``form`` (:attr:`SiteRecord.form`) computes, in words: ``cross-entropy``
+def kind_of(spelling: str) -> str:
+    """What a site with ``spelling`` (:attr:`SiteRecord.spelling`) computes, in words: ``cross-entropy``
     (``F.cross_entropy``, ``nll_loss`` of a ``log_softmax``), ``gather``, ``entropy``, ``logsumexp``,
     ``row-sum``; ``unknown`` where the pass could not read it."""
-    return _KINDS.get(form, form.replace("_", "-") or "unknown")
+    return _KINDS.get(spelling, spelling.replace("_", "-") or "unknown")
 
 
 def tiles_text(tiles: Tiles | None) -> str:
@@ -300,7 +300,7 @@ def _publish(report: PassReport) -> None:
             stats["logits_lazy"] += record.fate is Fate.LAZY
             stats["statistics_folded"] += record.folded
             log.info("chunkce: rewrote %s (%s, module %s, tiles %s, logits bytes avoided %s)%s",
-                     record.source, kind_of(record.form), record.module or "?", tiles_text(record.tiles),
+                     record.source, kind_of(record.spelling), record.module or "?", tiles_text(record.tiles),
                      record.logits_bytes_avoided, f"; {record.reason}" if record.reason else "")
         elif record.decision is Decision.LEFT:  # nothing is lost: no warning
             stats["sites_left"] += 1

@@ -222,8 +222,9 @@ def head_of(projection: Projection, chain: list[Node], inputs: list[Node], hidde
     value = scale.item if scale.item is not None else scale.value
     if isinstance(value, Node) and value not in position:
         return None
-    return Head(computed_dtype=scale.dtype, scale=position[value] if isinstance(value, Node) else value,
-                scale_is_input=isinstance(value, Node), divides=scale.divides, scale_dtype=scale.dtype, **common)
+    number, at = (None, position[value]) if isinstance(value, Node) else (value, None)
+    return Head(computed_dtype=scale.dtype, scale=number, scale_input=at, divides=scale.divides,
+                scale_dtype=scale.dtype, **common)
 
 
 def _one_rounding(dtypes: list[torch.dtype]) -> bool:

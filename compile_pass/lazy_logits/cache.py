@@ -20,25 +20,12 @@ backward raises), gathered values at indices read before, the argmax.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 from compile_pass.lazy_logits.keys import Key
 from compile_pass.lazy_logits.staleness import Inputs, StaleLogitsError
-
-
-class Statistics(NamedTuple):
-    """Per read row: ``lse``, ``entropy``, ``max``, ``argmax``, ``row_sum`` ``[n]``; ``selected``
-    ``[n, K]`` or None (:class:`compile_pass.op.statistics.RowStatistics`' fields)."""
-
-    lse: Tensor
-    entropy: Tensor
-    max: Tensor
-    argmax: Tensor
-    row_sum: Tensor
-    selected: Tensor | None
+from compile_pass.op.statistics import RowStatistics
 
 
 class _Kept:
@@ -75,7 +62,7 @@ class RowCache:
         self.argmaxes = _Kept(self.num_rows)  # of the walks for the maximum only
         self.gathered: dict[bool, list[tuple[Tensor, Tensor, Tensor]]] = {True: [], False: []}  # by grad
 
-    def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> Statistics:
+    def read(self, head_rows: Tensor, grad: bool, indices: Tensor | None = None) -> RowStatistics:
         """The statistics of head rows ``head_rows`` (``[n]`` CPU int64, in read order, all in the
         key's extent), gathered at ``indices`` (``[n, K]``) if given; differentiable when ``grad``.
         Where the op can no longer run, what was kept of them, or :class:`StaleLogitsError`."""
@@ -90,7 +77,7 @@ class RowCache:
             self.gathered[grad].append((head_rows, indices.detach().clone(), stats.selected))
         return stats
 
-    def _read(self, head_rows: Tensor, grad: bool, indices: Tensor | None) -> Statistics:
+    def _read(self, head_rows: Tensor, grad: bool, indices: Tensor | None) -> RowStatistics:
         if not head_rows.numel():  # no rows (an empty view or mask): the op on none, for stock's dtypes and autograd
             return self._call(head_rows, indices, grad, row_statistics=True)
         kept = self._kept_for(head_rows, grad)
@@ -119,7 +106,7 @@ class RowCache:
             lse, entropy, maximum, row_sum = lse.detach(), entropy.detach(), maximum.detach(), row_sum.detach()
         if indices is not None and selected is None:
             selected = self._call(head_rows, indices, grad, row_statistics=False).selected
-        return Statistics(lse, entropy, maximum, argmax, row_sum, selected)
+        return RowStatistics(selected, lse, entropy, maximum, argmax, row_sum)
 
     def keep(self, lse: Tensor, entropy: Tensor, maximum: Tensor, argmax: Tensor, row_sum: Tensor) -> None:
         """Keep statistics of every head row (``[N]`` each, in head row order) computed elsewhere
@@ -141,7 +128,7 @@ class RowCache:
             self.argmaxes.add(head_rows, (argmax,))
         return argmax
 
-    def _served(self, head_rows: Tensor, grad: bool, indices: Tensor | None) -> Statistics | None:
+    def _served(self, head_rows: Tensor, grad: bool, indices: Tensor | None) -> RowStatistics | None:
         """The statistics of ``head_rows`` (gathered at ``indices``) from what was kept, None where
         something is missing. Values kept without grad, read with grad, get a backward that raises."""
         kept = next((k for k in (self.kept[grad], self.kept[False]) if head_rows.numel() and k.covers(head_rows)), None)
@@ -162,23 +149,21 @@ class RowCache:
         elif lent:
             floats = _after_change(self.key.source, floats)
         lse, entropy, maximum, row_sum, selected = floats
-        return Statistics(lse, entropy, maximum, argmax, row_sum, selected)
+        return RowStatistics(selected, lse, entropy, maximum, argmax, row_sum)
 
     def _kept_for(self, head_rows: Tensor, grad: bool) -> _Kept:
         return self.kept[True] if grad or self.kept[True].covers(head_rows) else self.kept[False]
 
     def _call(self, head_rows: Tensor, indices: Tensor | None, grad: bool, row_statistics: bool,
-              maximum_only: bool = False) -> Statistics:
+              maximum_only: bool = False) -> RowStatistics:
         key, tensors = self.key, self.key.source.tensors
         key.source.check("read")
         device = tensors[key.head.hidden].device
         every = head_rows.numel() == self.num_rows and torch.equal(head_rows, torch.arange(self.num_rows))
         rows = None if every else head_rows.to(device)
         with torch.set_grad_enabled(grad):
-            stats = key.head.statistics(tensors, rows, indices, row_statistics=row_statistics,
-                                        maximum_only=maximum_only,
-                                        **key.op_arguments(head_rows, device))
-        return Statistics(stats.lse, stats.entropy, stats.max, stats.argmax, stats.row_sum, stats.selected)
+            return key.head.statistics(tensors, rows, indices, row_statistics=row_statistics,
+                                       maximum_only=maximum_only, **key.op_arguments(head_rows, device))
 
 
 class _AfterChange(torch.autograd.Function):

@@ -2,7 +2,7 @@
 
 A root (the returned logits, a lazy copy, a derived tensor) has a :class:`Storage`: per row of its
 values (row-major over ``shape[:-1]``), the head row and a :class:`compile_pass.lazy_logits.keys.Key`,
-and one :class:`RowValues` for all rows: the values the key says (``z``), their log_softmax
+and one :class:`RowContent` for all rows: the values the key says (``z``), their log_softmax
 (``lp``), softmax (``p``), ``p * lp`` or ``p * z``. Every tensor has ``_rows``: which rows of its
 root's values its rows are (CPU int64, ``shape[:-1]``), or None when its last dim is not the
 vocabulary. Views read their root's storage as it is now (an in-place temperature changes the keys of
@@ -27,7 +27,7 @@ _aten = torch.ops.aten
 _RESHAPES = {_aten.view.default, internals.aten_unsafe_view.get()}
 
 
-class RowValues(Enum):
+class RowContent(Enum):
     """What a lazy tensor's rows hold, of the values ``z`` their keys say."""
 
     LOGITS = "z"
@@ -43,7 +43,7 @@ class Storage:
     (``[S]`` CPU int64), its ``kind``, and for kinds other than ``LOGITS`` the dtype the values were
     rounded to (``value_dtype``)."""
 
-    kind: RowValues
+    kind: RowContent
     head_rows: Tensor
     row_keys: Tensor
     keys: list[Key]
@@ -54,7 +54,7 @@ class Storage:
 class Form:
     """A tensor's form now, its rows flattened: ``head_rows`` and the key of each, ``keys[key_ids]``."""
 
-    kind: RowValues
+    kind: RowContent
     dtype: torch.dtype
     value_dtype: torch.dtype | None
     head_rows: Tensor
@@ -81,7 +81,7 @@ def own_rows(shape: torch.Size) -> Tensor:
 def root_storage(source: object, head: Head, shape: torch.Size) -> Storage:
     num_rows = shape[:-1].numel()
     key = Key.root(source, head, num_rows)
-    return Storage(RowValues.LOGITS, torch.arange(num_rows), torch.zeros(num_rows, dtype=torch.int64), [key])
+    return Storage(RowContent.LOGITS, torch.arange(num_rows), torch.zeros(num_rows, dtype=torch.int64), [key])
 
 
 def form_of(tensor: Tensor) -> Form | None:
@@ -125,7 +125,7 @@ def _snapshot(tensor: Tensor) -> tuple[Storage, Tensor] | None:
     return storage, rows.reshape(-1)
 
 
-def _new_storage(storage: Storage, rows: Tensor, change: object, kind: RowValues | None = None,
+def _new_storage(storage: Storage, rows: Tensor, change: object, kind: RowContent | None = None,
                  value_dtype: torch.dtype | None = None) -> Storage:
     """A storage of ``storage``'s ``rows``, each key mapped through ``change`` (a key or None)."""
     ids = storage.row_keys[rows]
@@ -148,7 +148,7 @@ def copied(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
     if taken is None:
         return None
     storage, rows = taken
-    if storage.kind is RowValues.LOGITS:
+    if storage.kind is RowContent.LOGITS:
         return _new_storage(storage, rows, lambda key, head_rows: key.cast(dtype, head_rows))
     value_dtype = storage.value_dtype
     if not holds(dtype, value_dtype):
@@ -171,7 +171,7 @@ def scaled(tensor: Tensor, other: object, multiplies: bool, dtype: torch.dtype) 
     """The storage of ``tensor * other`` (``/ other``) rounded to ``dtype`` (in place: the
     tensor's own), or None."""
     taken = _snapshot(tensor)
-    if taken is None or taken[0].kind is not RowValues.LOGITS or not taken[0].keys:
+    if taken is None or taken[0].kind is not RowContent.LOGITS or not taken[0].keys:
         return None
     storage, rows = taken
     num_rows = storage.keys[0].num_rows
@@ -204,11 +204,11 @@ def break_rows(tensor: Tensor) -> None:
         storage.row_keys[tensor._rows.reshape(-1) if tensor._rows is not None else slice(None)] = -1
 
 
-def softmaxed(tensor: Tensor, kind: RowValues, dtype: torch.dtype) -> Storage | None:
+def softmaxed(tensor: Tensor, kind: RowContent, dtype: torch.dtype) -> Storage | None:
     """The storage of ``log_softmax`` (``kind=LOG_PROBS``) or ``softmax`` (``PROBS``) of ``tensor`` (of
     kind ``LOGITS``) over the last dim, in ``dtype``, where the op computes it in torch's precision."""
     taken = _snapshot(tensor)
-    if taken is None or taken[0].kind is not RowValues.LOGITS:
+    if taken is None or taken[0].kind is not RowContent.LOGITS:
         return None
     storage, rows = taken
     return _new_storage(storage, rows, lambda key, head_rows: key if key.reads_in(dtype) else None, kind=kind,
@@ -218,13 +218,13 @@ def softmaxed(tensor: Tensor, kind: RowValues, dtype: torch.dtype) -> Storage | 
 def exponentiated(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
     """The storage of ``exp`` of ``tensor`` when it holds log-probabilities: probabilities."""
     taken = _snapshot(tensor)
-    if taken is None or taken[0].kind is not RowValues.LOG_PROBS:
+    if taken is None or taken[0].kind is not RowContent.LOG_PROBS:
         return None
-    return _new_storage(*taken, lambda key, head_rows: key, kind=RowValues.PROBS, value_dtype=dtype)
+    return _new_storage(*taken, lambda key, head_rows: key, kind=RowContent.PROBS, value_dtype=dtype)
 
 
-_PRODUCTS = {frozenset((RowValues.PROBS, RowValues.LOG_PROBS)): RowValues.P_LOG_P,
-             frozenset((RowValues.PROBS, RowValues.LOGITS)): RowValues.P_Z}
+_PRODUCTS = {frozenset((RowContent.PROBS, RowContent.LOG_PROBS)): RowContent.P_LOG_P,
+             frozenset((RowContent.PROBS, RowContent.LOGITS)): RowContent.P_Z}
 
 
 def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Storage | None:
@@ -234,7 +234,7 @@ def product(a: Tensor, b: Tensor, dtype: torch.dtype) -> Storage | None:
         return None
     kinds = frozenset((forms[0].kind, forms[1].kind))
     kind = _PRODUCTS.get(kinds)
-    if kind is None or (kind is RowValues.P_Z and not all(key.reads_in(dtype) for key, _ in forms[0].groups())):
+    if kind is None or (kind is RowContent.P_Z and not all(key.reads_in(dtype) for key, _ in forms[0].groups())):
         return None
     storage, rows = _snapshot(a)
     return _new_storage(storage, rows, lambda key, head_rows: key, kind=kind, value_dtype=dtype)

@@ -21,8 +21,9 @@ from compile_pass.op.statistics import RowStatistics, linear_statistics
 class Head:
     """The recipe's logits as the op computes them: ``transform(linear(hidden, weight, bias)).to(logits_dtype)``.
 
-    ``hidden``, ``weight``, ``bias`` and an input ``scale`` are positions among the recipe's inputs
-    (``bias`` None: none; ``scale`` a Python number, a position, or None). ``weight`` is
+    ``hidden``, ``weight``, ``bias`` and ``scale_input`` are positions among the recipe's inputs
+    (``bias`` None: none). The head scales by ``scale`` (a Python number) or by the tensor at
+    ``scale_input``, or neither (both None). ``weight`` is
     ``[V, H]``, ``[H, V]`` when ``weight_is_hv`` (``h @ W``), or a vocabulary-sharded DTensor
     (``sharded``: a colwise_rep tensor-parallel head; ``hidden`` is then the replicated hidden
     states' local tensor). ``scale_dtype`` is the dtype the scale applies in, ``projection_dtype``
@@ -36,8 +37,8 @@ class Head:
     logits_dtype: torch.dtype
     computed_dtype: torch.dtype
     weight_is_hv: bool = False
-    scale: int | float | None = None
-    scale_is_input: bool = False
+    scale: float | None = None
+    scale_input: int | None = None
     divides: bool = False
     scale_dtype: torch.dtype | None = None
     projection_dtype: torch.dtype | None = None
@@ -49,10 +50,14 @@ class Head:
         hidden = tensors[self.hidden]
         return hidden.numel() // max(hidden.shape[-1], 1)
 
+    @property
+    def scaled(self) -> bool:
+        return self.scale is not None or self.scale_input is not None
+
     def transform(self, tensors: Sequence[Tensor]) -> HeadTransform:
-        if self.scale is None:
+        if not self.scaled:
             return HeadTransform()
-        scale = tensors[self.scale] if self.scale_is_input else self.scale
+        scale = tensors[self.scale_input] if self.scale_input is not None else self.scale
         return HeadTransform(scale=scale, divides=self.divides, dtype=self.scale_dtype)
 
     def statistics(self, tensors: Sequence[Tensor], rows: Tensor | None, indices: Tensor | None, *,

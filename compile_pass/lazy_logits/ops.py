@@ -166,7 +166,7 @@ def _derived_storage(func: Any, args: tuple, dtype: torch.dtype) -> forms.Storag
         return forms.scaled(b, a, True, dtype) if _SCALES[func] else None
     if func in (_LOG_SOFTMAX, _SOFTMAX) and is_lazy(args[0]):
         last = is_last_dim(args[1], args[0].dim())
-        kind = forms.RowValues.LOG_PROBS if func is _LOG_SOFTMAX else forms.RowValues.PROBS
+        kind = forms.RowContent.LOG_PROBS if func is _LOG_SOFTMAX else forms.RowContent.PROBS
         return forms.softmaxed(args[0], kind, dtype) if last else None
     if func is _aten.exp.default:
         return forms.exponentiated(args[0], dtype)

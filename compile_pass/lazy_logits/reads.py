@@ -19,9 +19,9 @@ states, weight and bias through the op; detached when the tensor does not requir
 is off. :func:`fused` returns ``NotImplemented`` for anything else (the caller runs it as torch does).
 
 The reductions (``logsumexp``, ``sum``, ``mean``) are one table, :data:`REDUCTIONS` and
-:func:`row_value`: which functions, over which row values, give which statistic. The graph pass
+:func:`reduction_from_statistics`: which functions, over which row values, give which statistic. The graph pass
 reads the same table for the same reductions written inside a compiled graph
-(:mod:`compile_pass.graph.spellings.statistics`).
+(:mod:`compile_pass.graph.spellings.reductions`).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import compile_pass.torch_internals as internals
-from compile_pass.lazy_logits.cache import Statistics, cache_of
-from compile_pass.lazy_logits.forms import Form, RowValues, form_of
+from compile_pass.lazy_logits.cache import cache_of
+from compile_pass.lazy_logits.forms import Form, RowContent, form_of
 from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.op.checks import LOSS_REDUCTIONS
+from compile_pass.op.statistics import RowStatistics
 
 
 def fused(func: object, args: tuple, kwargs: dict) -> object:
@@ -66,7 +67,7 @@ def _grad(input: Tensor) -> bool:
     return torch.is_grad_enabled() and input.requires_grad
 
 
-def _statistics(form: Form, grad: bool, indices: Tensor | None = None) -> Statistics:
+def _statistics(form: Form, grad: bool, indices: Tensor | None = None) -> RowStatistics:
     """The statistics of every row of ``form`` (gathered at ``indices`` ``[n, K]``), key by key."""
     groups = form.groups()
     if len(groups) == 1:
@@ -78,7 +79,7 @@ def _statistics(form: Form, grad: bool, indices: Tensor | None = None) -> Statis
         order.append(where)
     inverse = torch.argsort(torch.cat(order))
     joined = [None if p0 is None else torch.cat([p[i] for p in parts]) for i, p0 in enumerate(parts[0])]
-    return Statistics(*(None if t is None else t.index_select(0, inverse.to(t.device)) for t in joined))
+    return RowStatistics(*(None if t is None else t.index_select(0, inverse.to(t.device)) for t in joined))
 
 
 def _rounded(values: Tensor, form: Form, dtype: torch.dtype) -> Tensor:
@@ -107,7 +108,7 @@ def _reads_in(form: Form, dtype: torch.dtype) -> bool:
 
 def _gather(input: Tensor, dim: int, index: Tensor, *, sparse_grad: bool = False, out: Tensor | None = None) -> object:
     form = form_of(input)
-    if (form is None or form.kind not in (RowValues.LOGITS, RowValues.LOG_PROBS, RowValues.PROBS) or out is not None
+    if (form is None or form.kind not in (RowContent.LOGITS, RowContent.LOG_PROBS, RowContent.PROBS) or out is not None
             or sparse_grad or not _last(input, dim)
             or not isinstance(index, Tensor) or index.dtype != torch.int64 or index.dim() != input.dim()
             or index.shape[:-1] != input.shape[:-1]):
@@ -115,9 +116,9 @@ def _gather(input: Tensor, dim: int, index: Tensor, *, sparse_grad: bool = False
     flat = index.reshape(-1, index.shape[-1]) if index.dim() > 0 else index.reshape(1, 1)
     stats = _statistics(form, _grad(input), flat)
     values = stats.selected
-    if form.kind is not RowValues.LOGITS:
+    if form.kind is not RowContent.LOGITS:
         values = values - stats.lse.unsqueeze(-1)
-        values = values.exp() if form.kind is RowValues.PROBS else values
+        values = values.exp() if form.kind is RowContent.PROBS else values
     return _rounded(values, form, input.dtype).reshape(index.shape)
 
 
@@ -142,22 +143,21 @@ REDUCTIONS: dict[object, Reduction] = {
 }
 """The torch functions (as a graph's nodes and ``__torch_function__`` see them) of each reduction."""
 
-RowValue = Callable[[Statistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
-_ROW_SUMS: dict[RowValues, RowValue] = {
-    RowValues.LOGITS: lambda stats, vocab_size: stats.row_sum,
-    RowValues.LOG_PROBS: lambda stats, vocab_size: stats.row_sum - vocab_size * stats.lse,
-    RowValues.P_LOG_P: lambda stats, vocab_size: -stats.entropy,
-    RowValues.P_Z: lambda stats, vocab_size: stats.lse - stats.entropy,
+FromStatistics = Callable[[RowStatistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
+_ROW_SUMS: dict[RowContent, FromStatistics] = {
+    RowContent.LOGITS: lambda stats, vocab_size: stats.row_sum,
+    RowContent.LOG_PROBS: lambda stats, vocab_size: stats.row_sum - vocab_size * stats.lse,
+    RowContent.P_LOG_P: lambda stats, vocab_size: -stats.entropy,
+    RowContent.P_Z: lambda stats, vocab_size: stats.lse - stats.entropy,
 }
 
 
-def row_value(reduction: Reduction, kind: RowValues) -> RowValue | None:
+def reduction_from_statistics(reduction: Reduction, kind: RowContent) -> FromStatistics | None:
     """The value per row of ``reduction`` over the last dim of rows holding ``kind``, from the op's
-    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics` or
-    :class:`~compile_pass.lazy_logits.cache.Statistics`) and the vocabulary's size; None where
-    no statistic gives it."""
+    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics`) and the
+    vocabulary's size; None where no statistic gives it."""
     if reduction is Reduction.LOGSUMEXP:
-        return (lambda stats, vocab_size: stats.lse) if kind is RowValues.LOGITS else None
+        return (lambda stats, vocab_size: stats.lse) if kind is RowContent.LOGITS else None
     row_sum = _ROW_SUMS.get(kind)
     if row_sum is None or reduction is Reduction.SUM:
         return row_sum
@@ -169,12 +169,12 @@ def _reduce(function: Callable, input: Tensor, dim: object = None, keepdim: bool
     """``function`` (one of :data:`REDUCTIONS`) of ``input`` over its last dim, or of every value
     (``dim`` None: a sum or mean)."""
     reduction, form = REDUCTIONS[function], form_of(input)
-    value = None if form is None else row_value(reduction, form.kind)
+    value = None if form is None else reduction_from_statistics(reduction, form.kind)
     every = dim is None and reduction is not Reduction.LOGSUMEXP
     if value is None or dtype is not None or out is not None or not (every or _last(input, dim)):
         return NotImplemented
     read_dtype = input.dtype  # a derived form was made only where its dtype reads in the op's precision
-    if form.kind is RowValues.LOGITS:
+    if form.kind is RowContent.LOGITS:
         read_dtype = _read_dtype(function, input, -1)
         if not _reads_in(form, read_dtype):
             return NotImplemented
@@ -188,7 +188,7 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, 
                    ignore_index: int = -100, reduce: object = None, reduction: str = "mean",
                    label_smoothing: float = 0.0) -> object:
     form = form_of(input)
-    if (form is None or form.kind is not RowValues.LOGITS or weight is not None or size_average is not None or reduce is not None
+    if (form is None or form.kind is not RowContent.LOGITS or weight is not None or size_average is not None or reduce is not None
             or reduction not in LOSS_REDUCTIONS or label_smoothing != 0.0 or input.dim() not in (1, 2)
             or not isinstance(target, Tensor) or target.dtype != torch.int64 or target.shape != input.shape[:-1]):
         return NotImplemented
@@ -208,7 +208,7 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Tensor | None = None, 
 
 def _argmax(input: Tensor, dim: int | None = None, keepdim: bool = False, *, out: Tensor | None = None) -> object:
     form = form_of(input)
-    if form is None or form.kind is not RowValues.LOGITS or out is not None or not _last(input, dim):
+    if form is None or form.kind is not RowContent.LOGITS or out is not None or not _last(input, dim):
         return NotImplemented
     groups = form.groups()  # the argmax alone: kept, or a walk for the maximum only (no exponential)
     if len(groups) == 1:
@@ -222,7 +222,7 @@ def _argmax(input: Tensor, dim: int | None = None, keepdim: bool = False, *, out
 
 def _max(input: Tensor, dim: object = None, keepdim: bool = False, *, out: object = None) -> object:
     form = form_of(input)
-    if form is None or form.kind is not RowValues.LOGITS or out is not None or not _last(input, dim):
+    if form is None or form.kind is not RowContent.LOGITS or out is not None or not _last(input, dim):
         return NotImplemented
     stats = _statistics(form, _grad(input))
     values = _rows_out(stats.max.to(input.dtype), input, keepdim)

@@ -54,17 +54,17 @@ class LazyOutputs:
     slots: tuple[Slot, ...]
 
 
-def wrap_compiled(compiled: Callable[..., Any], plan: LazyOutputs) -> Callable[..., Any]:
-    """``compiled`` handing out a :class:`LazyLogits` at each slot of ``plan`` (a
+def wrap_compiled(compiled: Callable[..., Any], lazy_outputs: LazyOutputs) -> Callable[..., Any]:
+    """``compiled`` handing out a :class:`LazyLogits` at each slot of ``lazy_outputs`` (a
     :class:`DroppedLogits` where the recipe refuses), with the extra outputs taken off."""
     computed: set[int] = set()  # slots another compiled piece takes as its input (computed_where_input)
 
     @functools.wraps(compiled)  # keeps its attributes (e.g. _boxed_call): called as it would be
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
-        swapped = list(outputs[:plan.num_outputs])
-        extras = outputs[plan.num_outputs:]
-        for slot in plan.slots:
+        swapped = list(outputs[:lazy_outputs.num_outputs])
+        extras = outputs[lazy_outputs.num_outputs:]
+        for slot in lazy_outputs.slots:
             tensors = [extras[i] for i in slot.inputs]
             if internals.is_fake(swapped[slot.position]):  # compile-time propagation: no storage to read, no record
                 swapped[slot.position] = _fake_logits(swapped[slot.position], tensors, computed, slot.position)

@@ -33,8 +33,8 @@ def _cross_entropy_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bia
     log-sum-exp in two parts, so that backward rounds as torch's log-softmax does), fp32 (fp64
     for fp64 logits), from ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
     ``bias`` / ``class_weight`` ``[V]`` or None, a 0-d scale tensor or None, and the options."""
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, options, target) as plan:
-        return loops.chunked_forward(plan, hidden_states, weight, target, bias, class_weight)
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options, target) as op_call:
+        return loops.chunked_forward(op_call, hidden_states, weight, target, bias, class_weight)
 
 
 @_cross_entropy_op.register_fake
@@ -53,8 +53,8 @@ def _cross_entropy_backward_op(grad_loss: Tensor, hidden_states: Tensor, weight:
     ``grad_loss [N]`` (the forward's accumulate dtype), the forward op's tensors and row
     statistics, ``output_mask`` and its options; a gradient not asked for is empty and costs no
     work. Walk and accumulators: :func:`compile_pass.op.tiling.plan_backward`."""
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
-        return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias,
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as op_call:
+        return loops.chunked_backward(op_call, grad_loss, hidden_states, weight, target, bias,
                                       class_weight, row_max, row_log_sum, output_mask)
 
 

@@ -26,8 +26,8 @@ from compile_pass.op.loops import (
     _product_scratch,
     dense_vector,
     op_body,
-    row_statistics,
     walk_buffers,
+    walk_token_chunk,
 )
 from compile_pass.op.schema import INPUTS, LOSS_NAME, OUTPUT_MASK, OpSchema, ResolvedCall
 from compile_pass.op.tiling import accumulate_dtype, spans
@@ -59,17 +59,17 @@ def grads_wanted(hidden_states: Tensor | None, weight: Tensor | None, bias: Tens
     return mask if any(mask) else None
 
 
-def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
+def chunked_grads_in_forward(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                              bias: Tensor | None, class_weight: Tensor | None,
                              output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The chunk loop over whole rows (``plan.tiles`` of ``Vb = V``: a row's gradient needs the
+    """The chunk loop over whole rows (``op_call.tiles`` of ``Vb = V``: a row's gradient needs the
     whole row's statistics, computed in the same walk): ``total`` (0-d),
     ``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` of
     ``total = sum_i loss_i``, and ``counted [N]`` bool: the tokens that are not ignored.
 
     ``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64, ``bias [V]`` and
     ``class_weight [V]`` (or None), as :func:`compile_pass.op.loops.chunked_forward` takes
-    them. ``total`` is in ``accumulate_dtype(plan.options["logits_dtype"])``, summed as the
+    them. ``total`` is in ``accumulate_dtype(op_call.options["logits_dtype"])``, summed as the
     recompute path sums its per-token losses (``loss[N].sum()``). A gradient that
     ``output_mask`` (``[hidden, weight, bias]``) does not ask for is an empty ``[0]``
     tensor and costs no work; ``grad_hidden_states`` is in its dtype, ``grad_weight`` and
@@ -80,12 +80,12 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
     want_hidden, want_weight, want_bias = output_mask
     want_bias = want_bias and bias is not None
     target, class_weight = dense_vector(target), dense_vector(class_weight)
-    accumulate = accumulate_dtype(plan.options["logits_dtype"])
+    accumulate = accumulate_dtype(op_call.options["logits_dtype"])
     weight_accumulate = accumulate_dtype(weight.dtype)
-    state = walk_buffers(plan, hidden_states, num_tokens)  # loss, row_max, row_log_sum [N], ...
+    state = walk_buffers(op_call, hidden_states, num_tokens)  # loss, row_max, row_log_sum [N], ...
     ones = hidden_states.new_ones(num_tokens, dtype=accumulate)  # [N] d total / d loss_i
-    chunks = spans(num_tokens, plan.tiles.tokens)
-    vocab_blocks = spans(vocab_size, plan.tiles.vocab_block)
+    chunks = spans(num_tokens, op_call.tiles.tokens)
+    vocab_blocks = spans(vocab_size, op_call.tiles.vocab_block)
     assert len(vocab_blocks) <= 1, "the grads-in-forward op walks whole rows"
     buffer = TileBuffer(hidden_states, chunks, vocab_blocks)
     # the weight gradient sums one product per chunk, or is a half-precision weight's: then it
@@ -100,10 +100,10 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
     scratch = _product_scratch(grad_hidden, hidden_states, chunks, hidden_size)  # [n, H]
     for start, end in chunks:
         hidden_chunk = hidden_states[start:end]  # [n, H]
-        logits_chunk = row_statistics(plan, buffer, state, start, end, hidden_states, weight, target, bias,
-                                      class_weight, vocab_blocks)  # [n, V]
+        logits_chunk = walk_token_chunk(op_call, buffer, state, start, end, hidden_states, weight, target, bias,
+                                        class_weight, vocab_blocks)  # [n, V]
         if want_hidden or want_weight or want_bias:
-            grad_logits = _backward_kernel(plan, logits_chunk, state.row_max[start:end],
+            grad_logits = _backward_kernel(op_call, logits_chunk, state.row_max[start:end],
                                            state.row_log_sum[start:end], target[start:end],
                                            class_weight, ones[start:end], 0)  # [n, V]
             del logits_chunk  # grad_logits is the same buffer, overwritten: one [n, V] a chunk
@@ -114,7 +114,7 @@ def chunked_grads_in_forward(plan: ResolvedCall, hidden_states: Tensor, weight: 
             if want_bias:
                 grad_bias += grad_logits.sum(0, dtype=weight_accumulate)
             del grad_logits
-    counted = target != plan.options["ignore_index"]  # [N] bool
+    counted = target != op_call.options["ignore_index"]  # [N] bool
     return state.loss.sum(), grad_hidden, grad_weight, grad_bias, counted
 
 
@@ -130,8 +130,8 @@ def _grads_in_forward_op(hidden_states: Tensor, weight: Tensor, target: Tensor, 
     arguments are those of ``chunkce::linear_cross_entropy``, with keyword ``output_mask``
     (``[grad_hidden_states, grad_weight, grad_bias]`` wanted), as the recompute backward op
     takes it."""
-    with op_body(hidden_states, weight, logit_scale_tensor, options, target, whole_rows=True) as plan:
-        return chunked_grads_in_forward(plan, hidden_states, weight, target, bias, class_weight, output_mask)
+    with op_body(hidden_states, weight, logit_scale_tensor, options, target, whole_rows=True) as op_call:
+        return chunked_grads_in_forward(op_call, hidden_states, weight, target, bias, class_weight, output_mask)
 
 
 @_grads_in_forward_op.register_fake

@@ -311,28 +311,28 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def split(plan: ResolvedCall, items: Sequence, parts: int | None = None) -> list[list]:
-    """A walk's items in parts, one a walk thread: ``P = min(plan.threads, parts, len(items))`` (at
+def split(op_call: ResolvedCall, items: Sequence, parts: int | None = None) -> list[list]:
+    """A walk's items in parts, one a walk thread: ``P = min(op_call.threads, parts, len(items))`` (at
     least 1), part ``p`` every ``P``-th item. The split is static, so a walk's arithmetic does not
-    depend on which thread ran first. ``[items]`` where the plan has one thread."""
-    count = max(1, min(plan.threads, plan.threads if parts is None else parts, len(items)))
+    depend on which thread ran first. ``[items]`` where ``op_call`` has one thread."""
+    count = max(1, min(op_call.threads, op_call.threads if parts is None else parts, len(items)))
     return [list(items[part::count]) for part in range(count)]
 
 
-def run_parts(plan: ResolvedCall, work: Callable[[int], Any], count: int, whole: bool = False) -> list:
+def run_parts(op_call: ResolvedCall, work: Callable[[int], Any], count: int, whole: bool = False) -> list:
     """``work(part)`` for each of ``count`` parts (:func:`split`); returns their results in order.
 
-    Where the plan has walk threads: on :class:`WalkThreads` where the caller may leave its thread
+    Where ``op_call`` has walk threads: on :class:`WalkThreads` where the caller may leave its thread
     (:func:`_may_leave_thread`), else one after another on the caller's thread in the same state (one
     intra-op thread, :func:`_walk_context`): either way a call's kernels are the one-thread variants
     (Dynamo guards on the thread count: another variant would be a second compile), a walk of one
-    part included. ``whole`` (one part) or a plan of one thread: ``work(0)`` here, as the caller is."""
-    if plan.threads <= 1 or whole:
+    part included. ``whole`` (one part) or a call of one thread: ``work(0)`` here, as the caller is."""
+    if op_call.threads <= 1 or whole:
         return [work(0)]
     works = [functools.partial(work, part) for part in range(count)]
     with dynamo_stats_kept():
         if _may_leave_thread():
-            return thread_pool(plan.threads).run(works)
+            return thread_pool(op_call.threads).run(works)
         return _run_here(works)
 
 

@@ -467,7 +467,7 @@ class HeadTransform:
             return self
         return dataclasses.replace(self, dtype=projection_dtype)
 
-    def form(self) -> tuple | None:
+    def variant(self) -> tuple | None:
         """The kernels' compile key: multiply or divide, number or tensor, dtype; None: identity."""
         if self.is_identity:
             return None

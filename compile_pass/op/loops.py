@@ -61,15 +61,15 @@ def op_body(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, 
         ValueError: a ``CHUNKCE_*`` variable holds a bad value.
         RuntimeError: (CPU) a target outside ``[0, V)`` that is not ``ignore_index``.
     """
-    plan = ResolvedCall.resolve(hidden_states, weight, scale_tensor, options, **placement)
+    op_call = ResolvedCall.resolve(hidden_states, weight, scale_tensor, options, **placement)
     if target is not None:
-        _assert_targets_in_range(target, weight.shape[0], plan.options["ignore_index"])
+        _assert_targets_in_range(target, weight.shape[0], op_call.options["ignore_index"])
     device = hidden_states.device
     autocast_off = (torch.autocast(device.type, enabled=False) if autocast_enabled(device.type)
                     else contextlib.nullcontext())
     with autocast_off:
-        yield plan
-    release_cache(device, plan.release_cache)
+        yield op_call
+    release_cache(device, op_call.release_cache)
 
 
 def dense_vector(tensor: Tensor | None) -> Tensor | None:
@@ -100,37 +100,37 @@ class TileBuffer:
         return torch.addmm(bias_block, hidden_chunk, weight_block.t(), out=logits)
 
 
-def _forward_kernel(plan: ResolvedCall, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
+def _forward_kernel(op_call: ResolvedCall, logits_chunk: Tensor, target: Tensor, class_weight: Tensor | None,
                     rows: tuple, vocab_start: int) -> None:
     """``kernels.chunk_forward`` of one tile ``logits_chunk [n, Vb]`` (columns from
     ``vocab_start``) on ``rows``, a :class:`kernels.ForwardState`'s rows, updated in place."""
     kernel_runner.run(
-        "chunk_forward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, target, class_weight, *rows, plan.kernel_args(vocab_start),
+        "chunk_forward", op_call.variant(logits_chunk, class_weight), op_call.eager_kernels,
+        logits_chunk, target, class_weight, *rows, op_call.kernel_args(vocab_start),
     )
 
 
-def _backward_kernel(plan: ResolvedCall, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
+def _backward_kernel(op_call: ResolvedCall, logits_chunk: Tensor, row_max: Tensor, row_log_sum: Tensor,
                      target: Tensor, class_weight: Tensor | None, grad_loss: Tensor, vocab_start: int) -> Tensor:
     """``kernels.chunk_backward`` of one tile: the gradient w.r.t. ``logits_chunk [n, Vb]``,
     written into it (returned), from ``grad_loss [n]`` and the whole rows' statistics."""
     kernel_runner.run(
-        "chunk_backward", plan.variant(logits_chunk, class_weight), plan.eager_kernels,
-        logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss, plan.kernel_args(vocab_start),
+        "chunk_backward", op_call.variant(logits_chunk, class_weight), op_call.eager_kernels,
+        logits_chunk, row_max, row_log_sum, target, class_weight, grad_loss, op_call.kernel_args(vocab_start),
     )
     return logits_chunk
 
 
-def walk_buffers(plan: ResolvedCall, like: Tensor, num_tokens: int) -> kernels.ForwardState:
+def walk_buffers(op_call: ResolvedCall, like: Tensor, num_tokens: int) -> kernels.ForwardState:
     """The forward walk's ``[N]`` buffers (:func:`kernels.forward_state`) in the accumulate dtype."""
-    accumulate = accumulate_dtype(plan.options["logits_dtype"])
+    accumulate = accumulate_dtype(op_call.options["logits_dtype"])
     return kernels.forward_state(num_tokens, like.new_empty(0, dtype=accumulate),
-                                 plan.kernel_label_smoothing is not None)
+                                 op_call.kernel_label_smoothing is not None)
 
 
-def row_statistics(plan: ResolvedCall, buffer: TileBuffer, state: kernels.ForwardState, start: int, end: int,
-                   hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
-                   class_weight: Tensor | None, vocab_blocks: list) -> Tensor:
+def walk_token_chunk(op_call: ResolvedCall, buffer: TileBuffer, state: kernels.ForwardState, start: int, end: int,
+                     hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
+                     class_weight: Tensor | None, vocab_blocks: list) -> Tensor:
     """The token chunk ``[start, end)``'s walk over its vocabulary blocks: writes the whole rows'
     ``loss``, ``row_max`` and ``row_log_sum`` into ``state`` (:func:`walk_buffers`); returns the
     last block's logits ``[n, Vb]`` (in ``buffer``)."""
@@ -138,18 +138,18 @@ def row_statistics(plan: ResolvedCall, buffer: TileBuffer, state: kernels.Forwar
     for vocab_start, vocab_end in vocab_blocks:
         bias_block = None if bias is None else bias[vocab_start:vocab_end]  # [Vb]
         logits = buffer.project(hidden_chunk, weight[vocab_start:vocab_end], bias_block)  # [n, Vb]
-        _forward_kernel(plan, logits, target, class_weight, rows, vocab_start)
+        _forward_kernel(op_call, logits, target, class_weight, rows, vocab_start)
     return logits
 
 
-def forward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def forward_walk(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                  tile_kernel: Callable[[Tensor, int, int, int], None]) -> None:
     """The forward walk every recompute op shares: each token chunk ``[start, end)`` over every
     vocabulary block in order, ``tile_kernel(logits [n, Vb], start, end, vocab_start)`` on each
     projected tile (it writes its rows of the walk's ``[N]`` buffers). The token chunks are split
     over the walk threads (:func:`~compile_pass.op.kernel_runner.split`, :func:`~compile_pass.op.kernel_runner.run_parts`); each part holds one tile, allocated here."""
-    vocab_blocks = spans(weight.shape[0], plan.tiles.vocab_block)
-    parts = kernel_runner.split(plan, spans(hidden_states.shape[0], plan.tiles.tokens))
+    vocab_blocks = spans(weight.shape[0], op_call.tiles.vocab_block)
+    parts = kernel_runner.split(op_call, spans(hidden_states.shape[0], op_call.tiles.tokens))
     buffers = [TileBuffer(hidden_states, token_chunks, vocab_blocks) for token_chunks in parts]
 
     def walk_chunks(part: int) -> None:
@@ -160,26 +160,26 @@ def forward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias
                 logits = buffers[part].project(hidden_chunk, weight[vocab_start:vocab_end], bias_block)  # [n, Vb]
                 tile_kernel(logits, start, end, vocab_start)
 
-    kernel_runner.run_parts(plan, walk_chunks, len(parts))
+    kernel_runner.run_parts(op_call, walk_chunks, len(parts))
 
 
-def chunked_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
+def chunked_forward(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                     bias: Tensor | None, class_weight: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``loss [N]``, ``row_max [N]`` and ``row_log_sum [N]`` in the accumulate dtype,
     from the op's tensors (``hidden_states [N, H]``, ``weight [V, H]``, ``target [N]`` int64,
     ``bias`` / ``class_weight`` ``[V]`` or None): :func:`forward_walk`, each tile's kernel writing
     straight into the ``[N]`` buffers."""
     target, class_weight = dense_vector(target), dense_vector(class_weight)
-    state = walk_buffers(plan, hidden_states, hidden_states.shape[0])
+    state = walk_buffers(op_call, hidden_states, hidden_states.shape[0])
 
     def tile_kernel(logits: Tensor, start: int, end: int, vocab_start: int) -> None:
-        _forward_kernel(plan, logits, target[start:end], class_weight, state.rows(start, end), vocab_start)
+        _forward_kernel(op_call, logits, target[start:end], class_weight, state.rows(start, end), vocab_start)
 
-    forward_walk(plan, hidden_states, weight, bias, tile_kernel)
+    forward_walk(op_call, hidden_states, weight, bias, tile_kernel)
     return state.loss, state.row_max, state.row_log_sum
 
 
-def chunked_backward(plan: ResolvedCall, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
+def chunked_backward(op_call: ResolvedCall, grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
                      target: Tensor, bias: Tensor | None, class_weight: Tensor | None, row_max: Tensor,
                      row_log_sum: Tensor, output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """``grad_hidden_states [N, H]``, ``grad_weight [V, H]``, ``grad_bias [V]`` in their
@@ -188,13 +188,13 @@ def chunked_backward(plan: ResolvedCall, grad_loss: Tensor, hidden_states: Tenso
     target, class_weight, grad_loss = dense_vector(target), dense_vector(class_weight), dense_vector(grad_loss)
 
     def tile_gradient(logits_chunk: Tensor, start: int, end: int, vocab_start: int) -> Tensor:
-        return _backward_kernel(plan, logits_chunk, row_max[start:end], row_log_sum[start:end],
+        return _backward_kernel(op_call, logits_chunk, row_max[start:end], row_log_sum[start:end],
                                 target[start:end], class_weight, grad_loss[start:end], vocab_start)
 
-    return backward_walk(plan, hidden_states, weight, bias, output_mask, tile_gradient)
+    return backward_walk(op_call, hidden_states, weight, bias, output_mask, tile_gradient)
 
 
-def backward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def backward_walk(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                   output_mask: list[bool], tile_gradient) -> tuple[Tensor, Tensor, Tensor]:
     """The backward walk every recompute op shares (:func:`compile_pass.op.tiling.plan_backward`):
     ``tile_gradient(logits, start, end, vocab_start)`` turns each projected tile into its gradient
@@ -207,7 +207,7 @@ def backward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bia
     than :data:`MAX_PART_BYTES` allows; with no room for one, the walk runs as one thread would.
     Every buffer is allocated here, on the caller's thread."""
     (num_tokens, hidden_size), vocab_size = hidden_states.shape, weight.shape[0]
-    walk = plan_backward(num_tokens, vocab_size, plan.tiles, hidden_states.dtype,
+    walk = plan_backward(num_tokens, vocab_size, op_call.tiles, hidden_states.dtype,
                          weight.dtype, output_mask, bias is not None)
     grad_hidden = _gradient_buffer(walk.want_hidden, hidden_states, (num_tokens, hidden_size),
                                    walk.grad_hidden_dtype, walk.zero_grad_hidden)  # [N, H]
@@ -217,7 +217,7 @@ def backward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bia
                                  walk.accumulate_dtype, zeroed=True)  # [V]
 
     extra_parts = MAX_PART_BYTES // max(1, grad_hidden.numel() * grad_hidden.element_size())
-    parts = kernel_runner.split(plan, walk.vocab_blocks, parts=1 + extra_parts)
+    parts = kernel_runner.split(op_call, walk.vocab_blocks, parts=1 + extra_parts)
     whole = len(parts) == 1 and len(walk.vocab_blocks) > 1  # no room for a part's sum: as one thread
     buffers = [TileBuffer(hidden_states, walk.token_chunks, vocab_blocks) for vocab_blocks in parts]
     part_hidden = [grad_hidden, *(_gradient_buffer(walk.want_hidden, hidden_states, grad_hidden.shape,
@@ -232,7 +232,7 @@ def backward_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bia
             _backward_block(walk, buffers[part], scratch[part], part_hidden[part], accumulators[part], grad_weight,
                             grad_bias, hidden_states, weight, bias, vocab_start, vocab_end, index == 0, tile_gradient)
 
-    kernel_runner.run_parts(plan, walk_blocks, len(parts), whole=whole)
+    kernel_runner.run_parts(op_call, walk_blocks, len(parts), whole=whole)
     if walk.want_hidden:
         for part_sum in part_hidden[1:]:
             grad_hidden += part_sum

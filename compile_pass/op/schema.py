@@ -150,7 +150,7 @@ class ResolvedCall:
     def resolve(hidden_states: Tensor, weight: Tensor, scale_tensor: Tensor | None, options: Mapping[str, Any],
                 *, option_defaults: Mapping[str, Any] = LOSS_DEFAULTS, whole_rows: bool = False,
                 vocab_offset: int = 0, vocab_size: int | None = None) -> ResolvedCall:
-        """The plan of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
+        """The resolved options of a call on ``hidden_states [N, H]`` and ``weight [V, H]`` with the keyword
         ``options``: the tiles (:func:`~compile_pass.op.tiling.resolve_tiles`), the
         environment's flags, the transform's dtype resolved; ``vocab_offset`` / ``vocab_size``
         place a shard (default: the whole head).
@@ -188,6 +188,6 @@ class ResolvedCall:
 
     def variant(self, logits: Tensor, class_weight: Tensor | None) -> tuple:
         """The kernels' compile key (never a value): device type, projection dtype (of ``logits``),
-        logits dtype, class weights and smoothing present, the transform's form."""
+        logits dtype, class weights and smoothing present, the transform's variant."""
         return (logits.device.type, logits.dtype, self.options["logits_dtype"],
-                class_weight is not None, self.kernel_label_smoothing is not None, self.transform.form())
+                class_weight is not None, self.kernel_label_smoothing is not None, self.transform.variant())

@@ -276,11 +276,11 @@ def _linear_statistics_op(hidden_states: Tensor, weight: Tensor, bias: Tensor | 
     arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start, vocab_size = arguments["vocab_start"], arguments["vocab_size"]
     _check_indices(indices, weight.shape[0] if vocab_size is None else vocab_size)
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as op_call:
         if arguments["row_statistics"]:
-            return statistics_loops.statistics_walk(plan, hidden_states, weight, bias, indices, temperature,
+            return statistics_loops.statistics_walk(op_call, hidden_states, weight, bias, indices, temperature,
                                                     vocab_start)
-        selected = statistics_loops.selected_forward(plan, hidden_states, weight, bias, indices, temperature,
+        selected = statistics_loops.selected_forward(op_call, hidden_states, weight, bias, indices, temperature,
                                                      vocab_start)
         return (selected, *_empty_statistics(selected))
 
@@ -319,9 +319,9 @@ def _linear_statistics_backward_op(grad_selected: Tensor | None, grad_lse: Tenso
     output_mask = arguments.pop("output_mask")
     arguments = {**STATISTICS_DEFAULTS, **arguments}
     vocab_start = arguments["vocab_start"]
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as plan:
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, arguments) as op_call:
         return statistics_loops.statistics_gradients(
-            plan, (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum), hidden_states, weight, bias, indices,
+            op_call, (grad_selected, grad_lse, grad_entropy, grad_max, grad_sum), hidden_states, weight, bias, indices,
             temperature, (row_max, row_log_sum, row_mean, argmax), output_mask, vocab_start)
 
 
@@ -368,7 +368,7 @@ _linear_statistics_backward_op.register_autograd(refuse_double_backward(STATISTI
 
 
 PARALLEL_STATISTICS_NAME = "chunkce.vocab_parallel_row_statistics"
-ROW_STATISTICS_SCHEMA = OpSchema(
+PARALLEL_STATISTICS_SCHEMA = OpSchema(
     "chunkce::vocab_parallel_row_statistics",
     (*(Argument(name, "Tensor") for name in ("selected", "lse", "entropy", "max", "row_sum")), *TENSORS, *STATISTICS),
     returns=5, own=(GROUP_NAME,), options=STATISTICS_OPTIONS)
@@ -402,16 +402,16 @@ def vocab_parallel_statistics(inputs: tuple, arguments: dict[str, Any], group_na
     return selected, lse, entropy, row_max, statistics[3], row_sum
 
 
-@ROW_STATISTICS_SCHEMA.custom_op
-def _row_statistics_op(selected: Tensor, lse: Tensor, entropy: Tensor, max: Tensor, row_sum: Tensor, *tensors,
-                       **arguments) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+@PARALLEL_STATISTICS_SCHEMA.custom_op
+def _parallel_statistics_op(selected: Tensor, lse: Tensor, entropy: Tensor, max: Tensor, row_sum: Tensor, *tensors,
+                            **arguments) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The global ``selected``, ``lse``, ``entropy``, ``max`` and ``row_sum`` copied; then
     ``chunkce::linear_statistics``' tensors (this rank's shard), the global ``row_max``,
     ``row_log_sum``, ``row_mean`` and ``argmax``, the group, and the options."""
     return selected.clone(), lse.clone(), entropy.clone(), max.clone(), row_sum.clone()
 
 
-@_row_statistics_op.register_fake
+@_parallel_statistics_op.register_fake
 def _(selected, lse, entropy, max, row_sum, *tensors, **arguments):
     return tuple(torch.empty_like(value) for value in (selected, lse, entropy, max, row_sum))
 
@@ -434,4 +434,4 @@ def _parallel_backward(ctx, grad_selected, grad_lse, grad_entropy, grad_max, gra
     return input_grads(ctx, {5: grad_hidden, 6: grad_weight, 7: grad_bias})
 
 
-_row_statistics_op.register_autograd(_parallel_backward, setup_context=_parallel_setup_context)
+_parallel_statistics_op.register_autograd(_parallel_backward, setup_context=_parallel_setup_context)

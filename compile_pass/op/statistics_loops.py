@@ -17,34 +17,34 @@ from compile_pass.op.schema import ResolvedCall
 from compile_pass.op.tiling import accumulate_dtype
 
 
-def kernel_args(plan: ResolvedCall, vocab_start: int) -> StatisticsArgs:
-    """The kernels' constants for columns from ``vocab_start`` (``plan.options``: the keywords of
+def kernel_args(op_call: ResolvedCall, vocab_start: int) -> StatisticsArgs:
+    """The kernels' constants for columns from ``vocab_start`` (``op_call.options``: the keywords of
     ``chunkce::linear_statistics``, :data:`compile_pass.op.statistics.STATISTICS_OPTIONS`)."""
-    options = plan.options
-    return StatisticsArgs(options["logits_dtype"], options["statistics_dtype"], plan.transform,
+    options = op_call.options
+    return StatisticsArgs(options["logits_dtype"], options["statistics_dtype"], op_call.transform,
                           options["temperature_value"], options["temperature_multiplies"], vocab_start)
 
 
-def variant(plan: ResolvedCall, logits: Tensor, *present) -> tuple:
-    """The kernels' compile key: device, dtypes, the transform's and temperature's forms, which
+def variant(op_call: ResolvedCall, logits: Tensor, *present) -> tuple:
+    """The kernels' compile key: device, dtypes, the transform's variant, whether a temperature is given, which
     optional tensors are given (``present``), never a value."""
-    options = plan.options
+    options = op_call.options
     temperature = None if options["temperature_value"] is None else "number"
     return (logits.device.type, logits.dtype, options["logits_dtype"], options["statistics_dtype"],
-            plan.transform.form(), temperature, options["temperature_multiplies"],
+            op_call.transform.variant(), temperature, options["temperature_multiplies"],
             *(tensor is not None for tensor in present))
 
 
-def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def statistics_walk(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                     indices: Tensor | None, temperature: Tensor | None, vocab_start: int) -> tuple[Tensor, ...]:
     """``(selected [N, K], lse, entropy, max, argmax, row_log_sum, row_mean, row_sum)`` (``[N]``
     each, ``argmax`` int64 in whole-vocabulary columns, the rest in the statistics' accumulate
     dtype; ``selected [N, 0]`` without indices) of the columns ``weight [V_local, H]`` holds. With
     the option ``maximum_only`` the tiles take no exponential: ``lse``, ``entropy``,
     ``row_log_sum``, ``row_mean`` and ``row_sum`` are empty ``[0]``."""
-    maximum_only = plan.options["maximum_only"]
+    maximum_only = op_call.options["maximum_only"]
     num_tokens = hidden_states.shape[0]
-    accumulate = accumulate_dtype(plan.options["statistics_dtype"])
+    accumulate = accumulate_dtype(op_call.options["statistics_dtype"])
     indices, temperature = _dense_tensor(indices), _dense_tensor(temperature)
     num_indices = None if indices is None else indices.shape[1]
     state = kernels.statistics_state(num_tokens, num_indices, hidden_states.new_empty(0, dtype=accumulate),
@@ -57,11 +57,11 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
         state_rows = state.rows(start, end)
         if maximum_only:
             state_rows = (state_rows[0], state_rows[3], state_rows[4])  # row_max, argmax, selected
-        kernel_runner.run(fn_name, variant(plan, logits, index_rows, temperature_rows), plan.eager_kernels,
+        kernel_runner.run(fn_name, variant(op_call, logits, index_rows, temperature_rows), op_call.eager_kernels,
                           logits, index_rows, temperature_rows, *state_rows,
-                          kernel_args(plan, vocab_start + block_start))
+                          kernel_args(op_call, vocab_start + block_start))
 
-    loops.forward_walk(plan, hidden_states, weight, bias, tile_kernel)
+    loops.forward_walk(op_call, hidden_states, weight, bias, tile_kernel)
     if weight.shape[0] == 0 and not maximum_only:  # an empty shard: no tile wrote the outputs
         for output, value in zip(state[6:], kernels.finish(state.row_max, state.sum_exp, state.sum_shifted)):
             output.copy_(value)
@@ -72,7 +72,7 @@ def statistics_walk(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, b
     return selected, lse, entropy, row_max, argmax, row_log_sum, row_mean, row_sum
 
 
-def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor, weight: Tensor,
+def statistics_gradients(op_call: ResolvedCall, grads: tuple, hidden_states: Tensor, weight: Tensor,
                          bias: Tensor | None, indices: Tensor | None, temperature: Tensor | None,
                          statistics: tuple[Tensor, ...], output_mask: list[bool],
                          vocab_start: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,16 +90,16 @@ def statistics_gradients(plan: ResolvedCall, grads: tuple, hidden_states: Tensor
             temperature_rows = None if temperature is None else temperature[rows]
             tile_grads = [None if grad is None else grad[rows] for grad in dense]
             kernel_runner.run(
-                "statistics_backward", variant(plan, logits, temperature_rows, *tile_grads), plan.eager_kernels,
+                "statistics_backward", variant(op_call, logits, temperature_rows, *tile_grads), op_call.eager_kernels,
                 logits, temperature_rows, row_max[rows], row_log_sum[rows], row_mean[rows], argmax[rows],
-                *tile_grads, kernel_args(plan, vocab_start + block_start))
+                *tile_grads, kernel_args(op_call, vocab_start + block_start))
             return logits
 
-        gradients = loops.backward_walk(plan, hidden_states, weight, bias, output_mask, tile_gradient)
+        gradients = loops.backward_walk(op_call, hidden_states, weight, bias, output_mask, tile_gradient)
     else:
         gradients = _zero_gradients(hidden_states, weight, bias, output_mask)
     if grad_selected is not None and indices is not None:
-        selected_backward(plan, grad_selected, hidden_states, weight, bias, indices, temperature, vocab_start,
+        selected_backward(op_call, grad_selected, hidden_states, weight, bias, indices, temperature, vocab_start,
                           gradients)
     return gradients
 
@@ -137,20 +137,20 @@ def _project(hidden_states: Tensor, rows: Tensor, bias_rows: Tensor | None) -> T
     return torch.baddbmm(bias_rows.unsqueeze(-1), rows, column).squeeze(-1)
 
 
-def selected_forward(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
+def selected_forward(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, bias: Tensor | None,
                      indices: Tensor, temperature: Tensor | None, vocab_start: int) -> Tensor:
     """``selected [N, K]`` (accumulate dtype) from the gathered rows, 0 at an index this shard
     does not hold."""
-    accumulate = accumulate_dtype(plan.options["statistics_dtype"])
+    accumulate = accumulate_dtype(op_call.options["statistics_dtype"])
     if weight.shape[0] == 0:  # a shard of no rows
         return hidden_states.new_zeros(indices.shape, dtype=accumulate)
     rows, bias_rows, owned, _ = _gathered(weight, bias, indices, vocab_start)
     z = kernels.values(_project(hidden_states, rows, bias_rows), temperature,
-                                  kernel_args(plan, vocab_start))
+                                  kernel_args(op_call, vocab_start))
     return torch.where(owned, z, 0.0)
 
 
-def selected_backward(plan: ResolvedCall, grad_selected: Tensor, hidden_states: Tensor, weight: Tensor,
+def selected_backward(op_call: ResolvedCall, grad_selected: Tensor, hidden_states: Tensor, weight: Tensor,
                       bias: Tensor | None, indices: Tensor, temperature: Tensor | None, vocab_start: int,
                       gradients: tuple[Tensor, Tensor, Tensor]) -> None:
     """Adds ``selected``'s gradient (``grad_selected [N, K]``) into ``gradients`` (the three of
@@ -161,9 +161,9 @@ def selected_backward(plan: ResolvedCall, grad_selected: Tensor, hidden_states: 
         return
     rows, bias_rows, owned, local = _gathered(weight, bias, indices, vocab_start)
     logits = _project(hidden_states, rows, bias_rows)  # [N, K]
-    grad = torch.where(owned, grad_selected.to(accumulate_dtype(plan.options["statistics_dtype"])), 0.0)
+    grad = torch.where(owned, grad_selected.to(accumulate_dtype(op_call.options["statistics_dtype"])), 0.0)
     grad_logits = kernels.values_backward(grad, logits, temperature,
-                                                     kernel_args(plan, vocab_start)).to(logits.dtype)  # [N, K]
+                                                     kernel_args(op_call, vocab_start)).to(logits.dtype)  # [N, K]
     if grad_hidden.numel():
         grad_hidden += torch.bmm(grad_logits.unsqueeze(1), rows).squeeze(1)  # [N, H]
     flat = local.flatten()  # [N K]

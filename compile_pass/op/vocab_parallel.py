@@ -220,8 +220,8 @@ def _statistics_op(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: 
     and the options.
     """
     check_global_targets(target, vocab_size, options["ignore_index"])
-    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as plan:
-        return shard_statistics(plan, hidden_states, weight, target, bias, class_weight, vocab_start)
+    with loops.op_body(hidden_states, weight, logit_scale_tensor, options) as op_call:
+        return shard_statistics(op_call, hidden_states, weight, target, bias, class_weight, vocab_start)
 
 
 @_statistics_op.register_fake
@@ -233,7 +233,7 @@ def _(hidden_states, weight, target, bias, class_weight, logit_scale_tensor, **o
             hidden_states.new_empty(smooth, dtype=accumulate), hidden_states.new_empty((), dtype=accumulate))
 
 
-def shard_statistics(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
+def shard_statistics(op_call: ResolvedCall, hidden_states: Tensor, weight: Tensor, target: Tensor,
                      bias: Tensor | None, class_weight: Tensor | None,
                      vocab_start: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The statistics op's walk (see it for the tensors): for each token chunk, the forward
@@ -241,18 +241,18 @@ def shard_statistics(plan: ResolvedCall, hidden_states: Tensor, weight: Tensor, 
     the shard, or ignored, is the kernel's ``ignore_index``; its picked logit is discarded).
     Holds one ``[n, Vb]`` tile."""
     num_tokens, shard_size = hidden_states.shape[0], weight.shape[0]
-    accumulate = accumulate_dtype(plan.options["logits_dtype"])
-    in_shard = _in_shard(target, vocab_start, shard_size, plan.options["ignore_index"])  # [N]
+    accumulate = accumulate_dtype(op_call.options["logits_dtype"])
+    in_shard = _in_shard(target, vocab_start, shard_size, op_call.options["ignore_index"])  # [N]
     local_target = torch.where(in_shard, target - vocab_start, _OUTSIDE)  # [N] in the shard's columns
     local_weight = None if class_weight is None else class_weight.narrow(0, vocab_start, shard_size)  # [V_local]
-    state = loops.walk_buffers(plan, hidden_states, num_tokens)
+    state = loops.walk_buffers(op_call, hidden_states, num_tokens)
 
     def tile_kernel(logits: Tensor, start: int, end: int, block_start: int) -> None:
-        kernel_runner.run("chunk_forward", plan.variant(logits, local_weight), plan.eager_kernels,
+        kernel_runner.run("chunk_forward", op_call.variant(logits, local_weight), op_call.eager_kernels,
                           logits, local_target[start:end], local_weight, *state.rows(start, end),
-                          plan.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
+                          op_call.kernel_args(block_start)._replace(ignore_index=_OUTSIDE))
 
-    loops.forward_walk(plan, hidden_states, weight, bias, tile_kernel)
+    loops.forward_walk(op_call, hidden_states, weight, bias, tile_kernel)
     row_max, sum_exp, z_target, smooth = state.row_max, state.sum_exp, state.z_target, state.smooth
     if smooth is None:
         smooth = hidden_states.new_empty(0, dtype=accumulate)
@@ -295,8 +295,8 @@ def _shard_backward_op(grad_loss: Tensor, hidden_states: Tensor, weight: Tensor,
                 torch.empty_like(weight) if output_mask[1] else weight.new_empty(0),
                 weight.new_empty(0))  # the bias gradient of no rows: [0] either way
     with loops.op_body(hidden_states, weight, logit_scale_tensor, options, vocab_offset=vocab_start,
-                       vocab_size=vocab_size) as plan:  # the kernels see each tile at its global columns
-        return loops.chunked_backward(plan, grad_loss, hidden_states, weight, target, bias, class_weight,
+                       vocab_size=vocab_size) as op_call:  # the kernels see each tile at its global columns
+        return loops.chunked_backward(op_call, grad_loss, hidden_states, weight, target, bias, class_weight,
                                       row_max, row_log_sum, output_mask)
 
 

@@ -84,4 +84,4 @@ def test_a_spelling_added_as_documented_is_rewritten(monkeypatch):
     recorder, _ = compare_with_stock(model(), h, y)
     recorder.assert_rewritten(B * T, V)
     (record,) = compile_pass.last_report().records
-    assert (record.decision, record.form) == ("rewritten", "one_hot"), record
+    assert (record.decision, record.spelling) == ("rewritten", "one_hot"), record

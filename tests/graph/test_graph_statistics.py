@@ -1,7 +1,7 @@
 """Row statistics of the logits inside a compiled graph: the z-loss's ``logsumexp(z, -1)``, an
 entropy (``-(softmax(z) * log_softmax(z)).sum(-1)``, ``logsumexp(z) - (softmax(z) * z).sum(-1)``)
 and row sums and means (``z.sum(-1)``, ``z.mean()``: a metric of the logits), beside a cross-entropy or per-token log-probabilities of the same projection, are rewritten to
-``chunkce::linear_statistics`` (compile_pass/graph/spellings/statistics.py, entropy.py): loss and every
+``chunkce::linear_statistics`` (compile_pass/graph/spellings/reductions.py, entropy.py): loss and every
 gradient equal to eager's and stock compile's (fullgraph, static and dynamic shapes), the graph
 holds the ops and no ``[N, V]`` node, and a step's measured peak stays under a quarter of one ``[N, V]``.
 Labels edited in place between the projection and the loss (a clone's or the graph input's own,
@@ -187,17 +187,17 @@ def test_statistics_of_the_projection_are_rewritten_and_match_eager_and_stock(na
     stats = Counter(counters["chunkce"]) - before
     assert stats["sites_rewritten"] == losses + statistics and stats["sites_refused"] == 0, dict(stats)
     recorder.assert_counted(stats)
-    forms = sorted(record.form for record in compile_pass.last_report().records)
-    assert sum(forms.count(form) for form in ("logsumexp", "entropy", "row_sum")) == statistics, forms
+    spellings = sorted(record.spelling for record in compile_pass.last_report().records)
+    assert sum(spellings.count(name) for name in ("logsumexp", "entropy", "row_sum")) == statistics, spellings
     header = str(compile_pass.last_report()).splitlines()[0]  # each site named by its kind, not as a cross-entropy
-    kinds = Counter(kind_of(form) for form in forms)
+    kinds = Counter(kind_of(spelling) for spelling in spellings)
     assert all(f"{n} {kind}" in header for kind, n in kinds.items()), header
-    assert ("cross-entropy" in header) == bool({"cross_entropy", "nll_loss"} & set(forms)), header
+    assert ("cross-entropy" in header) == bool({"cross_entropy", "nll_loss"} & set(spellings)), header
 
 
 def test_the_report_names_each_site_by_its_kind():
-    def record(form):
-        return SiteRecord("loss.py:1 in forward: ...", "lm_head", Decision.REWRITTEN, "", form=form)
+    def record(spelling):
+        return SiteRecord("loss.py:1 in forward: ...", "lm_head", Decision.REWRITTEN, "", spelling=spelling)
     one_kind = PassReport([record("cross_entropy"), record("nll_loss")])
     assert str(one_kind).splitlines()[0] == "chunkce: 2 cross-entropy site(s), 2 rewritten, 0 refused"
     mixed = PassReport([record("gather"), record("entropy"), record("logsumexp"), record("row_sum"), record("gather")])
@@ -303,11 +303,11 @@ def test_a_statistic_with_no_loss_of_its_projection_is_no_site():
 def test_a_statistic_of_few_classes_or_other_dims_is_no_site():
     recorder = compiled_and_references(Head(few_classes_z_loss, vocab=23), [inputs(vocab=23)])
     assert op_nodes(recorder, STATISTICS_OP) == 0
-    assert [record.form for record in compile_pass.last_report().records] == ["cross_entropy"]
+    assert [record.spelling for record in compile_pass.last_report().records] == ["cross_entropy"]
     torch._dynamo.reset()
     recorder = compiled_and_references(Head(logsumexp_over_tokens), [inputs()])
     assert (op_nodes(recorder, OP), op_nodes(recorder, STATISTICS_OP)) == (1, 0)
-    assert [record.form for record in compile_pass.last_report().records] == ["cross_entropy"]
+    assert [record.spelling for record in compile_pass.last_report().records] == ["cross_entropy"]
 
 
 def logits_changed_before_the_statistic(m, h, y):
@@ -320,7 +320,7 @@ def logits_changed_before_the_statistic(m, h, y):
 def test_a_statistic_of_logits_changed_in_place_stays_refused():
     recorder = compiled_and_references(Head(logits_changed_before_the_statistic), [inputs()])
     assert (op_nodes(recorder, OP), op_nodes(recorder, STATISTICS_OP)) == (1, 0)  # the CE reads them before
-    records = {record.form: record for record in compile_pass.last_report().records}
+    records = {record.spelling: record for record in compile_pass.last_report().records}
     assert (records["logsumexp"].decision, records["logsumexp"].reason_key) == ("refused", "mutation")
 
 

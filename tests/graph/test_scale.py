@@ -442,14 +442,14 @@ def test_inductor_scaled_head_matches_stock_inductor():
     assert "chunkce.linear_cross_entropy" in code and "linear_cross_entropy_backward" in code
 
 
-def test_transform_form_is_the_compile_key_never_the_value():
-    """The kernels' compile key holds the transform's form (multiply / divide, number / tensor,
-    dtype), never its value: a new scale reuses the compiled kernels, another form does not."""
-    form = HeadTransform(0.5, dtype=torch.float32).form()
-    assert HeadTransform(3.0, dtype=torch.float32).form() == form
-    assert HeadTransform(torch.tensor(0.5), dtype=torch.float32).form() == HeadTransform(
-        torch.tensor(2.0), dtype=torch.float32).form() != form
-    assert HeadTransform(0.5, divides=True, dtype=torch.float32).form() != form
-    assert HeadTransform(0.5, dtype=torch.bfloat16).form() != form
-    assert HeadTransform().form() is None and HeadTransform().resolve(torch.bfloat16) == HeadTransform()
+def test_transform_variant_is_the_compile_key_never_the_value():
+    """The kernels' compile key holds the transform's variant (multiply / divide, number / tensor,
+    dtype), never its value: a new scale reuses the compiled kernels, another variant does not."""
+    variant = HeadTransform(0.5, dtype=torch.float32).variant()
+    assert HeadTransform(3.0, dtype=torch.float32).variant() == variant
+    assert HeadTransform(torch.tensor(0.5), dtype=torch.float32).variant() == HeadTransform(
+        torch.tensor(2.0), dtype=torch.float32).variant() != variant
+    assert HeadTransform(0.5, divides=True, dtype=torch.float32).variant() != variant
+    assert HeadTransform(0.5, dtype=torch.bfloat16).variant() != variant
+    assert HeadTransform().variant() is None and HeadTransform().resolve(torch.bfloat16) == HeadTransform()
     assert HeadTransform(0.5).resolve(torch.bfloat16).dtype == torch.bfloat16

@@ -62,13 +62,13 @@ def labels(ignored=False, seed=0):
     return y
 
 
-def rewritten(model, *inputs, form="nll_loss", tokens=B * T, inner="aot_eager", **tolerances):
+def rewritten(model, *inputs, spelling="nll_loss", tokens=B * T, inner="aot_eager", **tolerances):
     recorder, code = compare_with_stock(model, *inputs, inner=inner, **tolerances)
     recorder.assert_rewritten(tokens, V)
     stats = counters["chunkce"]
     assert stats["sites_rewritten"] == 1 and stats["sites_refused"] == 0, dict(stats)
     (record,) = compile_pass.last_report().records
-    assert record.form == form and f"rewritten  {form}" in str(compile_pass.last_report())
+    assert record.spelling == spelling and f"rewritten  {spelling}" in str(compile_pass.last_report())
     return code
 
 
@@ -248,7 +248,7 @@ def test_gathered_log_probs(form, reduction):
         return _reduce(GATHER_FORMS[form](m, h, safe), y[:, 1:] if form in SHIFTED else y, reduction)
 
     tokens = B * (T - 1) if form in SHIFTED else B * T
-    rewritten(Head(loss, bias=True), hidden(), labels(ignored=True), form="gather", tokens=tokens)
+    rewritten(Head(loss, bias=True), hidden(), labels(ignored=True), spelling="gather", tokens=tokens)
 
 
 def test_gathered_log_probs_per_sequence():
@@ -257,7 +257,7 @@ def test_gathered_log_probs_per_sequence():
         log_p = gather_method(m, h, y.clamp(min=0))
         return (log_p * (y != IGNORE)).sum(-1)
 
-    rewritten(Head(loss), hidden(), labels(ignored=True), form="gather")
+    rewritten(Head(loss), hidden(), labels(ignored=True), spelling="gather")
 
 
 @pytest.mark.parametrize("bad", [V, -1, NO_IGNORE_INDEX], ids=["V", "minus_1", "int64_min"])
@@ -289,7 +289,7 @@ def test_take_along_dim_wraps_labels_as_stock_does(bad):
 
     y = labels()
     y[0, 0] = y[1, 2] = bad
-    rewritten(Head(loss, bias=True), hidden(), y, form="gather")
+    rewritten(Head(loss, bias=True), hidden(), y, spelling="gather")
 
 
 # -- refused spellings ------------------------------------------------------------------------------------------

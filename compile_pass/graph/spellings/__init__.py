@@ -3,7 +3,7 @@
     losses.py      CROSS_ENTROPY  F.cross_entropy, nn.CrossEntropyLoss (inlined), torch._C._nn.cross_entropy_loss
                    NLL_LOSS       nll_loss(log_softmax(z)), nn.NLLLoss(nn.LogSoftmax(z)), nll_loss_nd
                    GATHER         log_softmax(z).gather(-1, y[..., None]) and take_along_dim, negated or not
-    statistics.py  LOGSUMEXP      logsumexp(z, -1) (a row statistic: the z-loss's)
+    reductions.py  LOGSUMEXP      logsumexp(z, -1) (a row statistic: the z-loss's)
                    ENTROPY        (softmax(z) * log_softmax(z)).sum(-1), (softmax(z) * z).sum(-1), or .mean
                    ROW_SUM        z.sum(-1), z.mean(-1), z.sum(), z.mean() (after ENTROPY: a product is its)
 
@@ -22,11 +22,11 @@ from __future__ import annotations
 from torch.fx import Node
 
 from compile_pass.graph.nodes import CALLS
-from compile_pass.graph.spellings import losses, statistics
+from compile_pass.graph.spellings import losses, reductions
 from compile_pass.graph.spellings.call import Call, Spelling
 
-SPELLINGS: tuple[Spelling, ...] = (losses.CROSS_ENTROPY, losses.NLL_LOSS, losses.GATHER, statistics.LOGSUMEXP,
-                                   statistics.ENTROPY, statistics.ROW_SUM)
+SPELLINGS: tuple[Spelling, ...] = (losses.CROSS_ENTROPY, losses.NLL_LOSS, losses.GATHER, reductions.LOGSUMEXP,
+                                   reductions.ENTROPY, reductions.ROW_SUM)
 
 
 def read_call(node: Node) -> Call | None:

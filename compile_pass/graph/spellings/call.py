@@ -51,10 +51,6 @@ class Call:
     inner: tuple[Node, ...] = ()  # the spelling's nodes besides the consuming node (erased with it)
     unsupported: str | None = None  # what of this spelling the op cannot reproduce (a LOSS_SPELLING stop)
 
-    @property
-    def form(self) -> str:
-        return self.spelling.name
-
 
 @dataclass(frozen=True, kw_only=True)
 class LossCall(Call):
@@ -89,7 +85,7 @@ class Spelling:
     (:mod:`compile_pass.graph.plan`).
     """
 
-    name: str  # SiteRecord.form
+    name: str  # SiteRecord.spelling
     read: Callable[[Node], Call | None]
     replace: Callable[[Any, Projection], Callable[..., Any] | Reason]
     kind: SpellingKind = SpellingKind.LOSS

@@ -314,17 +314,17 @@ def replace_gather(call: GatherCall, projection: Projection) -> Callable[..., An
     if projection.sharded is not None:
         return Reason(Refusal.TENSOR_PARALLEL, detail="a gather of log-probabilities (the vocabulary-parallel op "
                                                       "computes a loss)")
-    return partial(gathered_log_probs, **_gather_form(call))
+    return partial(gathered_log_probs, **_gather_keywords(call))
 
 
 def one_walk_gather(call: GatherCall, projection: Projection) -> Callable[..., Any] | None:
     """:func:`log_probs_and_statistics` as the call says; None for a vocabulary-sharded head."""
     if projection.sharded is not None:
         return None
-    return partial(log_probs_and_statistics, **_gather_form(call))
+    return partial(log_probs_and_statistics, **_gather_keywords(call))
 
 
-def _gather_form(call: GatherCall) -> dict[str, bool]:
+def _gather_keywords(call: GatherCall) -> dict[str, bool]:
     return {"negated": call.negated, "flat": call.flat, "squeeze": call.squeeze, "wraps": call.wraps}
 
 

@@ -11,7 +11,8 @@ replacement: a value per row of the logits from ``chunkce::linear_statistics``
     .mean(-1), .mean() of z or of the products      -> the sum over V (and over the rows)
 
 Which function is which reduction, and what each gives over which row values, is the lazy reads'
-table (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`, :func:`~compile_pass.lazy_logits.reads.row_value`):
+table (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`,
+:func:`~compile_pass.lazy_logits.reads.reduction_from_statistics`):
 one definition for a reduction read inside a compiled graph and of the lazy logits it returns.
 
 ``logsumexp`` is the z-loss's (``logsumexp(logits.float(), -1).pow(2)``, masked and averaged after
@@ -53,20 +54,20 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.projection import Projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import Spelling, SpellingKind, StatisticCall
-from compile_pass.lazy_logits.forms import RowValues
+from compile_pass.lazy_logits.forms import RowContent
 from compile_pass.lazy_logits.keys import is_last_dim
-from compile_pass.lazy_logits.reads import REDUCTIONS, Reduction, RowValue, row_value
+from compile_pass.lazy_logits.reads import REDUCTIONS, FromStatistics, Reduction, reduction_from_statistics
 from compile_pass.op.statistics import RowStatistics, chunked_statistics
 
 _REDUCTION = inspect.signature(lambda input, dim, keepdim=False: None)  # logsumexp's, sum's without dtype=
 _EVERY_VALUE = inspect.signature(lambda input: None)  # sum's and mean's of every value, without dtype=
 
 
-def row_statistic(hidden_states: Tensor, weight: Tensor, target: None, bias: Tensor | None,
-                  class_weight: None, *, value: RowValue, shape: tuple[int, ...] | None, keepdim: bool,
-                  logits_dtype: torch.dtype, projection_dtype: torch.dtype | None, transform: Any,
-                  chunk_size: int | None, chunk_bytes: int | None, every: Reduction | None = None,
-                  walked: RowStatistics | None = None, rows: Tensor | None = None, **unused: Any) -> Tensor:
+def statistic_replacement(hidden_states: Tensor, weight: Tensor, target: None, bias: Tensor | None,
+                          class_weight: None, *, value: FromStatistics, shape: tuple[int, ...] | None, keepdim: bool,
+                          logits_dtype: torch.dtype, projection_dtype: torch.dtype | None, transform: Any,
+                          chunk_size: int | None, chunk_bytes: int | None, every: Reduction | None = None,
+                          walked: RowStatistics | None = None, rows: Tensor | None = None, **unused: Any) -> Tensor:
     """``value`` of the op's row statistics of ``z = transform(hidden_states @ weight.T + bias)
     .to(logits_dtype)`` (``hidden_states [..., H]``, ``weight [V, H]``): reshaped to ``shape``
     (None: ``hidden_states.shape[:-1]``), a trailing 1 added with ``keepdim``, in ``logits_dtype``;
@@ -96,23 +97,24 @@ class ReductionCall(StatisticCall):
     which (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`), of which values of ``z``."""
 
     reduction: Reduction
-    values: RowValues = RowValues.LOGITS
+    values: RowContent = RowContent.LOGITS
     every: bool = False
 
 
 def replace_reduction(call: ReductionCall, projection: Projection) -> Callable[..., Any] | Reason:
-    """:func:`row_statistic` with the value :func:`compile_pass.lazy_logits.reads.row_value`
+    """:func:`statistic_replacement` with the value
+    :func:`compile_pass.lazy_logits.reads.reduction_from_statistics`
     gives ``call``'s reduction of its values, for its rows (:func:`row_shape`), or why not."""
     if projection.sharded is not None:
         return Reason(Refusal.TENSOR_PARALLEL, detail="a row statistic of a vocabulary-sharded head (the "
                                                       "vocabulary-parallel op computes a loss)")
-    value = row_value(call.reduction, call.values)
+    value = reduction_from_statistics(call.reduction, call.values)
     if call.every:
-        return partial(row_statistic, value=value, shape=None, keepdim=False, every=call.reduction)
+        return partial(statistic_replacement, value=value, shape=None, keepdim=False, every=call.reduction)
     shape = row_shape(call.input, projection)
     if isinstance(shape, Reason):
         return shape
-    return partial(row_statistic, value=value, shape=shape, keepdim=call.keepdim)
+    return partial(statistic_replacement, value=value, shape=shape, keepdim=call.keepdim)
 
 
 def row_shape(logits: Node, projection: Projection) -> tuple[int, ...] | None | Reason:
@@ -227,13 +229,13 @@ def read_entropy(node: Node) -> ReductionCall | None:
         logits, probs_nodes = probs
         repeated = _repeat_of(other, logits)
         if repeated is not None:
-            what, other_nodes = RowValues.P_Z, repeated
+            what, other_nodes = RowContent.P_Z, repeated
         else:
             other_logits = _last_dim_softmax(other, LOG_SOFTMAX)
             repeated = None if other_logits is None else _repeat_of(other_logits, logits)
             if repeated is None:
                 continue
-            what, other_nodes = RowValues.P_LOG_P, (other, *repeated)
+            what, other_nodes = RowContent.P_LOG_P, (other, *repeated)
         if example_value(product).shape != example_value(logits).shape:
             return None  # a broadcast product: not one distribution per row
         inner = tuple(dict.fromkeys((product, *probs_nodes, *other_nodes)))
