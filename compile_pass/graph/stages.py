@@ -45,6 +45,8 @@ def hooked(point: str, hook: Callable[[Any], None]) -> Iterator[None]:
         yield
     finally:
         _HOOKS[point].remove(hook)
+        if not _HOOKS[point]:
+            del _HOOKS[point]  # no point without hooks is left behind
 
 
 def reached(point: str, value: Any) -> None:
