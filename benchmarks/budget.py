@@ -13,12 +13,14 @@ plus ``--headroom-gib``. A trial is one token count in a fresh process: a first 
 above the parameters and state is measured (``compile_pass.memory``; gradients freed before
 it); it fits when parameters + state + that peak is at most the cap.
 
-Per backend the search starts at the largest multiple of ``--granularity`` tokens that
-``benchmarks.predict`` expects to fit, doubles while trials fit, halves while they do not,
-then bisects to one granularity between a measured fit and a measured misfit. A trial
-predicted above ``--mem-cap-gib`` (the machine's share) is not run and counts as a misfit.
-At each backend's largest fit, ``--steps`` more steps are timed (tokens/s). Every trial
-and timing is appended to ``--results`` (JSON lines) as it ends and reused by later runs
+Per backend, for a real model, two small trials (``--calibrate``) also measure a forward +
+backward without the optimizer; the search starts where the straight line through those two
+meets the cap (else where ``benchmarks.predict`` expects the last fit), tries the grid point
+next to the start, then doubles or halves, then bisects to one granularity between a measured
+fit and a measured misfit. A trial predicted above ``--mem-cap-gib`` (the machine's share) is
+not run and counts as a misfit. A trial that fits times ``--steps`` more steps in its process
+(tokens/s); the largest fit's timing is the table's. Every trial is appended to ``--results``
+(JSON lines) as it ends and reused by later runs
 (``--redo``: measured again); the table (``--write``) and the plot (``--plot``: the trials'
 memory against the cap, the largest step, tokens/s) are rebuilt from that file.
 """
@@ -64,7 +66,9 @@ def static_mib(model: str, layers: int) -> float:
 def largest_fit(fits: Callable[[int], bool], start: int, granularity: int, max_tokens: int) -> int:
     """The largest multiple of ``granularity`` up to ``max_tokens`` for which ``fits`` (taken to be
     monotone: true below some size, false above) is true, 0 when none; ``fits`` is called on
-    ``start`` (rounded down to the grid) first, then doubling or halving, then bisecting."""
+    ``start`` (rounded down to the grid) first, then on its neighbour one grid point up (after a
+    fit) or down (after a misfit), which settles a good start in two trials, then doubling or
+    halving, then bisecting."""
     def grid(tokens: int) -> int:
         return max(granularity, min(max_tokens // granularity * granularity, tokens // granularity * granularity))
 
@@ -72,6 +76,8 @@ def largest_fit(fits: Callable[[int], bool], start: int, granularity: int, max_t
     low, high = 0, None  # the largest known fit (0: none), the smallest known misfit
     if fits(probe):
         low = probe
+        if (neighbour := grid(low + granularity)) > low:
+            low, high = (neighbour, None) if fits(neighbour) else (low, neighbour)
         while high is None and low < grid(max_tokens):
             probe = grid(2 * low)
             low, high = (probe, None) if fits(probe) else (low, probe)
@@ -79,6 +85,8 @@ def largest_fit(fits: Callable[[int], bool], start: int, granularity: int, max_t
             return low
     else:
         high = probe
+        if (neighbour := grid(high - granularity)) < high:
+            low, high = (neighbour, high) if fits(neighbour) else (0, neighbour)
         while low == 0 and high > granularity:
             probe = grid(high // 2)
             low, high = (probe, high) if fits(probe) else (0, probe)
@@ -90,11 +98,28 @@ def largest_fit(fits: Callable[[int], bool], start: int, granularity: int, max_t
     return low
 
 
+def line_start(points: list[tuple[int, float]], cap_mib: float, granularity: int, max_tokens: int) -> int | None:
+    """The largest multiple of ``granularity`` (up to ``max_tokens``) at which the straight line
+    through two measured ``(tokens, MiB in all)`` points stays within ``cap_mib``; None when the
+    line does not rise (no token count is bounded by it). A forward + backward's memory is
+    parameters and state, the gradients, and saved activations linear in the tokens; what is
+    not linear (attention's scores, where the math kernel runs) shows as a misfit at the start,
+    and the search walks down from it."""
+    (t1, m1), (t2, m2) = sorted(points)
+    slope = (m2 - m1) / (t2 - t1)
+    if slope <= 0:
+        return None
+    tokens = int(t2 + (cap_mib - m2) / slope)
+    return max(granularity, min(max_tokens, tokens) // granularity * granularity)
+
+
 # ---------------------------------------------------------------- one trial, in its own process
 
 
 def trial(args: argparse.Namespace) -> dict:
-    """Child: one step's memory at ``--trial`` tokens, then ``--timed-steps`` timed steps."""
+    """Child: one step's memory at ``--trial`` tokens (with ``--fwd-bwd``, a forward + backward's
+    too, without the optimizer); then, if the step fits ``--cap-mib``, ``--timed-steps`` timed
+    steps (so the largest fit's speed needs no process of its own)."""
     device = torch.device("cpu")
     step_config = config(args.model, args.layers, args.trial)
     settings = argparse.Namespace(device=device, seed=0, lr=1e-4, compile="loss", chunk_size=None)
@@ -108,7 +133,10 @@ def trial(args: argparse.Namespace) -> dict:
     static = bench_model.static_bytes(model, optimizer)
     peak, _ = bench_model.peak_of(optimizer, device, step)
     record = {"static_mib": static / MiB, "peak_mib": peak / MiB, "total_mib": (static + peak) / MiB}
-    if args.timed_steps:
+    if args.fwd_bwd:
+        peak_fwd_bwd, _ = bench_model.peak_of(optimizer, device, lambda: loss_fn(ids).backward())
+        record["fwd_bwd_mib"] = (static + peak_fwd_bwd) / MiB
+    if args.timed_steps and (args.cap_mib is None or record["total_mib"] <= args.cap_mib):
         stats = harness.time_region(step, lambda: optimizer.zero_grad(set_to_none=True), device, warmup=0,
                                     reps=args.timed_steps)
         record.update(step_ms=stats.p50, tokens_per_s=args.trial / (stats.p50 / 1e3))
@@ -125,21 +153,24 @@ class Search:
         self.args, self.records = args, records
         self.env = harness.recorded_environment()
 
-    def _found(self, kind: str, backend: str, tokens: int) -> dict | None:
+    def _found(self, kind: str, backend: str, tokens: int, fwd_bwd: bool) -> dict | None:
         if self.args.redo:
             return None
         return next((r for r in reversed(self.records) if r["kind"] == kind and r["model"] == self.args.model
                      and r["layers"] == self.args.layers and r["backend"] == backend and r["tokens"] == tokens
-                     and r["status"] != predict.OOM), None)
+                     and r["status"] != predict.OOM and (not fwd_bwd or "fwd_bwd_mib" in r)), None)
 
     def _append(self, record: dict) -> dict:
         harness.append_jsonl(self.args.results, record)
         self.records.append(record)
         return record
 
-    def measure(self, kind: str, backend: str, tokens: int) -> dict:
-        """A trial (``kind`` "trial") or a timing ("speed") at ``tokens``: from the file, or run now."""
-        if (found := self._found(kind, backend, tokens)) is not None:
+    def measure(self, kind: str, backend: str, tokens: int, cap_mib: float | None = None,
+                fwd_bwd: bool = False) -> dict:
+        """A trial (``kind`` "trial"; timed too when it fits ``cap_mib``, and with ``fwd_bwd`` the
+        memory of a forward + backward besides) or a timing ("speed") at ``tokens``: from the file,
+        or run now."""
+        if (found := self._found(kind, backend, tokens, fwd_bwd)) is not None:
             return found
         base = {"kind": kind, "model": self.args.model, "layers": self.args.layers, "backend": backend,
                 "tokens": tokens, "env": self.env}
@@ -149,9 +180,11 @@ class Search:
                 print(f"    {backend} {tokens} tokens: {why}", flush=True)
                 return self._append({**base, "status": predict.OOM, "note": why})
         print(f"    {backend} {tokens} tokens: {kind} ...", flush=True)
+        timed = self.args.steps if kind == "speed" or cap_mib is not None else 0
         child = isolate.run(["-m", "benchmarks.budget", "--model", self.args.model, "--layers", str(self.args.layers),
-                             "--backend", backend, "--trial", str(tokens),
-                             "--timed-steps", str(self.args.steps if kind == "speed" else 0)],
+                             "--backend", backend, "--trial", str(tokens), "--timed-steps", str(timed),
+                             *(["--cap-mib", str(cap_mib)] if cap_mib is not None else []),
+                             *(["--fwd-bwd"] if fwd_bwd else [])],
                             timeout=self.args.run_timeout)
         if not child.records:
             return self._append({**base, "status": "failed", "note": f"child process ended ({child.status})"})
@@ -160,13 +193,22 @@ class Search:
         return record
 
     def fits(self, backend: str, tokens: int, cap_mib: float) -> bool:
-        record = self.measure("trial", backend, tokens)
+        record = self.measure("trial", backend, tokens, cap_mib=cap_mib)
         return record["status"] == "measured" and record["total_mib"] <= cap_mib
 
     def start(self, backend: str, cap_mib: float) -> int:
-        """The largest grid point predicted to fit (the grid's first for the tiny model)."""
+        """Where the search starts: for a real model, where the line through two small trials'
+        forward + backward memory (``--calibrate``; :func:`line_start`) meets the cap, else the
+        largest grid point :mod:`benchmarks.predict` expects to fit; the grid's first for the
+        tiny model."""
         if self.args.model not in REAL_MODELS:
             return self.args.granularity
+        points = [self.measure("trial", backend, tokens, fwd_bwd=True) for tokens in self.args.calibrate]
+        if all(r["status"] == "measured" for r in points) and len(points) == 2:
+            measured = line_start([(r["tokens"], r["fwd_bwd_mib"]) for r in points], cap_mib,
+                                  self.args.granularity, self.args.max_tokens)
+            if measured is not None:
+                return measured
         model, tokens = REAL_MODELS[self.args.model], self.args.granularity
         while (tokens < self.args.max_tokens and predict.step_bytes(
                 model, self.args.layers, tokens + self.args.granularity, backend) - predict.PROCESS <= cap_mib * MiB):
@@ -187,8 +229,8 @@ def summary(records: list[dict], model: str, layers: int, cap: float) -> list[di
     for backend in dict.fromkeys(r["backend"] for r in mine):
         fit = [r["tokens"] for r in mine if r["backend"] == backend and r["kind"] == "trial" and r["total_mib"] <= cap]
         best = max(fit, default=0)
-        speed = next((r for r in reversed(mine) if r["backend"] == backend and r["kind"] == "speed"
-                      and r["tokens"] == best), {})
+        speed = next((r for r in reversed(mine) if r["backend"] == backend and r["tokens"] == best
+                      and "tokens_per_s" in r), {})
         out.append({"backend": backend, "tokens": best, "tokens_per_s": speed.get("tokens_per_s"),
                     "step_ms": speed.get("step_ms")})
     return out
@@ -223,6 +265,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--headroom-gib", type=float, default=4.0, help="the cap above parameters + AdamW state")
     p.add_argument("--granularity", type=int, default=512, help="tokens are multiples of this")
     p.add_argument("--max-tokens", type=int, default=65536)
+    p.add_argument("--calibrate", type=int, nargs=2, default=[1024, 2048],
+                   help="a real model's two small trials whose line starts the search")
     p.add_argument("--steps", type=int, default=3, help="timed steps at each backend's largest fit")
     p.add_argument("--mem-cap-gib", type=float, default=14.0, help="do not start a trial predicted above this")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per trial's process")
@@ -233,6 +277,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--table-only", action="store_true", help="only the table and plot from --results")
     p.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # parent -> child
     p.add_argument("--trial", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cap-mib", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fwd-bwd", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timed-steps", type=int, default=0, help=argparse.SUPPRESS)
     isolate.add_result_argument(p)
     return p.parse_args(argv)
@@ -253,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {backend}:", flush=True)
             best = largest_fit(lambda tokens: search.fits(backend, tokens, cap), search.start(backend, cap),
                                args.granularity, args.max_tokens)
-            if best:
+            timed = {r["backend"]: r["tokens_per_s"] for r in summary(search.records, args.model, args.layers, cap)}
+            if best and not timed.get(backend):
                 search.measure("speed", backend, best)
             print(f"  {backend}: {best} tokens fit", flush=True)
         records = search.records
