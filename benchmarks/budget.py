@@ -267,7 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=65536)
     p.add_argument("--calibrate", type=int, nargs=2, default=[1024, 2048],
                    help="a real model's two small trials whose line starts the search")
-    p.add_argument("--steps", type=int, default=3, help="timed steps at each backend's largest fit")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed steps at each backend's largest fit (0: none; a later run times them)")
     p.add_argument("--mem-cap-gib", type=float, default=14.0, help="do not start a trial predicted above this")
     p.add_argument("--run-timeout", type=float, default=None, help="seconds per trial's process")
     p.add_argument("--results", default=RESULTS, help="JSON lines, appended to")
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             best = largest_fit(lambda tokens: search.fits(backend, tokens, cap), search.start(backend, cap),
                                args.granularity, args.max_tokens)
             timed = {r["backend"]: r["tokens_per_s"] for r in summary(search.records, args.model, args.layers, cap)}
-            if best and not timed.get(backend):
+            if best and args.steps and not timed.get(backend):
                 search.measure("speed", backend, best)
             print(f"  {backend}: {best} tokens fit", flush=True)
         records = search.records
