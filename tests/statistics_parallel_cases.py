@@ -58,13 +58,13 @@ def _problem(dtype=torch.float64, vocab_size=VOCAB, bias=True, seed=0):
 
 
 def _sweep(shard: Shard, dtype: torch.dtype, tiles: dict) -> dict[str, Any]:
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
 
     temperature = torch.rand(14, generator=torch.Generator().manual_seed(4), dtype=dtype) + 0.5
     configurations = {
         "plain": {}, "number": {"temperature": 0.7}, "rows": {"temperature": temperature},
         "rows_multiply_scale": {"temperature": temperature, "temperature_multiplies": True,
-                                "transform": HeadTransform(scale=0.6)},
+                                "transform": HeadScale(0.6)},
         "selected_only": {"row_statistics": False},
         "entropy_and_max_only": {"wanted": ("entropy", "max")},
     }

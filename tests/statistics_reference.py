@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from compile_pass.op.kernels import accumulate_dtype
 from compile_pass.op.statistics import RowStatistics, linear_statistics
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 
 OUTPUTS = ("selected", "lse", "entropy", "max", "row_sum")  # the differentiable outputs (argmax is an index)
 
 
 def unfused(hidden_states, weight, bias=None, indices=None, *, logits_dtype=None, projection_dtype=None,
-            transform=HeadTransform(), temperature=None, temperature_multiplies=False, statistics_dtype=None,
+            transform=HeadScale(), temperature=None, temperature_multiplies=False, statistics_dtype=None,
             **_tiles) -> RowStatistics:
     """``linear_statistics``' docstring, in plain torch (materializes ``[N, V]``)."""
     if projection_dtype is not None:

@@ -242,3 +242,30 @@ def test_no_two_modules_share_a_name():
             where[path.name].append(str(path.relative_to(PACKAGE)))
     twice = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert twice == {}, f"modules named alike (rename one): {twice}"
+
+
+# The head's scale is one type, compile_pass.op.kernels.HeadScale, from the graph to the kernels: no
+# other class has a field of its parts, and a class field or parameter named ``transform`` holds it.
+_SCALE_PARTS = {"divides", "scale_divides", "scale_dtype", "scale_input", "logit_scale", "logit_scale_tensor"}
+
+
+def other_shapes_of_the_scale(tree: ast.Module) -> list[str]:
+    """``line: Class.field`` of a part of the scale outside ``HeadScale``, ``line: transform: annotation``
+    of a ``transform`` of another type (its type arguments dropped)."""
+    found = [f"{n.lineno}: {node.name}.{n.target.id}" for node in ast.walk(tree)
+             if isinstance(node, ast.ClassDef) and node.name != "HeadScale" for n in node.body
+             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and n.target.id in _SCALE_PARTS]
+    return found + [f"{line}: {name}: {annotation}" for line, name, annotation in _annotated(tree)
+                    if name == "transform" and annotation.split("[")[0] != "HeadScale"]
+
+
+def test_the_check_sees_another_shape_of_the_scale():
+    tree = ast.parse("class Head:\n    scale_input: int\n    divides: bool = False\n"
+                     "def call(transform: tuple, scale: HeadScale[int] | None) -> None:\n    pass\n"
+                     "class HeadScale:\n    divides: bool\n    transform: 'HeadScale[Node]'\n")
+    assert other_shapes_of_the_scale(tree) == ["2: Head.scale_input", "3: Head.divides", "4: transform: tuple"]
+
+
+def test_the_head_scale_has_one_shape():
+    found = {module: shapes for module, tree in _modules().items() if (shapes := other_shapes_of_the_scale(tree))}
+    assert found == {}, f"the head's scale spelled outside compile_pass.op.kernels.HeadScale (use it): {found}"

@@ -76,10 +76,10 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
              projection_dtype=None, loss_fn=None, seed: int = 1, **overrides) -> dict[str, tuple]:
     """The vocabulary-parallel loss on this rank's shard and the reference on the whole head; a random
     upstream gradient; returns ``(got, expected)`` of the loss and every gradient."""
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
     from compile_pass.op.loss import chunked_cross_entropy
 
-    transform = transform or HeadTransform()
+    transform = transform or HeadScale()
     start, size = shard.rows(*weight.shape)
     local_weight, local_bias = shard.local(weight), None if bias is None else shard.local(bias)
     torch.testing.assert_close(local_weight, weight[start:start + size], rtol=0, atol=0)  # DTensor's rows
@@ -99,9 +99,10 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
     rb = None if bias is None else bias.clone().requires_grad_()
     dtype = projection_dtype or hidden.dtype
     logits = F.linear(rh.to(dtype), rw.to(dtype), None if rb is None else rb.to(dtype))
-    if transform.scale is not None:
+    if not transform.is_identity:
+        scale = transform.number if transform.tensor is None else transform.tensor
         logits = logits.to(transform.dtype or dtype)
-        logits = logits / transform.scale if transform.divides else logits * transform.scale
+        logits = logits / scale if transform.divides else logits * scale
     logits = logits.to(op_options["logits_dtype"])
     expected = F.cross_entropy(logits.flatten(0, -2), target.flatten(), weight=class_weight, reduction=reduction,
                                ignore_index=op_options["ignore_index"], label_smoothing=op_options["label_smoothing"])
@@ -115,14 +116,14 @@ def run_both(shard: Shard, weight, bias, hidden, target, class_weight, *, reduct
 
 
 def _sweep(shard: Shard, dtype: torch.dtype) -> dict[str, Any]:
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
 
     weight, bias, hidden, target, class_weight = problem(1001, dtype=dtype)
     pairs = {}
     for reduction in ("mean", "sum", "none"):
         for smoothing in (0.0, 0.1):
             for weighted in (False, True):
-                for transform in (HeadTransform(), HeadTransform(scale=0.75), HeadTransform(scale=1.5, divides=True)):
+                for transform in (HeadScale(), HeadScale(0.75), HeadScale(1.5, divides=True)):
                     key = f"{reduction}-eps{smoothing}-cw{int(weighted)}-{transform.variant()}"
                     result = run_both(shard, weight, bias, hidden, target, class_weight if weighted else None,
                                       reduction=reduction, transform=transform, label_smoothing=smoothing,
@@ -180,7 +181,7 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
 
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
     from compile_pass.op.loss import chunked_cross_entropy
 
     graphs: dict[str, list[str]] = {"dynamo": [], "forward": [], "backward": []}
@@ -200,7 +201,7 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
     start, _ = shard.rows(*weight.shape)
 
-    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.75))
+    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadScale(0.75))
 
     @torch.compile(backend=backend, fullgraph=True)
     def loss_fn(h, w, t, b, cw):
@@ -209,7 +210,7 @@ def case_compiled(shard: Shard) -> dict[str, Any]:
 
     torch._dynamo.reset()
     pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
-                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.75))
+                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadScale(0.75))
     return {"pairs": pairs, "graphs": graphs}
 
 
@@ -235,16 +236,16 @@ def case_fx_traced(shard: Shard) -> dict[str, Any]:
     """Emitted into an FX graph with proxies, as the graph pass emits it, then run: exact."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
 
     weight, bias, hidden, target, class_weight = problem(1001)
     start, size = shard.rows(*weight.shape)
     mode = FakeTensorMode()
     fakes = [mode.from_tensor(tensor) for tensor in (hidden, weight[:size], target, bias[:size], class_weight)]
-    op_options = options(label_smoothing=0.1, transform=HeadTransform(scale=0.75))
+    op_options = options(label_smoothing=0.1, transform=HeadScale(0.75))
     module = traced_loss(shard.group_name, fakes, reduction="sum", vocab_start=start, vocab_size=1001, **op_options)
     pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="sum", loss_fn=module,
-                     label_smoothing=0.1, transform=HeadTransform(scale=0.75))
+                     label_smoothing=0.1, transform=HeadScale(0.75))
     return {"pairs": pairs, "nodes": [str(node.target) for node in module.graph.nodes]}
 
 
@@ -257,7 +258,7 @@ def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from compile_pass import linear_cross_entropy
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
 
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
     head = nn.Linear(8, 1001)
@@ -271,7 +272,7 @@ def case_dtensor_entry(shard: Shard) -> dict[str, Any]:
                                     logit_scale=0.5, chunk_size=4, chunk_bytes=4 * 4 * 64)
 
     pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=entry,
-                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+                     label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadScale(0.5))
     pairs["module grad_weight"] = (head.weight.grad.to_local().clone(), pairs.pop("grad_weight")[1])
     pairs["module grad_bias"] = (head.bias.grad.to_local().clone(), pairs.pop("grad_bias")[1])
     replicated = distribute_tensor(hidden, shard.mesh, [Replicate()]).requires_grad_()
@@ -305,13 +306,13 @@ def case_inductor(shard: Shard) -> dict[str, Any]:
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.kernels import HeadScale
     from compile_pass.op.loss import chunked_cross_entropy
 
     os.environ["CHUNKCE_EAGER_KERNELS"] = "0"  # read at each call (compile_pass.op.tiling)
     weight, bias, hidden, target, class_weight = problem(1001, dtype=torch.float32)
     start, _ = shard.rows(*weight.shape)
-    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+    op_options = options(label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadScale(0.5))
 
     @torch.compile(backend="inductor", fullgraph=True)
     def loss_fn(h, w, t, b, cw):
@@ -323,7 +324,7 @@ def case_inductor(shard: Shard) -> dict[str, Any]:
     graphs = []  # after each step: Dynamo's graphs (the loss's) and the op's kernels' (forward and backward)
     for _ in range(2):
         pairs = run_both(shard, weight, bias, hidden, target, class_weight, reduction="mean", loss_fn=loss_fn,
-                         label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadTransform(scale=0.5))
+                         label_smoothing=0.1, logits_dtype=torch.float32, transform=HeadScale(0.5))
         graphs.append((counters["stats"]["unique_graphs"], counters["chunkce"]["kernel_graphs"]))
     return {"pairs": pairs, "graphs": graphs}
 

@@ -19,9 +19,9 @@ becomes
                                                        torch.float32, chunk_size, None, s, ...)
     loss = (loss.sum() / (labels.reshape(-1) != ignore_index).sum()).to(torch.float32)   # "mean"
 
-The scaling is passed to the op as its head transform (``transform=``: what
-:meth:`compile_pass.graph.projection.Scale.head_transform` read) and its node erased with the
-casts when nothing else uses it.
+The scaling is passed to the op as its head transform (``transform=``: the site's
+:class:`compile_pass.op.kernels.HeadScale`, through :func:`compile_pass.graph.projection.op_scale`)
+and its node erased with the casts when nothing else uses it.
 Everything after the loss (e.g. HF's ``loss / num_items_in_batch``) is left alone. What is
 traced in place of the loss node is the spelling's replacement (:mod:`compile_pass.graph.spellings`).
 """
@@ -46,6 +46,7 @@ from compile_pass.graph.nodes import (
     trace_into,
 )
 from compile_pass.graph.plan import Action, LogitsPlan, SitePlan
+from compile_pass.graph.projection import op_scale
 from compile_pass.graph.report import (
     DROP_LOGITS_FIX,
     LOGITS_DROPPED,
@@ -63,7 +64,7 @@ from compile_pass.graph.sites import Replay, Reshape, Site, StepKind
 from compile_pass.graph.spellings.call import LossCall
 from compile_pass.graph.stages import reached, tolerant
 from compile_pass.op.grads_in_forward import grads_wanted
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 from compile_pass.op.loss import planned_tiles
 from compile_pass.op.statistics import RowStatistics
 from compile_pass.op.tiling import Tiles
@@ -210,7 +211,7 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
             reduction=loss.reduction if loss else "none", ignore_index=loss.ignore_index if loss else -100,
             label_smoothing=float(loss.label_smoothing) if loss else 0.0, logits_dtype=cast_chains(site)[-1][-1],
             projection_dtype=projection.autocast_dtype(),
-            transform=HeadTransform() if scale is None else scale.head_transform(meta),
+            transform=HeadScale() if scale is None else op_scale(scale, meta),
             grads_in_forward=wanted, meta=meta, **options.op_options(), **({"rows": rows} if head_rows else {}),
             **({"walked": RowStatistics(None, *walked)} if walked is not None else {}),
         )
@@ -236,8 +237,8 @@ def rewrite_site(site: Site, replacement: Callable[..., Any], edit: Edit, option
     edit.erase(site.node)
     bytes_avoided = loss_buffers + _erase_dead(site, edit)
     reached("erased", site)
-    if scale is not None and not scale.node.users:  # erased with the casts: its [..., V] is gone too
-        scaled = tensor_parallel.local_value(example_value(scale.node))
+    if scale is not None and not site.scale_node.users:  # erased with the casts: its [..., V] is gone too
+        scaled = tensor_parallel.local_value(example_value(site.scale_node))
         bytes_avoided += size_hint(scaled.numel()) * scaled.element_size()
     return Rewritten(bytes_avoided, tiles, tuple(statistics))
 

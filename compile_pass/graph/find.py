@@ -182,7 +182,7 @@ def _keeps_logits(user: Node, logits: Node) -> bool:
 def _scales(user: Node, logits: Node) -> bool:
     """``user`` multiplies or divides ``logits`` by a constant (a temperature)."""
     read = read_scale(user)
-    return read is not None and read.scale is not None and read.scale.logits is logits
+    return read is not None and read.scale is not None and read.logits is logits
 
 
 def _over_last_dim(user: Node, logits: Node) -> bool:

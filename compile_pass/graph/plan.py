@@ -203,9 +203,8 @@ def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
             return
         replacement = partial(replacement, statistics_dtype=cast_chains(site)[-1][-1])
         head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
-    scale = site.scale.node if site.scale is not None else None
     grad = _requires_grad(site.node)  # a statistic under no_grad beside a loss with grad walks alone
-    folded = [plan for plan in statistics if (plan.site.scale.node if plan.site.scale is not None else None) is scale
+    folded = [plan for plan in statistics if plan.site.scale_node is site.scale_node
               and cast_chains(plan.site) == cast_chains(site) and _requires_grad(plan.site.node) == grad]
     early = [plan for plan in folded if order[plan.site.node] < order[site.node]]
     moved: list[Node] = []
@@ -229,7 +228,7 @@ def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
 
 def _loss_inputs(site: Site) -> list[Node]:
     """The nodes a loss's walk reads besides the head's: its labels, a scale, an indexing's arguments."""
-    inputs = [node for node in (site.call.target, site.scale and site.scale.node) if isinstance(node, Node)]
+    inputs = [node for node in (site.call.target, site.scale_node) if isinstance(node, Node)]
     return inputs + [arg for step in site.hidden_plan if isinstance(step, Replay)  # a narrow's start, say
                      for arg in step.node.all_input_nodes if arg is not step.node.args[0]]
 
@@ -316,7 +315,7 @@ def one_walk_replacement(site: Site, dead: set[Node],
     if replacement is None or found is None or found[0].sharded:  # a shard walks its own columns
         return None
     head, chain = found
-    if (site.scale is None) == head.scaled or (site.scale is not None and site.scale.node not in chain):
+    if (site.scale is None) != head.scale.is_identity or (site.scale is not None and site.scale_node not in chain):
         return None
     loss_dtype, returned_dtype = cast_chains(site)[-1][-1], head.logits_dtype
     same_values = loss_dtype == returned_dtype or (holds(loss_dtype, head.computed_dtype)

@@ -12,7 +12,8 @@
 
 The scaling (:func:`read_scale`): ``logits * s``, ``s * logits`` or ``logits / s`` (operator, torch
 or method spellings) with ``s`` a Python number, a 0-d tensor node that needs no grad, or the
-``.item()`` of one, which the op takes as its head transform; anything else is a stop of the walk
+``.item()`` of one, read as the op's :class:`compile_pass.op.kernels.HeadScale` of nodes (the op's
+call takes it through :func:`op_scale`); anything else is a stop of the walk
 (:class:`compile_pass.graph.refusals.Refusal`). The other end, what consumes the logits, is a
 spelling's (:mod:`compile_pass.graph.spellings`).
 """
@@ -27,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import (
@@ -43,7 +44,7 @@ from compile_pass.graph.nodes import (
     tensor_op_name,
 )
 from compile_pass.graph.refusals import Refusal
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 
 _LINEAR = (internals.nn_linear.get(), F.linear)
 _MATMUL = (operator.matmul, torch.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
@@ -137,32 +138,13 @@ _SCALE_IN_PLACE = (operator.imul, operator.itruediv, torch.Tensor.mul_, torch.Te
                    torch.Tensor.div_, torch.Tensor.divide_, torch.Tensor.true_divide_)
 
 
-@dataclass(frozen=True)
-class Scale:
-    """``logits * value`` (``logits / value`` when ``divides``) between projection and loss."""
-
-    node: Node  # the mul / div; its dtype (the logits', no promotion) is the dtype it scales in
-    logits: Node  # its logits operand
-    value: Any  # a Python int / float, or the node of a 0-d tensor that does not require grad
-    divides: bool
-    item: Node | None = None  # the `value.item()` the graph scaled by (a float input Dynamo made dynamic)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return example_value(self.node).dtype
-
-    def head_transform(self, meta: dict) -> HeadTransform:
-        """What the op takes for this scaling (its ``transform``), in the dtype the graph
-        scaled in; the scale a number or a 0-d tensor node (for ``tensor.item()``, a new
-        node before the loss, with ``meta``: :func:`_scale_from_item`)."""
-        value = self.value if self.item is None else _scale_from_item(self.node.graph, self.value, self.item, meta)
-        return HeadTransform(scale=value, divides=self.divides, dtype=self.dtype)
-
-
 class ScaleRead(NamedTuple):
-    """What :func:`read_scale` found: a :class:`Scale`, or a stop kind and what of the scaling stops it."""
+    """What :func:`read_scale` found at a multiply / divide ``node``: the :class:`HeadScale` (its
+    tensor a node) its ``logits`` operand is scaled by, or a stop kind and what of the scaling stops it."""
 
-    scale: Scale | None
+    scale: HeadScale[Node] | None
+    node: Node | None = None
+    logits: Node | None = None
     stop_kind: Refusal | None = None
     detail: str | None = None
 
@@ -172,7 +154,7 @@ def read_scale(node: Node) -> ScaleRead | None:
     (``IN_PLACE_SCALE``, ``SCALE_REQUIRES_GRAD``, ``SCALE_OPERAND``), or None for no such node."""
     function = function_of(node)
     if function in _SCALE_IN_PLACE or (function in MULTIPLY + _DIVIDE and "out" in node.kwargs):
-        return ScaleRead(None, Refusal.IN_PLACE_SCALE)
+        return ScaleRead(None, stop_kind=Refusal.IN_PLACE_SCALE)
     if function not in MULTIPLY + _DIVIDE:
         return None
     divides = function in _DIVIDE
@@ -180,24 +162,24 @@ def read_scale(node: Node) -> ScaleRead | None:
     rounding_mode = kwargs.pop("rounding_mode", None)
     operands = [*node.args, *(kwargs.pop(name) for name in ("input", "other") if name in kwargs)]
     if kwargs or len(operands) != 2 or not is_tensor_node(node):
-        return ScaleRead(None, Refusal.SCALE_OPERAND, "arguments chunkce cannot read")
+        return ScaleRead(None, stop_kind=Refusal.SCALE_OPERAND, detail="arguments chunkce cannot read")
     if rounding_mode is not None:
-        return ScaleRead(None, Refusal.SCALE_OPERAND, f"a division with rounding_mode={rounding_mode!r}")
+        return ScaleRead(None, stop_kind=Refusal.SCALE_OPERAND, detail=f"a division with rounding_mode={rounding_mode!r}")
     output = example_value(node)
     candidates = [i for i, arg in enumerate(operands) if is_tensor_node(arg)
                   and example_value(arg).dim() >= 1 and example_value(arg).shape == output.shape]
     if len(candidates) != 1:
-        return ScaleRead(None, Refusal.SCALE_OPERAND, "a product or quotient of two [..., V] tensors")
+        return ScaleRead(None, stop_kind=Refusal.SCALE_OPERAND, detail="a product or quotient of two [..., V] tensors")
     position = candidates[0]
     if divides and position == 1:
-        return ScaleRead(None, Refusal.SCALE_OPERAND, "the logits are the divisor: `s / logits`")
+        return ScaleRead(None, stop_kind=Refusal.SCALE_OPERAND, detail="the logits are the divisor: `s / logits`")
     logits, value = operands[position], operands[1 - position]
     item = _item_of_0d_tensor(value)
-    value = value if item is None else item.args[0]
-    problem = _scale_problem(value, example_value(logits), output)
+    problem = _scale_problem(value if item is None else item.args[0], example_value(logits), output)
     if problem is not None:
-        return ScaleRead(None, *problem)
-    return ScaleRead(Scale(node, logits, value, divides, item))
+        return ScaleRead(None, stop_kind=problem[0], detail=problem[1])
+    number, tensor = (None, value) if isinstance(value, Node) else (value, None)  # tensor: the node, or its .item()
+    return ScaleRead(HeadScale(number, tensor, divides, output.dtype), node, logits)
 
 
 def _item_of_0d_tensor(value: Any) -> Node | None:
@@ -233,9 +215,16 @@ def _scale_problem(value: Any, logits: torch.Tensor, output: torch.Tensor) -> tu
     return None
 
 
-def _scale_from_item(graph: Graph, tensor: Node, item: Node, meta: dict) -> Node:
-    """The op's 0-d scale for ``logits / tensor.item()``: ``ones_like(tensor) * item``, exactly
-    ``tensor``; reading ``item`` keeps the float dynamic (unread, AOTAutograd would specialise
-    it and recompile for every value)."""
-    ones = create_node(graph, "call_function", torch.ones_like, (tensor,), meta=meta)  # [] fp64
-    return create_node(graph, "call_function", operator.mul, (ones, item), meta=meta)  # [] fp64
+def op_scale(scale: HeadScale[Node], meta: dict) -> HeadScale[Node]:
+    """The scaling the op's call takes for ``scale`` read from the graph: a number or a 0-d tensor
+    node; for ``tensor.item()``, ``ones_like(tensor) * item`` (new nodes before the loss, with
+    ``meta``), exactly ``tensor``: reading ``item`` keeps the float dynamic (unread, AOTAutograd
+    would specialise it and recompile for every value)."""
+
+    def zero_dim(node: Node) -> Node:
+        if _item_of_0d_tensor(node) is None:
+            return node
+        ones = create_node(node.graph, "call_function", torch.ones_like, (node.args[0],), meta=meta)  # [] fp64
+        return create_node(node.graph, "call_function", operator.mul, (ones, node), meta=meta)  # [] fp64
+
+    return scale.map(zero_dim)

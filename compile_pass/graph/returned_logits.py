@@ -219,12 +219,9 @@ def head_of(projection: Projection, chain: list[Node], inputs: list[Node], hidde
                   chunk_size=tiles[0], chunk_bytes=tiles[1])
     if scale is None:
         return Head(computed_dtype=segments[0][0], **common)
-    value = scale.item if scale.item is not None else scale.value
-    if isinstance(value, Node) and value not in position:
+    if scale.tensor is not None and scale.tensor not in position:
         return None
-    number, at = (None, position[value]) if isinstance(value, Node) else (value, None)
-    return Head(computed_dtype=scale.dtype, scale=number, scale_input=at, divides=scale.divides,
-                scale_dtype=scale.dtype, **common)
+    return Head(computed_dtype=scale.dtype, scale=scale.map(position.__getitem__), **common)
 
 
 def _one_rounding(dtypes: list[torch.dtype]) -> bool:
@@ -258,7 +255,7 @@ def _is_step_of(node: Node, source: Node) -> bool:
     if name in CASTS or name in COPIES:
         return bool(node.args) and node.args[0] is source
     read = read_scale(node)
-    return read is not None and read.scale is not None and read.scale.logits is source
+    return read is not None and read.scale is not None and read.logits is source
 
 
 def recipe_nodes(projection: Projection, chain: list[Node]) -> tuple[list[Node], list[Node]] | None:

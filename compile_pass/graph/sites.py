@@ -37,12 +37,13 @@ from compile_pass.graph.nodes import (
     same_size,
     tensor_op_name,
 )
-from compile_pass.graph.projection import Projection, Scale, ScaleRead, as_projection, read_scale
+from compile_pass.graph.projection import Projection, ScaleRead, as_projection, read_scale
 from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.spellings.call import Call, StepKind
 from compile_pass.graph.stages import reached
 from compile_pass.graph.tensor_parallel import read_sharded
 from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.kernels import HeadScale
 
 # RESHAPES, COPIES, CASTS: the hidden states need nothing for them but a final flatten;
 # TOKEN_INDEXES (select or reorder token dims): replayed on the hidden states.
@@ -86,7 +87,8 @@ class Site:
     error: str | None = None  # what went wrong reading the site (INTERNAL_ERROR)
     stop_detail: str | None = None  # what of a scaling the op cannot take (the SCALE_* kinds)
     hidden_plan: list[Reshape | Replay] = field(default_factory=list)
-    scale: Scale | None = None  # the logits' scaling, also among ``steps`` (kind SCALE)
+    scale: HeadScale[Node] | None = None  # the logits' scaling, read at ``scale_node``
+    scale_node: Node | None = None  # the multiply / divide, also among ``steps`` (kind SCALE)
 
     def erasable(self) -> list[Node]:
         """The nodes a rewrite of this site erases where nothing else reads them, loss side first."""
@@ -211,7 +213,7 @@ def _walk(site: Site, in_subgraph: bool) -> Stop | None:
         if step is not None:
             steps.append(step)
             log_softmax_ahead = log_softmax_ahead and step.kind is not StepKind.LOG_SOFTMAX
-            current = site.scale.logits if step.kind is StepKind.SCALE else current.args[0]
+            current = read_scale(current).logits if step.kind is StepKind.SCALE else current.args[0]
             projection, stop = _projection_at(current)
     site.projection, site.steps = projection, steps[::-1]
     return stop
@@ -251,7 +253,7 @@ def _scale_step(site: Site, node: Node, read: ScaleRead, log_softmax_ahead: bool
         return None, Stop(node, Refusal.SCALE_TWICE)
     if log_softmax_ahead:
         return None, Stop(node, Refusal.SCALE_OPERAND, "a scaling of the log-probabilities, after the log_softmax")
-    site.scale = read.scale
+    site.scale, site.scale_node = read.scale, node
     return Step(node, StepKind.SCALE), None
 
 

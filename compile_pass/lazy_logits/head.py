@@ -13,22 +13,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 from compile_pass.op.statistics import RowStatistics, linear_statistics
 
 
 @dataclass(frozen=True)
 class Head:
-    """The recipe's logits as the op computes them: ``transform(linear(hidden, weight, bias)).to(logits_dtype)``.
+    """The recipe's logits as the op computes them: ``scale(linear(hidden, weight, bias)).to(logits_dtype)``.
 
-    ``hidden``, ``weight``, ``bias`` and ``scale_input`` are positions among the recipe's inputs
-    (``bias`` None: none). The head scales by ``scale`` (a Python number) or by the tensor at
-    ``scale_input``, or neither (both None). ``weight`` is
-    ``[V, H]``, ``[H, V]`` when ``weight_is_hv`` (``h @ W``), or a vocabulary-sharded DTensor
-    (``sharded``: a colwise_rep tensor-parallel head; ``hidden`` is then the replicated hidden
-    states' local tensor). ``scale_dtype`` is the dtype the scale applies in, ``projection_dtype``
-    autocast's, ``computed_dtype`` the dtype the head computes its last value in (the scale's, else
-    the projection's), ``logits_dtype`` the returned logits'.
+    ``hidden``, ``weight`` and ``bias`` are positions among the recipe's inputs (``bias`` None:
+    none), and so is the tensor of ``scale`` (the graph's :class:`HeadScale`, mapped to positions).
+    ``weight`` is ``[V, H]``, ``[H, V]`` when ``weight_is_hv`` (``h @ W``), or a vocabulary-sharded
+    DTensor (``sharded``: a colwise_rep tensor-parallel head; ``hidden`` is then the replicated
+    hidden states' local tensor). ``projection_dtype`` is autocast's, ``computed_dtype`` the dtype
+    the head computes its last value in (the scale's, else the projection's), ``logits_dtype`` the
+    returned logits'.
     """
 
     hidden: int
@@ -37,10 +36,7 @@ class Head:
     logits_dtype: torch.dtype
     computed_dtype: torch.dtype
     weight_is_hv: bool = False
-    scale: float | None = None
-    scale_input: int | None = None
-    divides: bool = False
-    scale_dtype: torch.dtype | None = None
+    scale: HeadScale[int] = HeadScale()
     projection_dtype: torch.dtype | None = None
     sharded: bool = False
     chunk_size: int | None = None  # the tiles of its reads (the backend's options); None: the op's rule
@@ -49,16 +45,6 @@ class Head:
     def num_rows(self, tensors: Sequence[Tensor]) -> int:
         hidden = tensors[self.hidden]
         return hidden.numel() // max(hidden.shape[-1], 1)
-
-    @property
-    def scaled(self) -> bool:
-        return self.scale is not None or self.scale_input is not None
-
-    def transform(self, tensors: Sequence[Tensor]) -> HeadTransform:
-        if not self.scaled:
-            return HeadTransform()
-        scale = tensors[self.scale_input] if self.scale_input is not None else self.scale
-        return HeadTransform(scale=scale, divides=self.divides, dtype=self.scale_dtype)
 
     def statistics(self, tensors: Sequence[Tensor], rows: Tensor | None, indices: Tensor | None, *,
                    logits_dtype: torch.dtype, statistics_dtype: torch.dtype,
@@ -74,6 +60,6 @@ class Head:
             return linear_statistics(
                 hidden, weight.t() if self.weight_is_hv else weight, None if self.bias is None else tensors[self.bias],
                 indices, logits_dtype=logits_dtype, projection_dtype=self.projection_dtype,
-                transform=self.transform(tensors), temperature=temperature, temperature_multiplies=multiplies,
+                transform=self.scale.map(tensors.__getitem__), temperature=temperature, temperature_multiplies=multiplies,
                 statistics_dtype=statistics_dtype, row_statistics=row_statistics,
                 maximum_only=maximum_only, chunk_size=self.chunk_size, chunk_bytes=self.chunk_bytes)

@@ -239,7 +239,7 @@ def summed_loss(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Ten
         hidden_states: ``[N, H]``; weight ``[V, H]``; target ``[N]`` int64; bias,
             class_weight ``[V]`` or None; scale_tensor: the head's 0-d scale or None.
         output_mask: ``[hidden_states, weight, bias]`` need a gradient (:func:`grads_wanted`).
-        options: the op's keyword options (:func:`compile_pass.op.schema.op_arguments`).
+        options: the op's keyword options (:func:`compile_pass.op.schema.loss_inputs`).
 
     Raises:
         NotImplementedError: under a ``torch.func`` transform.

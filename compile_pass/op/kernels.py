@@ -1,7 +1,6 @@
 """The per-tile math of both ops (loss and row statistics) and the head's transform it applies.
 
-The per-tile math of both ops, and the head's transform it applies: the loss's two kernels and
-the row statistics' online state, over one tile of logits ``[n, Vb]``.
+Over one tile of logits ``[n, Vb]``: the loss's two kernels and the row statistics' online state.
 
 Loss per token ``i`` (target ``y``, logits ``z`` in ``logits_dtype``, class weights ``w``,
 ``W = sum_c w_c``, smoothing ``eps``, ``C = V``), ATen's ``cross_entropy_loss_label_smoothing``::
@@ -22,41 +21,34 @@ The online state across vocabulary blocks (``shift``: the running maximum, 0 whe
     lse = shift + log s,          entropy = log s - t / s,     row_sum = sum_c z_c
     dz = p (g_lse + g_ent (t / s - (z - shift))) + g_max [c == argmax] + g_sum
 
-with ``p = exp((z - shift) - log s)``; derivation: docs/op.md, "Row statistics".
-
-The head's transform: what happens to the logits between the projection and the loss, a scale::
-
-    z = (x.to(dtype) * scale).to(logits_dtype)        or  x.to(dtype) / scale  when ``divides``
-
-(Cohere's ``logit_scale``, Granite's ``logits_scaling``), rounded as torch's ``mul`` / ``div``.
-Read by :mod:`compile_pass.graph.projection`, applied and differentiated by the kernels.
+with ``p = exp((z - shift) - log s)``; derivation: docs/op.md, "Row statistics". The head's
+transform, ``z = (x.to(dtype) * scale).to(logits_dtype)`` (``/ scale`` when it divides), is one
+:class:`HeadScale` from the graph (:mod:`compile_pass.graph.projection`) to these kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
 from compile_pass.op.tiling import accumulate_dtype
 
-if TYPE_CHECKING:
-    from compile_pass.op.kernels import HeadTransform
+Operand, Mapped = TypeVar("Operand"), TypeVar("Mapped")  # a scale: a node, a recipe input position, a tensor
 
 
 class KernelArgs(NamedTuple):
-    """The constants of one kernel call (every argument but its tensors); Dynamo reads its
-    numbers as graph inputs, so a new value does not recompile."""
+    """The constants of one kernel call (all but its tensors); numbers are graph inputs (no recompile)."""
 
     ignore_index: int
     label_smoothing: float | None  # None: no smoothing term in the graph
     logits_dtype: torch.dtype  # the dtype the loss is computed in
     vocab_start: int  # the tile's first vocabulary column
     vocab_size: int  # V, the whole vocabulary
-    transform: HeadTransform  # resolved: applied to the projection before the loss
+    transform: HeadScale  # resolved: applied to the projection before the loss
 
     def detached(self) -> KernelArgs:
         """These constants with the transform's tensors detached."""
@@ -81,16 +73,13 @@ def chunk_forward(
     smooth: Tensor | None,  # [n], None without label smoothing
     args: KernelArgs,  # the tile's block is the columns [args.vocab_start, args.vocab_start + Vb)
 ) -> None:
-    """One vocabulary block of the log-sum-exp, online across the row's blocks, in place.
-
-    Updates the running state ``row_max``, ``sum_exp``, ``z_target``, ``smooth`` (``[n]`` each
-    in ``accumulate_dtype``; :func:`forward_state` starts it) and writes ``loss`` and
-    ``row_log_sum`` of the columns seen so far: after a row's last block ``loss`` is its per-token
-    loss and ``row_max + row_log_sum`` its log-sum-exp, kept in two parts as ``F.log_softmax``
-    keeps it. A row with ``+inf`` or only ``-inf`` gives nan, as torch. Written in place, the
-    compiled kernel stores straight into the walk's buffers, and the row maximum is one pass of
-    ``max(z, row_max)`` (docs/op.md, "Per-chunk kernels").
-    """
+    """One vocabulary block of the log-sum-exp, online across the row's blocks, in place: updates the
+    running state ``row_max``, ``sum_exp``, ``z_target``, ``smooth`` (``[n]`` each in
+    ``accumulate_dtype``; :func:`forward_state` starts it) and writes ``loss`` and ``row_log_sum``
+    of the columns seen so far: after a row's last block ``loss`` is its per-token loss and
+    ``row_max + row_log_sum`` its log-sum-exp, in two parts as ``F.log_softmax`` keeps it. A row with
+    ``+inf`` or only ``-inf`` gives nan, as torch. In place, the compiled kernel stores straight into
+    the walk's buffers; the row maximum is one pass of ``max(z, row_max)`` (docs/op.md, "Per-chunk kernels")."""
     ignore_index, label_smoothing, logits_dtype, vocab_start, vocab_size, transform = args
     block = logits.shape[-1]
     z = transform.apply(logits)
@@ -129,8 +118,7 @@ def chunk_forward(
 
 
 def _buffer_rows(buffers: tuple[Tensor | None, ...], start: int, end: int) -> tuple[Tensor | None, ...]:
-    """The rows ``[start, end)`` of each of a walk's buffers (None stays None), as the forward
-    kernels take them."""
+    """The rows ``[start, end)`` of each of a walk's buffers (None stays None), as kernels take them."""
     return tuple(None if buffer is None else buffer[start:end] for buffer in buffers)
 
 
@@ -149,10 +137,9 @@ class ForwardState(NamedTuple):
 
 
 def forward_state(num_tokens: int, like: Tensor, smoothing: bool) -> ForwardState:
-    """The state :func:`chunk_forward` takes for the rows' first blocks: ``row_max = -inf``,
-    ``sum_exp = 0``, ``z_target = 0``, ``smooth = 0`` (None without smoothing), ``loss`` and
-    ``row_log_sum`` uninitialised; ``[N]`` each in ``like``'s dtype and device, for a whole walk
-    (its fills are a call's, not a tile's)."""
+    """The state :func:`chunk_forward` takes for the rows' first blocks: ``row_max = -inf``, ``sum_exp =
+    0``, ``z_target = 0``, ``smooth = 0`` (None without smoothing), ``loss`` and ``row_log_sum``
+    uninitialised; ``[N]`` each in ``like``'s dtype and device, for a whole walk (a call's fills)."""
     return ForwardState(like.new_empty(num_tokens), like.new_full((num_tokens,), float("-inf")),
                         like.new_empty(num_tokens), like.new_zeros(num_tokens), like.new_zeros(num_tokens),
                         like.new_zeros(num_tokens) if smoothing else None)
@@ -213,16 +200,12 @@ def chunk_backward(
     logits.copy_(out)
 
 
-if TYPE_CHECKING:
-    from compile_pass.op.kernels import HeadTransform
-
-
 class StatisticsArgs(NamedTuple):
     """The constants of one kernel call (numbers are graph inputs, as in ``kernels.KernelArgs``)."""
 
     logits_dtype: torch.dtype
     statistics_dtype: torch.dtype
-    transform: HeadTransform  # resolved
+    transform: HeadScale  # resolved
     temperature: float | None  # a number; None: none, or a per-row tensor argument
     temperature_multiplies: bool
     vocab_start: int  # the tile's first column in the whole vocabulary
@@ -268,11 +251,11 @@ def row_shift(row_max: Tensor) -> Tensor:
 
 
 class StatisticsState(NamedTuple):
-    """The statistics walk's buffers, ``[N]`` each in the accumulate dtype (``argmax`` int64,
-    ``selected [N, K]``): the running state :func:`statistics_forward` carries across a row's
-    blocks (``row_max``, ``sum_exp`` s, ``sum_shifted`` t, ``argmax``, ``selected``, ``row_sum``)
-    and what it writes of the columns seen so far (``lse``, ``entropy``, ``row_log_sum``,
-    ``row_mean``). :func:`maximum_forward` takes ``row_max``, ``argmax``, ``selected`` only."""
+    """The statistics walk's buffers, ``[N]`` each in the accumulate dtype (``argmax`` int64, ``selected
+    [N, K]``): the running state :func:`statistics_forward` carries across a row's blocks (``row_max``,
+    ``sum_exp`` s, ``sum_shifted`` t, ``argmax``, ``selected``, ``row_sum``) and what it writes of the
+    columns seen so far (``lse``, ``entropy``, ``row_log_sum``, ``row_mean``); :func:`maximum_forward`
+    takes ``row_max``, ``argmax``, ``selected`` only."""
 
     row_max: Tensor
     sum_exp: Tensor | None  # None: the maximum alone (no exponential)
@@ -289,11 +272,10 @@ class StatisticsState(NamedTuple):
 
 
 def statistics_state(num_tokens: int, num_indices: int | None, like: Tensor, maximum_only: bool) -> StatisticsState:
-    """The state for the rows' first blocks, ``[N]`` each in ``like``'s dtype and device, for a whole
-    walk (its fills are a call's, not a tile's): ``row_max -inf``, ``s``, ``t``, ``argmax``,
-    ``selected [N, K]`` (None without indices) and ``row_sum`` 0, the outputs uninitialised (each
-    block writes them; a shard with no columns writes :func:`finish` of this state); with
-    ``maximum_only`` the sums and their outputs are None."""
+    """The state for the rows' first blocks, ``[N]`` each in ``like``'s dtype and device, for a whole walk
+    (a call's fills): ``row_max -inf``, ``s``, ``t``, ``argmax``, ``selected [N, K]`` (None without
+    indices) and ``row_sum`` 0, the outputs uninitialised (each block writes them; a shard with no
+    columns writes :func:`finish` of this state); with ``maximum_only`` the sums and outputs None."""
     selected = None if num_indices is None else like.new_zeros(num_tokens, num_indices)
     row_max = like.new_full((num_tokens,), float("-inf"))
     argmax = like.new_zeros(num_tokens, dtype=torch.int64)
@@ -448,53 +430,71 @@ def statistics_backward(
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadTransform:
-    """``scale`` (a Python number or a 0-d tensor, never differentiated), ``divides`` (else
-    multiplies), ``dtype`` it applies in (None: the projection's). ``HeadTransform()`` is none."""
+class HeadScale(Generic[Operand]):
+    """The head's one scaling between projection and loss (Cohere's ``logit_scale``, Granite's ``logits_scaling``):
+    ``logits * scale`` (``/ scale`` when ``divides``) in ``dtype`` (None: the projection's), the scale a Python
+    ``number`` or a 0-d ``tensor`` (never differentiated), its node in the graph, its position among a recipe's
+    inputs (:meth:`map`: one to another). ``HeadScale()`` is none. An op's flat arguments: :meth:`op_arguments`."""
 
-    scale: float | Tensor | None = None
+    number: float | None = None
+    tensor: Operand | None = None
     divides: bool = False
     dtype: torch.dtype | None = None
+
+    # its arguments of every op's schema, (name, type, default): a tensor (positional) and keywords
+    TENSOR_ARGUMENT: ClassVar[tuple] = ("logit_scale_tensor", "Tensor?")
+    KEYWORD_ARGUMENTS: ClassVar[tuple] = (("logit_scale", "float?", None), ("scale_divides", "bool", False),
+                                          ("scale_dtype", "ScalarType?", None))
 
     @property
     def is_identity(self) -> bool:
         """Whether the logits reach the loss as the projection left them (but for casts)."""
-        return self.scale is None
+        return self.number is None and self.tensor is None
 
-    def resolve(self, projection_dtype: torch.dtype) -> HeadTransform:
-        """This transform with its dtype decided: None is ``projection_dtype``."""
-        if self.is_identity or self.dtype is not None:
-            return self
-        return dataclasses.replace(self, dtype=projection_dtype)
+    def map(self, function: Callable[[Operand], Mapped]) -> HeadScale[Mapped]:
+        """This scaling with ``function`` of its tensor (a number stays as it is)."""
+        return dataclasses.replace(self, tensor=None if self.tensor is None else function(self.tensor))
+
+    def op_arguments(self) -> tuple[Operand | None, dict[str, Any]]:
+        """``(logit_scale_tensor, keywords)`` as the ops take them (a number: the float ``logit_scale``)."""
+        number = None if self.number is None else float(self.number)
+        return self.tensor, dict(zip((a[0] for a in self.KEYWORD_ARGUMENTS), (number, self.divides, self.dtype)))
+
+    @staticmethod
+    def from_op_arguments(tensor: Tensor | None, options: Mapping[str, Any]) -> HeadScale[Tensor]:
+        """The scaling of :meth:`op_arguments` (a keyword missing: the schema's default)."""
+        number, divides, dtype = (options.get(name, default) for name, _, default in HeadScale.KEYWORD_ARGUMENTS)
+        return HeadScale(number, tensor, divides, dtype)
+
+    @staticmethod
+    def of(scale: float | Tensor | None, divides: bool = False, dtype: torch.dtype | None = None) -> HeadScale[Tensor]:
+        """The scaling by ``scale``, a number or a 0-d tensor (None: none)."""
+        tensor = isinstance(scale, Tensor)
+        return HeadScale(None if tensor else scale, scale if tensor else None, divides, dtype)
+
+    def resolve(self, projection_dtype: torch.dtype) -> HeadScale[Operand]:
+        """This scaling with its dtype decided: None is ``projection_dtype``."""
+        return self if self.is_identity or self.dtype is not None else dataclasses.replace(self, dtype=projection_dtype)
 
     def variant(self) -> tuple | None:
         """The kernels' compile key: multiply or divide, number or tensor, dtype; None: identity."""
-        if self.is_identity:
-            return None
-        kind = "number" if isinstance(self.scale, numbers.Real) else "tensor"
-        return ("div" if self.divides else "mul", kind, self.dtype)
+        return None if self.is_identity else (
+            "div" if self.divides else "mul", "number" if self.tensor is None else "tensor", self.dtype)
 
-    def detached(self) -> HeadTransform:
-        """This transform with its tensor detached (what a compiled kernel takes)."""
-        if isinstance(self.scale, Tensor):
-            return dataclasses.replace(self, scale=self.scale.detach())
-        return self
+    def detached(self) -> HeadScale[Operand]:
+        """This scaling with its tensor detached (what a compiled kernel takes)."""
+        return self.map(Tensor.detach) if isinstance(self.tensor, Tensor) else self
 
     def apply(self, logits: Tensor) -> Tensor:
-        """``logits [n, Vb]`` transformed, in ``dtype``, computed in ``accumulate_dtype(dtype)`` and
-    rounded once, as torch's ``mul`` / ``div`` by a dimensionless operand. Resolved only."""
+        """``logits [n, Vb]`` scaled, in ``dtype``, computed in ``accumulate_dtype(dtype)`` and
+        rounded once, as torch's ``mul`` / ``div`` by a dimensionless operand. Resolved only."""
         if self.is_identity:
             return logits
         opmath = accumulate_dtype(self.dtype)
-        scale = self.scale
-        if isinstance(scale, Tensor):
-            scale = scale.to(device=logits.device, dtype=opmath)
+        scale = self.number if self.tensor is None else self.tensor.to(device=logits.device, dtype=opmath)
         x = logits.to(self.dtype).to(opmath)
         return (x / scale if self.divides else x * scale).to(self.dtype)
 
     def backward(self, grad: Tensor, logits: Tensor) -> Tensor:
-        """The chain rule through :meth:`apply`: ``grad [n, Vb]`` w.r.t. the transformed logits to
-    the gradient w.r.t. the projection ``logits``, in ``dtype``."""
-        if self.is_identity:
-            return grad
+        """The chain rule through :meth:`apply`: ``grad [n, Vb]`` to the projection ``logits``', in ``dtype``."""
         return self.apply(grad)

@@ -16,7 +16,7 @@ from compile_pass.op import vocab_parallel
 from compile_pass.op.checks import check_chunking, check_loss_options, check_scale, check_tensors
 from compile_pass.op.custom_ops import FunctorchForward
 from compile_pass.op.grads_in_forward import grads_wanted, summed_loss
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 from compile_pass.op.loops import autocast_enabled, reduce_total
 from compile_pass.op.schema import loss_inputs
 from compile_pass.op.tiling import Tiles, resolve_tiles
@@ -108,8 +108,8 @@ def linear_cross_entropy(
         reduction=reduction, ignore_index=ignore_index, label_smoothing=float(label_smoothing),
         logits_dtype=logits_dtype or input.dtype, projection_dtype=projection_dtype,
         chunk_size=chunk_size, chunk_bytes=chunk_bytes,
-        transform=HeadTransform(scale=logit_divisor if logit_scale is None else logit_scale,
-                                divides=logit_divisor is not None, dtype=scale_dtype),
+        transform=HeadScale.of(logit_divisor if logit_scale is None else logit_scale, logit_divisor is not None,
+                               scale_dtype),
         grads_in_forward=grads_wanted(input, linear_weight, linear_bias, torch.is_grad_enabled())
         if grads_in_forward else None,
     )
@@ -134,7 +134,7 @@ def chunked_cross_entropy(
     logits_dtype: torch.dtype,
     chunk_size: int | None = None,
     chunk_bytes: int | None = None,
-    transform: HeadTransform | None = None,
+    transform: HeadScale | None = None,
     projection_dtype: torch.dtype | None = None,
     grads_in_forward: list[bool] | None = None,
     vocab_start: int = 0,
@@ -149,7 +149,7 @@ def chunked_cross_entropy(
         hidden_states ``[..., H]``, weight ``[V, H]``, target ``hidden_states.shape[:-1]`` int64,
         bias / class_weight ``[V]`` or None; the options as :func:`linear_cross_entropy`'s,
         resolved: ``logits_dtype`` not None, ``transform`` a
-        :class:`compile_pass.op.kernels.HeadTransform` or None, ``projection_dtype`` the
+        :class:`compile_pass.op.kernels.HeadScale` or None, ``projection_dtype`` the
         autocast dtype or None, ``grads_in_forward`` None or the ``[hidden_states, weight, bias]``
         mask of gradients wanted. vocab_start, vocab_size, group_name: a vocabulary shard's
         place over a c10d group (:func:`compile_pass.op.vocab_parallel.sharded_loss`).

@@ -6,15 +6,14 @@ default) and each op one :class:`OpSchema` (its tensors, its own keywords, the o
 it returns): the registered schema's text, the check of the op's function and the defaults the ops
 fill in (:func:`option_defaults`) are all read from it, never parsed back from a string
 (:data:`LOSS_OPTIONS`; the row-statistics op's in :mod:`compile_pass.op.statistics`). The head's
-:class:`~compile_pass.op.kernels.HeadTransform` is several schema arguments: :func:`op_arguments`
-flattens it, :func:`head_transform` rebuilds it. :class:`ResolvedCall` is the options of one call
-resolved. ``tests/op/test_op.py`` pins the registered schema strings (they are hashed into cache keys).
+:class:`~compile_pass.op.kernels.HeadScale` names its own arguments (``HeadScale.TENSOR_ARGUMENT``,
+``HeadScale.KEYWORD_ARGUMENTS``), gives and reads them. :class:`ResolvedCall` is the options of one
+call resolved. ``tests/op/test_op.py`` pins the registered schema strings (they are hashed into cache keys).
 """
 
 from __future__ import annotations
 
 import inspect
-import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from compile_pass.op.kernels import HeadTransform, KernelArgs
+from compile_pass.op.kernels import HeadScale, KernelArgs
 from compile_pass.op.tiling import Tiles, resolve_tiles, settings, walk_threads
 
 LOSS_NAME = "chunkce.linear_cross_entropy"  # how the op names itself in messages
@@ -49,8 +48,9 @@ def option_defaults(options: tuple[Argument, ...]) -> dict[str, Any]:
 # the leading tensors of the loss ops (the backward ops', between grad_loss and the row statistics)
 INPUTS = (
     Argument("hidden_states", "Tensor"), Argument("weight", "Tensor"), Argument("target", "Tensor"),
-    Argument("bias", "Tensor?"), Argument("class_weight", "Tensor?"), Argument("logit_scale_tensor", "Tensor?"),
+    Argument("bias", "Tensor?"), Argument("class_weight", "Tensor?"), Argument(*HeadScale.TENSOR_ARGUMENT),
 )
+SCALE_OPTIONS = tuple(Argument(*argument) for argument in HeadScale.KEYWORD_ARGUMENTS)  # the head's scale
 ROW_LOG_SUM_EXP = (Argument("row_max", "Tensor"), Argument("row_log_sum", "Tensor"))  # the forward's, [N] each
 OUTPUT_MASK = Argument("output_mask", "bool[]")  # [grad_hidden_states, grad_weight, grad_bias] wanted
 GROUP_NAME = Argument("group_name", "str")  # a vocabulary-parallel op's process group
@@ -58,9 +58,7 @@ GROUP_NAME = Argument("group_name", "str")  # a vocabulary-parallel op's process
 # scale's 0-d tensor is the positional logit_scale_tensor)
 LOSS_OPTIONS = (
     Argument("ignore_index", "SymInt"), Argument("label_smoothing", "float"), Argument("logits_dtype", "ScalarType"),
-    Argument("chunk_size", "SymInt?", None), Argument("chunk_bytes", "SymInt?", None),
-    Argument("logit_scale", "float?", None), Argument("scale_divides", "bool", False),
-    Argument("scale_dtype", "ScalarType?", None),
+    Argument("chunk_size", "SymInt?", None), Argument("chunk_bytes", "SymInt?", None), *SCALE_OPTIONS,
 )
 LOSS_DEFAULTS = option_defaults(LOSS_OPTIONS)
 
@@ -103,34 +101,19 @@ class OpSchema:
         return torch.library.custom_op(self.name, function, mutates_args=(), schema=self.text())
 
 
-def op_arguments(transform: HeadTransform = HeadTransform(), **options: Any) -> tuple[Tensor | None, dict[str, Any]]:
-    """``(logit_scale_tensor, keywords)``: the options as the ops take them, ``transform``'s scale
-    a float ``logit_scale`` when it is a Python number, else the 0-d tensor."""
-    number = isinstance(transform.scale, numbers.Real)
-    keywords = {**options, "logit_scale": float(transform.scale) if number else None,
-                "scale_divides": transform.divides, "scale_dtype": transform.dtype}
-    return None if number else transform.scale, keywords
-
-
 def loss_inputs(hidden_states: Tensor, weight: Tensor, bias: Tensor | None, *, ignore_index: int,
                 label_smoothing: float, logits_dtype: Any, chunk_size: int | None = None,
-                chunk_bytes: int | None = None, transform: HeadTransform | None = None,
+                chunk_bytes: int | None = None, transform: HeadScale | None = None,
                 projection_dtype: Any = None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, dict[str, Any]]:
     """``(hidden_states, weight, bias, logit_scale_tensor, keywords)`` as a loss op takes them: the
     tensors cast to ``projection_dtype`` (None: no cast). Raises TypeError: an unknown keyword."""
-    scale_tensor, options = op_arguments(
-        HeadTransform() if transform is None else transform, ignore_index=ignore_index,
-        label_smoothing=label_smoothing, logits_dtype=logits_dtype, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+    scale_tensor, scale_options = (HeadScale() if transform is None else transform).op_arguments()
+    options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, logits_dtype=logits_dtype,
+                   chunk_size=chunk_size, chunk_bytes=chunk_bytes, **scale_options)
     if projection_dtype is not None:
         hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
         bias = None if bias is None else bias.to(projection_dtype)
     return hidden_states, weight, bias, scale_tensor, options
-
-
-def head_transform(scale_tensor: Tensor | None, options: Mapping[str, Any]) -> HeadTransform:
-    """The transform of :func:`op_arguments` (at most one of the two scales is given)."""
-    scale = options.get("logit_scale") if scale_tensor is None else scale_tensor
-    return HeadTransform(scale=scale, divides=options.get("scale_divides", False), dtype=options.get("scale_dtype"))
 
 
 @dataclass(frozen=True, eq=False)
@@ -141,7 +124,7 @@ class ResolvedCall:
     tiles: Tiles  # tokens and vocabulary columns a tile, resolved
     release_cache: bool  # CHUNKCE_RELEASE_CACHE: empty the allocator's cache after the op
     eager_kernels: bool  # CHUNKCE_EAGER_KERNELS
-    transform: HeadTransform  # the head's transform, its dtype resolved (HeadTransform.resolve)
+    transform: HeadScale  # the head's scale, its dtype resolved (HeadScale.resolve)
     vocab_size: int  # V (the whole vocabulary's, for a shard)
     vocab_offset: int = 0  # a shard's first column: the kernels see a tile at its global columns
     threads: int = 1  # the walk threads its tiles are split over (tiling.walk_threads)
@@ -168,7 +151,7 @@ class ResolvedCall:
                                 chunk_bytes=options.get("chunk_bytes"), whole_rows=whole_rows, parts=threads),
             release_cache=env.release_cache,
             eager_kernels=env.eager_kernels,
-            transform=head_transform(scale_tensor, options).resolve(hidden_states.dtype),
+            transform=HeadScale.from_op_arguments(scale_tensor, options).resolve(hidden_states.dtype),
             vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
             vocab_offset=vocab_offset,
             threads=threads,

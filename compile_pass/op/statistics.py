@@ -37,8 +37,8 @@ import compile_pass.torch_internals as internals
 from compile_pass.op import kernels, loops, statistics_loops
 from compile_pass.op.checks import check_bool, check_positive_int
 from compile_pass.op.custom_ops import fake_gradients, input_grads, refuse_double_backward
-from compile_pass.op.kernels import HeadTransform
-from compile_pass.op.schema import GROUP_NAME, OUTPUT_MASK, Argument, OpSchema, op_arguments, option_defaults
+from compile_pass.op.kernels import HeadScale
+from compile_pass.op.schema import GROUP_NAME, OUTPUT_MASK, SCALE_OPTIONS, Argument, OpSchema, option_defaults
 from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.op.vocab_parallel import all_reduce, is_dtensor, shard_of, vocabulary_mesh_dim
 
@@ -66,7 +66,7 @@ def linear_statistics(
     *,
     logits_dtype: torch.dtype | None = None,
     projection_dtype: torch.dtype | None = None,
-    transform: HeadTransform = HeadTransform(),
+    transform: HeadScale = HeadScale(),
     temperature: float | Tensor | None = None,
     temperature_multiplies: bool = False,
     statistics_dtype: torch.dtype | None = None,
@@ -97,7 +97,7 @@ def linear_statistics(
         indices: ``[N, K]`` int64 in ``[0, V)``, or None.
         logits_dtype: the head's output dtype (None = the projection's); projection_dtype:
             autocast's, the operands cast to it first (None = no cast).
-        transform: the head's own scale (:class:`compile_pass.op.kernels.HeadTransform`).
+        transform: the head's own scale (:class:`compile_pass.op.kernels.HeadScale`).
         temperature: a number or a ``[N]`` / 0-d floating tensor, never differentiated (None =
             none); ``temperature_multiplies``: multiply instead of divide.
         statistics_dtype: the dtype of ``z``; None = ``logits_dtype``.
@@ -149,7 +149,7 @@ def chunked_statistics(
     *,
     logits_dtype: torch.dtype,
     statistics_dtype: torch.dtype,
-    transform: HeadTransform | None = None,
+    transform: HeadScale | None = None,
     temperature_multiplies: bool = False,
     row_statistics: bool = True,
     maximum_only: bool = False,
@@ -164,11 +164,13 @@ def chunked_statistics(
     ``(vocab_start, group_name, V)`` of a vocabulary shard (``weight`` / ``bias`` this rank's),
     None = the whole head; the others as :func:`linear_statistics` takes them."""
     number = temperature is None or isinstance(temperature, numbers.Real)
-    scale_tensor, arguments = op_arguments(
-        HeadTransform() if transform is None else transform,  # made here: Dynamo cannot wrap a default's instance
+    scale_tensor, scale_options = (  # HeadScale() made here: Dynamo cannot wrap a default's instance
+        HeadScale() if transform is None else transform).op_arguments()
+    arguments = dict(
         logits_dtype=logits_dtype, statistics_dtype=statistics_dtype, temperature_value=temperature if number else None,
         temperature_multiplies=temperature_multiplies, row_statistics=row_statistics,
-        maximum_only=maximum_only and vocab_parallel is None, chunk_size=chunk_size, chunk_bytes=chunk_bytes)
+        maximum_only=maximum_only and vocab_parallel is None, chunk_size=chunk_size, chunk_bytes=chunk_bytes,
+        **scale_options)
     if projection_dtype is not None:
         hidden_states, weight = hidden_states.to(projection_dtype), weight.to(projection_dtype)
         bias = None if bias is None else bias.to(projection_dtype)
@@ -228,8 +230,8 @@ def _check_arguments(hidden_states, weight, bias, indices, temperature, projecti
     for name, dtype in (("projection_dtype", projection_dtype), *dtypes.items()):
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             _bad_argument(TypeError, f"expected {name} to be a floating torch.dtype or None, got {dtype!r}")
-    if not isinstance(transform, HeadTransform):
-        _bad_argument(TypeError, f"expected transform to be a HeadTransform, got {type(transform).__name__}")
+    if not isinstance(transform, HeadScale):
+        _bad_argument(TypeError, f"expected transform to be a HeadScale, got {type(transform).__name__}")
     for name, value in (("weight", weight), ("bias", bias), ("indices", indices), ("temperature", temperature)):
         if isinstance(value, Tensor) and value.device != device:
             _bad_argument(ValueError, f"expected {name} on {device} (the hidden states' device), got {value.device}")
@@ -239,13 +241,12 @@ STATISTICS_NAME = "chunkce.linear_statistics"  # how the op names itself in mess
 UNFUSED = "the unfused F.linear and torch's logsumexp / softmax / gather"
 TENSORS = (
     Argument("hidden_states", "Tensor"), Argument("weight", "Tensor"), Argument("bias", "Tensor?"),
-    Argument("indices", "Tensor?"), Argument("temperature", "Tensor?"), Argument("logit_scale_tensor", "Tensor?"),
+    Argument("indices", "Tensor?"), Argument("temperature", "Tensor?"), Argument(*HeadScale.TENSOR_ARGUMENT),
 )
 STATISTICS = tuple(Argument(name, "Tensor") for name in ("row_max", "row_log_sum", "row_mean", "argmax"))
 STATISTICS_OPTIONS = (
-    Argument("logits_dtype", "ScalarType"), Argument("statistics_dtype", "ScalarType"),
-    Argument("logit_scale", "float?", None), Argument("scale_divides", "bool", False),
-    Argument("scale_dtype", "ScalarType?", None), Argument("temperature_value", "float?", None),
+    Argument("logits_dtype", "ScalarType"), Argument("statistics_dtype", "ScalarType"), *SCALE_OPTIONS,
+    Argument("temperature_value", "float?", None),
     Argument("temperature_multiplies", "bool", False), Argument("row_statistics", "bool", True),
     Argument("maximum_only", "bool", False), Argument("chunk_size", "SymInt?", None),
     Argument("chunk_bytes", "SymInt?", None), Argument("vocab_start", "SymInt", 0),

@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass
 from compile_pass import linear_cross_entropy
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 
 B, T, H, V = 2, 5, 16, 23
 
@@ -41,13 +41,13 @@ SCALE_VALUES = [1.0 / 3.0, 7, torch.tensor(0.3), torch.tensor(0.3, dtype=torch.f
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("divides", [False, True], ids=["mul", "div"])
 def test_scale_logits_rounds_as_torch_mul_and_div(dtype, divides):
-    """``HeadTransform.apply`` is bit for bit ``x * s`` / ``x / s`` in the logits' dtype, and its
+    """``HeadScale.apply`` is bit for bit ``x * s`` / ``x / s`` in the logits' dtype, and its
     backward is autograd's ``mul`` / ``div`` backward (``grad * s``, ``grad / s``)."""
     x = (torch.randn(7, 37, generator=torch.Generator().manual_seed(0)) * 5).to(dtype)
     for scale in SCALE_VALUES:
         expected = x / scale if divides else x * scale
         assert expected.dtype == dtype  # a number or a 0-d tensor does not promote the logits
-        transform = HeadTransform(scale, divides, dtype)
+        transform = HeadScale.of(scale, divides, dtype)
         got = transform.apply(x)
         torch.testing.assert_close(got, expected, atol=0, rtol=0, msg=f"{scale!r}")
         leaf = x.detach().requires_grad_()
@@ -58,7 +58,7 @@ def test_scale_logits_rounds_as_torch_mul_and_div(dtype, divides):
 def test_division_is_not_multiplication_by_the_reciprocal():
     """``x / 3`` and ``x * (1 / 3)`` round differently: the op divides when the graph did."""
     x = torch.randn(64, 101, generator=torch.Generator().manual_seed(1))
-    divided = HeadTransform(3.0, divides=True, dtype=torch.float32).apply(x)
+    divided = HeadScale(3.0, divides=True, dtype=torch.float32).apply(x)
     assert torch.equal(divided, x / 3.0)
     assert not torch.equal(divided, x * (1.0 / 3.0))
 
@@ -66,7 +66,7 @@ def test_division_is_not_multiplication_by_the_reciprocal():
 def test_scale_in_a_wider_dtype_than_the_projection():
     """bf16 logits scaled after ``.float()``: rounded once to bf16 (the projection), then scaled in fp32."""
     x = torch.randn(5, 31, generator=torch.Generator().manual_seed(2)).bfloat16()
-    got = HeadTransform(1.0 / 3.0, dtype=torch.float32).apply(x)
+    got = HeadScale(1.0 / 3.0, dtype=torch.float32).apply(x)
     assert got.dtype == torch.float32
     assert torch.equal(got, x.float() * (1.0 / 3.0))
     assert not torch.equal(got, (x * (1.0 / 3.0)).float())
@@ -445,11 +445,11 @@ def test_inductor_scaled_head_matches_stock_inductor():
 def test_transform_variant_is_the_compile_key_never_the_value():
     """The kernels' compile key holds the transform's variant (multiply / divide, number / tensor,
     dtype), never its value: a new scale reuses the compiled kernels, another variant does not."""
-    variant = HeadTransform(0.5, dtype=torch.float32).variant()
-    assert HeadTransform(3.0, dtype=torch.float32).variant() == variant
-    assert HeadTransform(torch.tensor(0.5), dtype=torch.float32).variant() == HeadTransform(
+    variant = HeadScale(0.5, dtype=torch.float32).variant()
+    assert HeadScale(3.0, dtype=torch.float32).variant() == variant
+    assert HeadScale.of(torch.tensor(0.5), dtype=torch.float32).variant() == HeadScale.of(
         torch.tensor(2.0), dtype=torch.float32).variant() != variant
-    assert HeadTransform(0.5, divides=True, dtype=torch.float32).variant() != variant
-    assert HeadTransform(0.5, dtype=torch.bfloat16).variant() != variant
-    assert HeadTransform().variant() is None and HeadTransform().resolve(torch.bfloat16) == HeadTransform()
-    assert HeadTransform(0.5).resolve(torch.bfloat16).dtype == torch.bfloat16
+    assert HeadScale(0.5, divides=True, dtype=torch.float32).variant() != variant
+    assert HeadScale(0.5, dtype=torch.bfloat16).variant() != variant
+    assert HeadScale().variant() is None and HeadScale().resolve(torch.bfloat16) == HeadScale()
+    assert HeadScale(0.5).resolve(torch.bfloat16).dtype == torch.bfloat16

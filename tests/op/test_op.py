@@ -211,22 +211,24 @@ def test_options_are_keywords_and_the_transform_round_trips():
     """The options travel by name: the op refuses them by position and an unknown name; the head
     transform is flattened into the schema's arguments (a tensor scale positional, a number the
     float ``logit_scale``) and rebuilt."""
-    from compile_pass.op.schema import LOSS_DEFAULTS, head_transform, op_arguments
-    from compile_pass.op.kernels import HeadTransform
+    from compile_pass.op.schema import LOSS_DEFAULTS, loss_inputs
+    from compile_pass.op.kernels import HeadScale
 
     scale = torch.tensor(2.0)
-    tensor, keywords = op_arguments(HeadTransform(scale, divides=True), ignore_index=-1, label_smoothing=0.1,
-                                    logits_dtype=torch.float32, chunk_size=8)
+    hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
+    *_, tensor, keywords = loss_inputs(hidden, weight, None, transform=HeadScale.of(scale, divides=True),
+                                       ignore_index=-1, label_smoothing=0.1, logits_dtype=torch.float32, chunk_size=8)
     assert tensor is scale
     assert keywords == {"ignore_index": -1, "label_smoothing": 0.1, "logits_dtype": torch.float32, "chunk_size": 8,
-                        "logit_scale": None, "scale_divides": True, "scale_dtype": None}
-    rebuilt = head_transform(tensor, keywords)
-    assert rebuilt.scale is scale and rebuilt.divides and rebuilt.dtype is None
-    assert head_transform(None, LOSS_DEFAULTS) == HeadTransform() and head_transform(None, LOSS_DEFAULTS).is_identity
-    number, keywords = op_arguments(HeadTransform(3, dtype=torch.bfloat16))
+                        "chunk_bytes": None, "logit_scale": None, "scale_divides": True, "scale_dtype": None}
+    rebuilt = HeadScale.from_op_arguments(tensor, keywords)
+    assert rebuilt.tensor is scale and rebuilt.number is None and rebuilt.divides and rebuilt.dtype is None
+    assert HeadScale.from_op_arguments(None, LOSS_DEFAULTS) == HeadScale()
+    assert HeadScale.from_op_arguments(None, LOSS_DEFAULTS).is_identity
+    number, keywords = HeadScale(3, dtype=torch.bfloat16).op_arguments()
     assert number is None
     assert (keywords["logit_scale"], keywords["scale_divides"], keywords["scale_dtype"]) == (3.0, False, torch.bfloat16)
-    assert head_transform(None, keywords) == HeadTransform(3.0, dtype=torch.bfloat16)
+    assert HeadScale.from_op_arguments(None, keywords) == HeadScale(3.0, dtype=torch.bfloat16)
     hidden, weight, target, _ = make_inputs(n=5, h=4, v=7)
     forward = torch.ops.chunkce.linear_cross_entropy.default
     with pytest.raises(RuntimeError, match="takes 6 positional argument"):

@@ -11,8 +11,7 @@ from statistics_reference import OUTPUTS, check, problem, recording_backend, unf
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from compile_pass import linear_statistics
-from compile_pass.op.schema import op_arguments
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_compile")]
 TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 4}
@@ -25,9 +24,9 @@ def _op_inputs(case: int):
     bias = torch.randn(41, generator=gen) if case != 1 else None
     indices = torch.randint(0, 41, (9, [1, 3, 2, 1][case]), generator=gen) if case != 2 else None
     temperature = torch.rand(9, generator=gen) + 0.5 if case in (1, 3) else None
-    scale_tensor, arguments = op_arguments(
-        HeadTransform(scale=0.5) if case == 2 else HeadTransform(),
-        logits_dtype=torch.float32, statistics_dtype=torch.float32, chunk_size=[4, None, 2, 3][case],
+    scale_tensor, scale_options = (HeadScale(0.5) if case == 2 else HeadScale()).op_arguments()
+    arguments = dict(
+        **scale_options, logits_dtype=torch.float32, statistics_dtype=torch.float32, chunk_size=[4, None, 2, 3][case],
         chunk_bytes=[4 * 8 * 4, None, 2 * 16 * 4, None][case], temperature_value=0.8 if case == 0 else None,
         temperature_multiplies=case == 3, row_statistics=case != 3 or indices is None, maximum_only=case == 1)
     return (hidden, weight, bias, indices, temperature, scale_tensor), arguments
@@ -47,7 +46,7 @@ def test_opcheck_forward_and_backward_ops(case):
                           {**arguments, "output_mask": [True, True, inputs[2] is not None]})
 
 
-@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "transform": HeadTransform(scale=1.5, divides=True)},
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "transform": HeadScale(1.5, divides=True)},
                                      {"row_statistics": False}], ids=["plain", "temperature_divisor", "selected_only"])
 def test_gradcheck_fp64(options, monkeypatch):
     monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", "1")
@@ -105,4 +104,4 @@ def test_inductor_no_recompile_for_a_new_number_of_tokens():
 @pytest.mark.parametrize("num_indices, bias", [(1, False), (3, True), (0, True)], ids=["K1", "K3_bias", "no_indices"])
 def test_compiled_kernels_over_the_sweep(temperature, num_indices, bias):
     hidden, weight, b, indices = problem(num_indices=num_indices, bias=bias)
-    check(hidden, weight, b, indices, transform=HeadTransform(scale=0.8), **temperature, **TILES)
+    check(hidden, weight, b, indices, transform=HeadScale(0.8), **temperature, **TILES)

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from compile_pass import RowStatistics, linear_statistics
 from compile_pass.op import kernel_runner, kernels
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 
 TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 4}  # [8, 128] fp32 tiles: 5 token chunks x 4 blocks
 FP64_TILES = {"chunk_size": 8, "chunk_bytes": 8 * 128 * 8}
@@ -50,10 +50,10 @@ def test_every_output_and_gradient_over_several_tiles(temperature, num_indices, 
 
 
 @pytest.mark.usefixtures("eager_kernels")
-@pytest.mark.parametrize("transform", [HeadTransform(scale=0.37), HeadTransform(scale=2.5, divides=True),
-                                       HeadTransform(scale=torch.tensor(0.5), dtype=torch.float64)],
+@pytest.mark.parametrize("transform", [HeadScale(0.37), HeadScale(2.5, divides=True),
+                                       HeadScale.of(torch.tensor(0.5), dtype=torch.float64)],
                          ids=["scale", "divisor", "tensor_scale_fp64"])
-def test_head_transform_then_temperature(transform):
+def test_head_scale_then_temperature(transform):
     hidden, weight, bias, indices = problem()
     check(hidden, weight, bias, indices, transform=transform, **TEMPERATURES["rows"], **TILES)
 
@@ -62,7 +62,7 @@ def test_compiled_kernels_equal_the_unfused_computation():
     """The kernels Inductor compiles: no temperature; then a per-row one after a head scale."""
     hidden, weight, bias, indices = problem()
     check(hidden, weight, bias, indices, **TILES)
-    check(hidden, weight, bias, indices, transform=HeadTransform(scale=0.37), **TEMPERATURES["rows"], **TILES)
+    check(hidden, weight, bias, indices, transform=HeadScale(0.37), **TEMPERATURES["rows"], **TILES)
 
 
 @pytest.mark.usefixtures("eager_kernels")
@@ -210,7 +210,7 @@ def test_selected_only_takes_no_walk(kernel_calls):
     """``row_statistics=False``: ``selected`` and its gradients as torch's, no kernel run, the row
     statistics empty; without indices, nothing is computed."""
     hidden, weight, bias, indices = problem()
-    for options in ({}, {"temperature": TEMPERATURES["rows"]["temperature"], "transform": HeadTransform(scale=0.4)}):
+    for options in ({}, {"temperature": TEMPERATURES["rows"]["temperature"], "transform": HeadScale(0.4)}):
         ours = linear_statistics(hidden, weight, bias, indices, row_statistics=False, **options)
         expected = unfused(hidden, weight, bias, indices, **options)
         torch.testing.assert_close(ours.selected, expected.selected)
@@ -238,7 +238,7 @@ def test_maximum_only_walks_without_the_sums(kernel_calls, monkeypatch, eager):
     bias[300] = bias[141] = 0.0
     bias.requires_grad_()
     weight.requires_grad_()
-    options = {"temperature": TEMPERATURES["rows"]["temperature"], "transform": HeadTransform(scale=0.4), **TILES}
+    options = {"temperature": TEMPERATURES["rows"]["temperature"], "transform": HeadScale(0.4), **TILES}
     ours = linear_statistics(hidden, weight, bias, indices, maximum_only=True, **options)
     expected = unfused(hidden, weight, bias, indices, **{k: v for k, v in options.items() if k not in TILES})
     assert ours.argmax[0] == 141 and torch.equal(ours.argmax, expected.argmax)
@@ -395,7 +395,7 @@ def test_double_backward_is_refused_naming_the_unfused_computation():
     ({"temperature": torch.ones(37, requires_grad=True)}, NotImplementedError, "temperature.detach"),
     ({"temperature": "hot"}, TypeError, "temperature to be a number"),
     ({"statistics_dtype": torch.int32}, TypeError, "statistics_dtype to be a floating"),
-    ({"transform": 0.5}, TypeError, "HeadTransform"),
+    ({"transform": 0.5}, TypeError, "HeadScale"),
     ({"row_statistics": 1}, TypeError, "row_statistics to be a bool"),
     ({"chunk_size": 0}, ValueError, "chunk_size to be a positive int"),
 ])
@@ -463,7 +463,7 @@ def test_traceable_entry_runs_on_fx_proxies_over_fake_tensors():
         placeholders.append(graph.placeholder(name))
         placeholders[-1].meta["example_value"] = fake
     out = trace_into(graph, read, *placeholders, logits_dtype=torch.float32, statistics_dtype=torch.float32,
-                     transform=HeadTransform(scale=0.5), temperature_multiplies=False, row_statistics=True,
+                     transform=HeadScale(0.5), temperature_multiplies=False, row_statistics=True,
                      chunk_size=None, chunk_bytes=None)
     graph.output(out)
     nodes = [node for node in graph.nodes if node.op not in ("placeholder", "output")]
@@ -475,7 +475,7 @@ def test_traceable_entry_runs_on_fx_proxies_over_fake_tensors():
     hidden, weight, _, indices = problem(bias=False)
     temperature = TEMPERATURES["rows"]["temperature"]
     with torch.no_grad():
-        expected = unfused(hidden, weight, None, indices, transform=HeadTransform(scale=0.5), temperature=temperature)
+        expected = unfused(hidden, weight, None, indices, transform=HeadScale(0.5), temperature=temperature)
         torch.testing.assert_close(module(hidden, weight, indices, temperature),
                                    expected.selected.sum(-1) - expected.lse + expected.entropy + expected.max
                                    + expected.argmax)

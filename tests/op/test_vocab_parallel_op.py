@@ -17,7 +17,7 @@ import vocab_parallel_cases as cases
 from test_distributed import Spawned
 from test_distributed import spawn_ranks as spawn
 
-from compile_pass.op.kernels import HeadTransform
+from compile_pass.op.kernels import HeadScale
 from compile_pass.op.loss import chunked_cross_entropy
 
 TIMEOUT_S = 420
@@ -114,7 +114,7 @@ def test_traces_with_fx_proxies_on_fake_tensors():
                  torch.empty(251), torch.empty(1001)]
     module = cases.traced_loss("0", fakes, reduction="mean", vocab_start=502, vocab_size=1001,
                                **cases.options(logits_dtype=torch.float32, label_smoothing=0.1,
-                                               transform=HeadTransform(scale=0.5)))
+                                               transform=HeadScale(0.5)))
     nodes = [node for node in module.graph.nodes if node.op not in ("placeholder", "output")]
     assert {node.op for node in nodes} <= {"call_function", "call_method"}
     functions = [str(node.target) for node in nodes if node.op == "call_function"]
@@ -196,7 +196,7 @@ def test_grads_in_forward_is_refused_with_the_fix():
     with pytest.raises(NotImplementedError, match="grads_in_forward.*leave it off"):
         chunked_cross_entropy(hidden, weight, target, None, None, reduction="mean", vocab_start=0,
                                      vocab_size=10, group_name="unused", grads_in_forward=[True, True, False],
-                                     **cases.options(transform=HeadTransform()))
+                                     **cases.options(transform=HeadScale()))
 
 
 # The registered schemas, written out (a graph or a cache entry relies on them): the tensors

@@ -56,6 +56,7 @@ from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import LossCall, Spelling, StepKind
 from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.kernels import HeadScale
 from compile_pass.op.loss import chunked_cross_entropy
 from compile_pass.op.loops import reduce_total
 from compile_pass.op.statistics import RowStatistics, chunked_statistics
@@ -116,7 +117,7 @@ def one_walk_cross_entropy(call: LossCall, projection: Projection) -> Callable[.
 
 def loss_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                         class_weight: None, *, reduction: str, ignore_index: int, logits_dtype: torch.dtype,
-                        statistics_dtype: torch.dtype, transform: Any, projection_dtype: torch.dtype | None,
+                        statistics_dtype: torch.dtype, transform: HeadScale, projection_dtype: torch.dtype | None,
                         chunk_size: int | None, chunk_bytes: int | None, rows: Tensor | None = None,
                         **unused: Any) -> tuple[Tensor, ...]:
     """``(loss, lse, entropy, max, argmax, row_sum)``: :func:`chunked_cross_entropy`'s loss with no class
@@ -293,7 +294,7 @@ def _shaped_as_gather(log_p: Tensor, flat: bool) -> Tensor:
 def log_probs_and_statistics(hidden_states: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                              class_weight: None, *, negated: bool, flat: bool, ignore_index: int, squeeze: bool,
                              wraps: bool, logits_dtype: torch.dtype, statistics_dtype: torch.dtype,
-                             transform: Any, projection_dtype: torch.dtype | None, chunk_size: int | None,
+                             transform: HeadScale, projection_dtype: torch.dtype | None, chunk_size: int | None,
                              chunk_bytes: int | None, rows: Tensor | None = None,
                              **unused: Any) -> tuple[Tensor, ...]:
     """``(log_p, lse, entropy, max, argmax, row_sum)``: :func:`gathered_log_probs`' value, computed as

@@ -57,6 +57,7 @@ from compile_pass.graph.spellings.call import Spelling, SpellingKind, StatisticC
 from compile_pass.lazy_logits.forms import RowContent
 from compile_pass.lazy_logits.keys import is_last_dim
 from compile_pass.lazy_logits.reads import REDUCTIONS, FromStatistics, Reduction, reduction_from_statistics
+from compile_pass.op.kernels import HeadScale
 from compile_pass.op.statistics import RowStatistics, chunked_statistics
 
 _REDUCTION = inspect.signature(lambda input, dim, keepdim=False: None)  # logsumexp's, sum's without dtype=
@@ -65,7 +66,7 @@ _EVERY_VALUE = inspect.signature(lambda input: None)  # sum's and mean's of ever
 
 def statistic_replacement(hidden_states: Tensor, weight: Tensor, target: None, bias: Tensor | None,
                           class_weight: None, *, value: FromStatistics, shape: tuple[int, ...] | None, keepdim: bool,
-                          logits_dtype: torch.dtype, projection_dtype: torch.dtype | None, transform: Any,
+                          logits_dtype: torch.dtype, projection_dtype: torch.dtype | None, transform: HeadScale,
                           chunk_size: int | None, chunk_bytes: int | None, every: Reduction | None = None,
                           walked: RowStatistics | None = None, rows: Tensor | None = None, **unused: Any) -> Tensor:
     """``value`` of the op's row statistics of ``z = transform(hidden_states @ weight.T + bias)
