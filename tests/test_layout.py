@@ -58,6 +58,31 @@ def test_sub_package_imports_only_what_lies_below_it(package):
                 f"{path.relative_to(PACKAGE.parent)} imports {name}; {own} may import only {allowed}")
 
 
+# What the pass takes of the run-time package: the recipe of returned logits it builds (exported by
+# compile_pass.lazy_logits) and the head the recipe holds; the facts both ask (a cast's exactness, the
+# vocabulary dim, the reductions the statistics give) live in the op, below both.
+GRAPH_FROM_LAZY_LOGITS = {"compile_pass.lazy_logits": {"DROPPED_RECIPE", "DroppedRecipe", "LazyOutputs", "Recipe", "Slot"},
+                          "compile_pass.lazy_logits.head": {"Head"}}
+
+
+def test_the_pass_imports_of_the_run_time_package_only_the_recipe_and_its_head():
+    for path in sorted((PACKAGE / "graph").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                modules = [(node.module, {alias.name for alias in node.names})]
+            else:
+                continue
+            for module, names in modules:
+                if module == "compile_pass" and names and "lazy_logits" in names or (
+                        module.startswith("compile_pass.lazy_logits") and (
+                        module not in GRAPH_FROM_LAZY_LOGITS or names is None
+                        or not names <= GRAPH_FROM_LAZY_LOGITS[module])):
+                    pytest.fail(f"{path.relative_to(PACKAGE.parent)} imports {sorted(names or [module])} of "
+                                f"{module}; compile_pass.graph may import only {GRAPH_FROM_LAZY_LOGITS}")
+
+
 def test_every_module_is_in_a_layer():
     """A new top-level module must be an entry point or shared by them, never a sub-package's helper."""
     top = {path.stem for path in PACKAGE.glob("*.py")}

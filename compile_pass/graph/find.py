@@ -42,7 +42,7 @@ from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.sites import Site, match_site
 from compile_pass.graph.spellings import read_call
 from compile_pass.graph.spellings.call import SpellingKind
-from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.checks import is_last_dim
 
 
 def _unread_graph(graph: Graph, in_subgraph: bool, exc: Exception) -> Exception:

@@ -28,8 +28,7 @@ from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.sites import Site, StepKind
 from compile_pass.graph.spellings.call import LossCall
 from compile_pass.graph.tensor_parallel import local_value, loss_parallel_problem
-from compile_pass.lazy_logits.keys import holds
-from compile_pass.op.checks import LOSS_REDUCTIONS
+from compile_pass.op.checks import LOSS_REDUCTIONS, holds
 
 _PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INPLACE_OPERATORS = {

@@ -56,7 +56,7 @@ from compile_pass.graph.returned_logits import Fate, recipe_nodes, returned_chai
 from compile_pass.graph.sites import Replay, Reshape, Site
 from compile_pass.graph.spellings.call import LossCall, SpellingKind
 from compile_pass.graph.stages import reached, tolerant
-from compile_pass.lazy_logits.keys import holds
+from compile_pass.op.checks import holds
 from compile_pass.op.tiling import accumulate_dtype
 from compile_pass.options import Options, ReturnedLogits
 

@@ -39,7 +39,7 @@ from compile_pass.graph.projection import Projection, read_scale
 from compile_pass.graph.tensor_parallel import local_value
 from compile_pass.lazy_logits import DROPPED_RECIPE, DroppedRecipe, LazyOutputs, Recipe, Slot
 from compile_pass.lazy_logits.head import Head
-from compile_pass.lazy_logits.keys import holds
+from compile_pass.op.checks import holds
 
 
 class Fate(Enum):

@@ -42,7 +42,7 @@ from compile_pass.graph.refusals import Refusal
 from compile_pass.graph.spellings.call import Call, StepKind
 from compile_pass.graph.stages import reached
 from compile_pass.graph.tensor_parallel import read_sharded
-from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.checks import is_last_dim
 from compile_pass.op.kernels import HeadScale
 
 # RESHAPES, COPIES, CASTS: the hidden states need nothing for them but a final flatten;

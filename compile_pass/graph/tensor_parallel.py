@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 import compile_pass.torch_internals as internals
 from compile_pass.graph.nodes import create_node, example_value, tensor_op_name
 from compile_pass.graph.projection import Projection, as_projection
-from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.checks import is_last_dim
 from compile_pass.op.vocab_parallel import is_dtensor
 
 _GATHERS = ("to_local", "full_tensor")  # the replicated logits' local tensor: [..., V] on every rank

@@ -13,28 +13,19 @@ made. Anything else written to a root's rows takes their form away (:func:`break
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import Tensor
 
 import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.head import Head
-from compile_pass.lazy_logits.keys import Key, Temperature, holds
+from compile_pass.lazy_logits.keys import Key, Temperature
+from compile_pass.op.checks import holds
 from compile_pass.op.kernels import accumulate_dtype
+from compile_pass.op.statistics import RowContent
 
 _aten = torch.ops.aten
 _RESHAPES = {_aten.view.default, internals.aten_unsafe_view.get()}
-
-
-class RowContent(Enum):
-    """What a lazy tensor's rows hold, of the values ``z`` their keys say."""
-
-    LOGITS = "z"
-    LOG_PROBS = "lp"  # log_softmax(z)
-    PROBS = "p"  # softmax(z)
-    P_LOG_P = "plp"  # p * lp, summed: the negated entropy
-    P_Z = "pz"  # p * z, summed: lse - entropy
 
 
 @dataclass

@@ -7,8 +7,8 @@ only while the op's arguments reproduce torch's rounding: the op computes
 accumulate_dtype(statistics_dtype)``, the statistics in ``acc`` too. Equal chains share one key
 (children are memoized) and so one cache of statistics (:mod:`compile_pass.lazy_logits.cache`), computed
 for the key's *extent*: the head rows it was made on (every row, for the returned logits themselves).
-Whether a cast is exact (:func:`holds`) and whether a dim is the last, vocabulary dim
-(:func:`is_last_dim`) are asked here and by the graph pass, of the same steps, in one definition each.
+Whether a cast is exact (:func:`compile_pass.op.checks.holds`) is asked here and by the graph pass,
+of the same steps, in one definition.
 """
 
 from __future__ import annotations
@@ -20,23 +20,8 @@ import torch
 from torch import Tensor
 
 from compile_pass.lazy_logits.head import Head
+from compile_pass.op.checks import holds
 from compile_pass.op.kernels import accumulate_dtype
-
-_WIDER = {torch.bfloat16: (torch.float32, torch.float64), torch.float16: (torch.float32, torch.float64),
-          torch.float32: (torch.float64,)}
-
-
-def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
-    """Whether every value of ``narrow`` is a value of ``wide`` (a cast to ``wide`` is exact)."""
-    return wide == narrow or wide in _WIDER.get(narrow, ())
-
-
-def is_last_dim(dim: object, ndim: int) -> bool:
-    """Whether ``dim`` names the last (vocabulary) dim of an ``ndim``-dim tensor: an int (a bool as
-    its int, as ``permute`` takes it) equal to ``ndim - 1`` modulo ``ndim``. The pass and the lazy
-    tensors' reads ask it of every dim they read (a reduction's, a softmax's, a gather's, an index's)."""
-    return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
-
 
 @dataclass(frozen=True, eq=False)
 class Temperature:

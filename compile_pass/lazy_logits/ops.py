@@ -23,7 +23,8 @@ import torch
 
 import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits import forms
-from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.checks import is_last_dim
+from compile_pass.op.statistics import RowContent
 
 _aten = torch.ops.aten
 _TO_COPY, _UNSAFE_VIEW = internals.aten_to_copy.get(), internals.aten_unsafe_view.get()
@@ -166,7 +167,7 @@ def _derived_storage(func: Any, args: tuple, dtype: torch.dtype) -> forms.Storag
         return forms.scaled(b, a, True, dtype) if _SCALES[func] else None
     if func in (_LOG_SOFTMAX, _SOFTMAX) and is_lazy(args[0]):
         last = is_last_dim(args[1], args[0].dim())
-        kind = forms.RowContent.LOG_PROBS if func is _LOG_SOFTMAX else forms.RowContent.PROBS
+        kind = RowContent.LOG_PROBS if func is _LOG_SOFTMAX else RowContent.PROBS
         return forms.softmaxed(args[0], kind, dtype) if last else None
     if func is _aten.exp.default:
         return forms.exponentiated(args[0], dtype)

@@ -18,17 +18,17 @@ accumulate dtype, rounded once as stock rounds its log-probs), and gradients to 
 states, weight and bias through the op; detached when the tensor does not require grad or grad mode
 is off. :func:`fused` returns ``NotImplemented`` for anything else (the caller runs it as torch does).
 
-The reductions (``logsumexp``, ``sum``, ``mean``) are one table, :data:`REDUCTIONS` and
-:func:`reduction_from_statistics`: which functions, over which row values, give which statistic. The graph pass
-reads the same table for the same reductions written inside a compiled graph
-(:mod:`compile_pass.graph.spellings.reductions`).
+The reductions (``logsumexp``, ``sum``, ``mean``) are one table, beside the statistics op that
+serves them (:data:`compile_pass.op.statistics.REDUCTIONS`,
+:func:`~compile_pass.op.statistics.reduction_from_statistics`): which functions, over which row
+values, give which statistic. The graph pass reads the same table for the same reductions written
+inside a compiled graph (:mod:`compile_pass.graph.spellings.reductions`).
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from enum import Enum
 from functools import partial
 
 import torch
@@ -37,10 +37,9 @@ from torch import Tensor
 
 import compile_pass.torch_internals as internals
 from compile_pass.lazy_logits.cache import cache_of
-from compile_pass.lazy_logits.forms import Form, RowContent, form_of
-from compile_pass.lazy_logits.keys import is_last_dim
-from compile_pass.op.checks import LOSS_REDUCTIONS
-from compile_pass.op.statistics import RowStatistics
+from compile_pass.lazy_logits.forms import Form, form_of
+from compile_pass.op.checks import LOSS_REDUCTIONS, is_last_dim
+from compile_pass.op.statistics import REDUCTIONS, Reduction, RowContent, RowStatistics, reduction_from_statistics
 
 
 def fused(func: object, args: tuple, kwargs: dict) -> object:
@@ -126,42 +125,6 @@ def _take_along_dim(input: Tensor, indices: Tensor, dim: int | None = None, *, o
     if dim is None:
         return NotImplemented
     return _gather(input, dim, indices, out=out)
-
-
-class Reduction(Enum):
-    """A reduction of the row values over the last dim that the row statistics give."""
-
-    LOGSUMEXP = "logsumexp"
-    SUM = "sum"
-    MEAN = "mean"  # the sum over the vocabulary's size
-
-
-REDUCTIONS: dict[object, Reduction] = {
-    torch.logsumexp: Reduction.LOGSUMEXP, Tensor.logsumexp: Reduction.LOGSUMEXP,
-    torch.special.logsumexp: Reduction.LOGSUMEXP, torch.sum: Reduction.SUM, Tensor.sum: Reduction.SUM,
-    torch.mean: Reduction.MEAN, Tensor.mean: Reduction.MEAN,
-}
-"""The torch functions (as a graph's nodes and ``__torch_function__`` see them) of each reduction."""
-
-FromStatistics = Callable[[RowStatistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
-_ROW_SUMS: dict[RowContent, FromStatistics] = {
-    RowContent.LOGITS: lambda stats, vocab_size: stats.row_sum,
-    RowContent.LOG_PROBS: lambda stats, vocab_size: stats.row_sum - vocab_size * stats.lse,
-    RowContent.P_LOG_P: lambda stats, vocab_size: -stats.entropy,
-    RowContent.P_Z: lambda stats, vocab_size: stats.lse - stats.entropy,
-}
-
-
-def reduction_from_statistics(reduction: Reduction, kind: RowContent) -> FromStatistics | None:
-    """The value per row of ``reduction`` over the last dim of rows holding ``kind``, from the op's
-    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics`) and the
-    vocabulary's size; None where no statistic gives it."""
-    if reduction is Reduction.LOGSUMEXP:
-        return (lambda stats, vocab_size: stats.lse) if kind is RowContent.LOGITS else None
-    row_sum = _ROW_SUMS.get(kind)
-    if row_sum is None or reduction is Reduction.SUM:
-        return row_sum
-    return lambda stats, vocab_size: row_sum(stats, vocab_size) / vocab_size
 
 
 def _reduce(function: Callable, input: Tensor, dim: object = None, keepdim: bool = False, *,

@@ -7,6 +7,9 @@ The checks of the op's arguments, and the one validation of the options the grap
 Every message names where the argument was given (``chunkce.linear_cross_entropy:`` for
 the public function, ``chunkce:`` for an option), what was expected and what was got.
 :func:`compile_pass.op.loss.linear_cross_entropy` runs them all before any work.
+
+Two facts the graph pass and the lazy tensors' reads ask of the same steps, in one definition
+each: whether a cast is exact (:func:`holds`) and whether a dim is the vocabulary's (:func:`is_last_dim`).
 """
 
 from __future__ import annotations
@@ -162,3 +165,19 @@ def check_chunking(chunk_size, chunk_bytes, grads_in_forward, where: str = LOSS_
     check_positive_int(f"{prefix}chunk_size", chunk_size, where)
     check_positive_int(f"{prefix}chunk_bytes", chunk_bytes, where)
     check_bool(f"{prefix}grads_in_forward", grads_in_forward, where)
+
+
+_WIDER = {torch.bfloat16: (torch.float32, torch.float64), torch.float16: (torch.float32, torch.float64),
+          torch.float32: (torch.float64,)}
+
+
+def holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Whether every value of ``narrow`` is a value of ``wide`` (a cast to ``wide`` is exact)."""
+    return wide == narrow or wide in _WIDER.get(narrow, ())
+
+
+def is_last_dim(dim: object, ndim: int) -> bool:
+    """Whether ``dim`` names the last (vocabulary) dim of an ``ndim``-dim tensor: an int (a bool as
+    its int, as ``permute`` takes it) equal to ``ndim - 1`` modulo ``ndim``. The pass and the lazy
+    tensors' reads ask it of every dim they read (a reduction's, a softmax's, a gather's, an index's)."""
+    return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1

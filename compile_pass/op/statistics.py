@@ -28,6 +28,8 @@ values); the combination and its gradient: docs/op.md, "Row statistics".
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
+from enum import Enum
 from typing import Any, NamedTuple
 
 import torch
@@ -56,6 +58,52 @@ class RowStatistics(NamedTuple):
     max: Tensor  # [N]: max_c z_ic (differentiable: the gradient goes to the argmax column, as torch.max(dim))
     argmax: Tensor  # [N] int64: the first column holding the maximum (torch.argmax's rule)
     row_sum: Tensor  # [N]: sum_c z_ic, of the values rounded as z holds them (differentiable)
+
+
+class RowContent(Enum):
+    """What rows of values ``z [N, V]`` hold (a lazy tensor's rows, a graph's reduced operand)."""
+
+    LOGITS = "z"
+    LOG_PROBS = "lp"  # log_softmax(z)
+    PROBS = "p"  # softmax(z)
+    P_LOG_P = "plp"  # p * lp, summed: the negated entropy
+    P_Z = "pz"  # p * z, summed: lse - entropy
+
+
+class Reduction(Enum):
+    """A reduction of the row values over the last dim that the row statistics give."""
+
+    LOGSUMEXP = "logsumexp"
+    SUM = "sum"
+    MEAN = "mean"  # the sum over the vocabulary's size
+
+
+REDUCTIONS: dict[object, Reduction] = {
+    torch.logsumexp: Reduction.LOGSUMEXP, Tensor.logsumexp: Reduction.LOGSUMEXP,
+    torch.special.logsumexp: Reduction.LOGSUMEXP, torch.sum: Reduction.SUM, Tensor.sum: Reduction.SUM,
+    torch.mean: Reduction.MEAN, Tensor.mean: Reduction.MEAN,
+}
+"""The torch functions (as a graph's nodes and ``__torch_function__`` see them) of each reduction."""
+
+FromStatistics = Callable[[RowStatistics, int], Tensor]  # (the op's statistics of rows, V) -> [n], accumulate dtype
+_ROW_SUMS: dict[RowContent, FromStatistics] = {
+    RowContent.LOGITS: lambda stats, vocab_size: stats.row_sum,
+    RowContent.LOG_PROBS: lambda stats, vocab_size: stats.row_sum - vocab_size * stats.lse,
+    RowContent.P_LOG_P: lambda stats, vocab_size: -stats.entropy,
+    RowContent.P_Z: lambda stats, vocab_size: stats.lse - stats.entropy,
+}
+
+
+def reduction_from_statistics(reduction: Reduction, kind: RowContent) -> FromStatistics | None:
+    """The value per row of ``reduction`` over the last dim of rows holding ``kind``, from the op's
+    statistics of those rows (:class:`compile_pass.op.statistics.RowStatistics`) and the
+    vocabulary's size; None where no statistic gives it."""
+    if reduction is Reduction.LOGSUMEXP:
+        return (lambda stats, vocab_size: stats.lse) if kind is RowContent.LOGITS else None
+    row_sum = _ROW_SUMS.get(kind)
+    if row_sum is None or reduction is Reduction.SUM:
+        return row_sum
+    return lambda stats, vocab_size: row_sum(stats, vocab_size) / vocab_size
 
 
 def linear_statistics(

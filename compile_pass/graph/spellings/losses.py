@@ -55,7 +55,7 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.projection import Projection, as_projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import LossCall, Spelling, StepKind
-from compile_pass.lazy_logits.keys import is_last_dim
+from compile_pass.op.checks import is_last_dim
 from compile_pass.op.kernels import HeadScale
 from compile_pass.op.loss import chunked_cross_entropy
 from compile_pass.op.loops import reduce_total

@@ -11,8 +11,8 @@ replacement: a value per row of the logits from ``chunkce::linear_statistics``
     .mean(-1), .mean() of z or of the products      -> the sum over V (and over the rows)
 
 Which function is which reduction, and what each gives over which row values, is the lazy reads'
-table (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`,
-:func:`~compile_pass.lazy_logits.reads.reduction_from_statistics`):
+table (:data:`compile_pass.op.statistics.REDUCTIONS`,
+:func:`~compile_pass.op.statistics.reduction_from_statistics`):
 one definition for a reduction read inside a compiled graph and of the lazy logits it returns.
 
 ``logsumexp`` is the z-loss's (``logsumexp(logits.float(), -1).pow(2)``, masked and averaged after
@@ -54,11 +54,17 @@ from compile_pass.graph.nodes import (
 from compile_pass.graph.projection import Projection
 from compile_pass.graph.refusals import Reason, Refusal
 from compile_pass.graph.spellings.call import Spelling, SpellingKind, StatisticCall
-from compile_pass.lazy_logits.forms import RowContent
-from compile_pass.lazy_logits.keys import is_last_dim
-from compile_pass.lazy_logits.reads import REDUCTIONS, FromStatistics, Reduction, reduction_from_statistics
+from compile_pass.op.checks import is_last_dim
 from compile_pass.op.kernels import HeadScale
-from compile_pass.op.statistics import RowStatistics, chunked_statistics
+from compile_pass.op.statistics import (
+    REDUCTIONS,
+    FromStatistics,
+    Reduction,
+    RowContent,
+    RowStatistics,
+    chunked_statistics,
+    reduction_from_statistics,
+)
 
 _REDUCTION = inspect.signature(lambda input, dim, keepdim=False: None)  # logsumexp's, sum's without dtype=
 _EVERY_VALUE = inspect.signature(lambda input: None)  # sum's and mean's of every value, without dtype=
@@ -95,7 +101,7 @@ def statistic_replacement(hidden_states: Tensor, weight: Tensor, target: None, b
 @dataclass(frozen=True, kw_only=True)
 class ReductionCall(StatisticCall):
     """A reduction of row values over the last dim (``every``: of every value, a sum or mean):
-    which (:data:`compile_pass.lazy_logits.reads.REDUCTIONS`), of which values of ``z``."""
+    which (:data:`compile_pass.op.statistics.REDUCTIONS`), of which values of ``z``."""
 
     reduction: Reduction
     values: RowContent = RowContent.LOGITS
@@ -104,7 +110,7 @@ class ReductionCall(StatisticCall):
 
 def replace_reduction(call: ReductionCall, projection: Projection) -> Callable[..., Any] | Reason:
     """:func:`statistic_replacement` with the value
-    :func:`compile_pass.lazy_logits.reads.reduction_from_statistics`
+    :func:`compile_pass.op.statistics.reduction_from_statistics`
     gives ``call``'s reduction of its values, for its rows (:func:`row_shape`), or why not."""
     if projection.sharded is not None:
         return Reason(Refusal.TENSOR_PARALLEL, detail="a row statistic of a vocabulary-sharded head (the "
