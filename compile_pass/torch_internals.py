@@ -152,12 +152,25 @@ get_optimize_ddp_mode = Private("torch._dynamo.utils:get_optimize_ddp_mode", "a 
 saved_tensors_hooks_off = Private("torch._dynamo.utils:_disable_saved_tensors_hooks_during_tracing",
                                   "saved-tensor hooks off while the pass computes an example_value")
 mark_unbacked = Private("torch._dynamo.decorators:mark_unbacked", "the per-chunk kernels' token dim unbacked")
+local_source = Private("torch._dynamo.source:LocalSource", "a kernel graph's input that is an argument (direct "
+                      "calls)", kind=PrivateKind.CLASS)
+attr_source = Private("torch._dynamo.source:AttrSource", "a kernel graph's input that is an argument's attribute",
+                      kind=PrivateKind.CLASS)
+tensor_property_source = Private("torch._dynamo.source:TensorPropertySource", "a kernel graph's input that is a "
+                                 "tensor's size, stride or offset", kind=PrivateKind.CLASS)
+tensor_property = Private("torch._dynamo.source:TensorProperty", "which of them", kind=PrivateKind.CLASS)
+as_tensor_fullprec = Private("torch:_as_tensor_fullprec", "a Python number Dynamo passes to a graph as a tensor")
+guard_manager = PrivateAttribute("guard_manager", "torch._C._dynamo.eval_frame:_CacheEntry", "a kernel's compiled "
+                                 "entry's guards, checked before its graph is called directly")
 orig_backend = PrivateAttribute("_torchdynamo_orig_backend", "torch._dynamo.convert_frame:ConvertFrameAssert",
                                 "the backend a Dynamo-compiled callable wraps")
 
 # --- Inductor and FX ---------------------------------------------------------------------------
 compile_fx = Private("torch._inductor.compile_fx:compile_fx", "the rewritten graph compiled by Inductor",
                      "torch.compile(backend='inductor'), which takes a model, not a graph")
+inductor_wrapper = Private("torch:_TorchCompileInductorWrapper", "Inductor's backend as torch.compile(options=...) "
+                           "builds it, wrapped by the kernels' graph-noting backend",
+                           "torch.compile(backend='inductor', options=...)", kind=PrivateKind.CLASS)
 list_mode_options = Private("torch._inductor:list_mode_options", "torch.compile's mode= as Inductor config")
 inductor_config = Private("torch._inductor:config", "the kernels' compiler (cpu_backend) and config patches",
                           kind=PrivateKind.MODULE)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 import compile_pass.torch_internals as internals
-from compile_pass.op import kernels
+from compile_pass.op import graph_calls, kernels
 
 if TYPE_CHECKING:
     from compile_pass.op.schema import ResolvedCall
@@ -84,11 +84,29 @@ def _compiled(fn_name: str, variant: tuple, one_thread: bool):
     clone = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__)
     # emulate_precision_casts: a cast to half precision rounds as it does eagerly
     options = {"emulate_precision_casts": True, **({"cpp.threads": 1} if one_thread else {})}
-    return torch.compile(clone, dynamic=True, fullgraph=True, options=options)
+    if graph_calls.available() is not None:  # logged: every call through torch.compile
+        return torch.compile(clone, dynamic=True, fullgraph=True, options=options)
+    graphs = graph_calls.KernelGraphs(clone, options)  # Inductor with these options, its graphs noted
+    kernel = torch.compile(clone, backend=graphs, dynamic=True, fullgraph=True)
+    _GRAPHS[kernel] = graphs
+    return kernel
+
+
+def _cache_clear() -> None:
+    _compiled.cache_clear()
+    _GRAPHS.clear()
 
 
 _COMPILED_LOCK = threading.Lock()
-compiled.cache_info, compiled.cache_clear = _compiled.cache_info, _compiled.cache_clear
+_GRAPHS: dict[Callable, graph_calls.KernelGraphs] = {}  # a compiled kernel's graphs and direct call
+compiled.cache_info, compiled.cache_clear = _compiled.cache_info, _cache_clear
+
+
+def graph_call(fn_name: str, variant: tuple, one_thread: bool = False) -> graph_calls.GraphCall | None:
+    """The compiled kernel's direct call (:mod:`compile_pass.op.graph_calls`), None before its first
+    call or where it has none."""
+    graphs = _GRAPHS.get(compiled(fn_name, variant, one_thread))
+    return None if graphs is None else graphs.call
 
 
 @functools.cache
@@ -135,30 +153,56 @@ def _symbolic(args: tuple) -> list:
 
 
 def run(fn_name: str, variant: tuple, eager: bool, *args):
-    """Run the kernel ``fn_name`` of :mod:`compile_pass.op.kernels` or
-    :mod:`compile_pass.op.kernels` on ``args``; ``variant`` is its compile key
-    (device type first). Errors propagate unchanged and leave no state behind.
+    """Run the kernel ``fn_name`` of :mod:`compile_pass.op.kernels` on ``args``; ``variant`` is its
+    compile key (device type first). Once compiled, its graph is called directly where its guards
+    hold (:mod:`compile_pass.op.graph_calls`), else through ``torch.compile``. Errors propagate
+    unchanged and leave no state behind.
     """
     if eager or not inductor_compiles_for(variant[0]) or not plain_context():
         return _kernel(fn_name)(*args)
-    fx_config = _hot_path()[2]
-    # the kernels' shape settings (torch's config patches are the calling thread's own)
-    shape_settings = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
     if in_walk_thread():  # below autograd already; the walk's owner keeps Dynamo's stats (dynamo_stats_kept)
-        with shape_settings:
-            for hook in _RUN_HOOKS:
-                hook(fn_name, variant)
-            kernel = compiled(fn_name, variant, one_thread=True)
-            if kernel not in _CALLED:
-                _first_call(kernel, args)
-            return kernel(*_symbolic(args))
-    # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
-    below_autograd = _hot_path()[3]
-    with shape_settings, below_autograd():
         for hook in _RUN_HOOKS:
             hook(fn_name, variant)
-        with dynamo_stats_kept():
-            return compiled(fn_name, variant)(*_symbolic(args))
+        kernel = compiled(fn_name, variant, one_thread=True)
+        if _called_directly(kernel, args):
+            return None
+        with _shape_settings():
+            if kernel not in _CALLED:
+                _first_call(kernel, args)
+            return _through_compile(kernel, args)
+    # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
+    below_autograd = _hot_path()[3]
+    with below_autograd():
+        for hook in _RUN_HOOKS:
+            hook(fn_name, variant)
+        kernel = compiled(fn_name, variant)
+        if _called_directly(kernel, args):
+            return None
+        with _shape_settings(), dynamo_stats_kept():
+            return _through_compile(kernel, args)
+
+
+def _shape_settings() -> contextlib.AbstractContextManager:
+    """The kernels' shape settings while one compiles (torch's config patches are the calling thread's own)."""
+    return _hot_path()[2].patch(use_duck_shape=False, backed_size_oblivious=True)
+
+
+def _called_directly(kernel, args: tuple) -> bool:
+    """Whether ``kernel``'s graph ran, called directly: on ``args`` as they are, or detached (a guard
+    holds a tensor's requires_grad)."""
+    graphs = _GRAPHS.get(kernel)
+    call = None if graphs is None else graphs.call
+    return call is not None and (call(args) or call(_symbolic(args)))
+
+
+def _through_compile(kernel, args: tuple):
+    """``kernel`` called through ``torch.compile`` (compiling it where no guards hold); its graph's
+    direct call resolved after."""
+    result = kernel(*_symbolic(args))
+    graphs = _GRAPHS.get(kernel)
+    if graphs is not None:
+        graphs.resolve(result)
+    return result
 
 
 def _first_call(kernel, args: tuple) -> None:
