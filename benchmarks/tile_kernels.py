@@ -37,7 +37,7 @@ first column holding the maximum, a float minimum) against the same with ``torch
 ``calls`` measures what one call of a compiled tile kernel costs as the op calls it: the
 ``chunk_forward`` call of a real op call on a tiny tile (``--call-shape``, one walk thread) is
 captured, compiled, then replayed ``--calls`` times through ``kernel_runner.run`` (the op's path:
-the graph called directly, ``compile_pass.op.graph_calls``), through ``run``'s path before direct calls
+the graph called directly, ``kernel_runner.GraphCall``), through ``run``'s path before direct calls
 (its config patch, then ``torch.compile``), through the direct call alone, through the compiled
 function itself (Dynamo's and AOTAutograd's wrappers, without ``run``'s hooks and config patch), and eagerly (``CHUNKCE_EAGER_KERNELS=1``'s path); the kernel's own work
 is the profiler's records of its generated code (CPU: ``cpp.enable_kernel_profile``'s record
@@ -400,7 +400,7 @@ def run_calls(args) -> None:
 
     graph_call = kernel_runner.graph_call(fn_name, variant)
     if graph_call is None:
-        print(f"no direct call of {fn_name}'s graph on this torch (compile_pass.op.graph_calls): its paths are left out")
+        print(f"no direct call of {fn_name}'s graph on this torch (kernel_runner.direct_calls_unavailable): its paths are left out")
 
     def through_run():
         kernel_runner.run(fn_name, variant, False, *kernel_args)

@@ -1,4 +1,4 @@
-"""The compiled kernels' direct calls (``compile_pass.op.graph_calls``): taken once a kernel has compiled,
+"""The compiled kernels' direct calls (``kernel_runner.GraphCall``): taken once a kernel has compiled,
 bitwise equal to the calls through ``torch.compile`` for the loss and statistics kernels over tile
 widths, token counts and walk threads, and ``torch.compile`` alone where this torch lacks a name
 they need (logged once)."""
@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 import compile_pass.torch_internals as internals
 from compile_pass import linear_cross_entropy, linear_statistics
-from compile_pass.op import graph_calls, kernel_runner
+from compile_pass.op import kernel_runner
 
 SHAPES = [(37, 53, 16), (64, 509, 8), (9, 130, 4)]  # N, V, chunk_size: ragged last chunks and blocks
 
@@ -42,8 +42,8 @@ def compiled_kernels(monkeypatch):
     monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
     _fresh_kernels()
     yield
-    monkeypatch.undo()  # the test's patches of graph_calls and the internals first
-    graph_calls.available.cache_clear()
+    monkeypatch.undo()  # the test's patches of kernel_runner and the internals first
+    kernel_runner.direct_calls_unavailable.cache_clear()
     _fresh_kernels()
 
 
@@ -56,14 +56,14 @@ def test_direct_calls_are_taken_and_bitwise_equal_to_torch_compile(compiled_kern
     direct_calls = {key: kernel_runner.graph_call(key[0], key[1], key[2]) for key in set(calls)}
     assert {name for name, _, _ in direct_calls} == {"chunk_forward", "chunk_backward", "statistics_forward",
                                                        "statistics_backward"}
-    assert all(isinstance(call, graph_calls.GraphCall) for call in direct_calls.values()), direct_calls
+    assert all(isinstance(call, kernel_runner.GraphCall) for call in direct_calls.values()), direct_calls
     # every call but each kernel's compiling first one (and a walk thread's copy of it) ran directly
     assert sum(call.calls for call in direct_calls.values()) >= len(calls) - int(threads) * len(direct_calls)
     assert counters["chunkce"]["kernel_graph_calls"] == len(direct_calls)
     assert counters["chunkce"]["kernel_graph_calls_refused"] == 0
 
     _fresh_kernels()
-    monkeypatch.setattr(graph_calls, "available", lambda: "direct calls off for the test")
+    monkeypatch.setattr(kernel_runner, "direct_calls_unavailable", lambda: "direct calls off for the test")
     through_compile = [_loss_and_grads(*shape) for shape in SHAPES]
     assert all(kernel_runner.graph_call(*key) is None for key in direct_calls)
     for ours, theirs in zip(direct, through_compile, strict=True):
@@ -75,10 +75,10 @@ def test_a_missing_internal_falls_back_to_torch_compile_logged_once(compiled_ker
     expected = _loss_and_grads(*SHAPES[0])
     _fresh_kernels()
     monkeypatch.setattr(internals, "inductor_wrapper", internals.Private("torch:_NoSuchWrapper", "a test"))
-    graph_calls.available.cache_clear()
-    with caplog.at_level(logging.INFO, logger="compile_pass.op.graph_calls"):
+    kernel_runner.direct_calls_unavailable.cache_clear()
+    with caplog.at_level(logging.INFO, logger="compile_pass.op.kernel_runner"):
         got = [_loss_and_grads(*SHAPES[0]) for _ in range(2)]
-    messages = [r.getMessage() for r in caplog.records if r.name == "compile_pass.op.graph_calls"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "compile_pass.op.kernel_runner"]
     assert len(messages) == 1 and "run through torch.compile's call path" in messages[0], messages
     assert f"torch {torch.__version__} has no torch:_NoSuchWrapper" in messages[0]
     assert counters["chunkce"]["kernel_graph_calls"] == 0 and counters["chunkce"]["kernel_graphs"] > 0
