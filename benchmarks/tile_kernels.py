@@ -36,9 +36,10 @@ intra-op thread, as a walk thread runs it), each compiled by Inductor: ``kernels
 first column holding the maximum, a float minimum) against the same with ``torch.argmax``.
 ``calls`` measures what one call of a compiled tile kernel costs as the op calls it: the
 ``chunk_forward`` call of a real op call on a tiny tile (``--call-shape``, one walk thread) is
-captured, compiled, then replayed ``--calls`` times through ``kernel_runner.run`` (the op's path),
-through the compiled function itself (Dynamo's and AOTAutograd's wrappers, without ``run``'s
-hooks and config patch), and eagerly (``CHUNKCE_EAGER_KERNELS=1``'s path); the kernel's own work
+captured, compiled, then replayed ``--calls`` times through ``kernel_runner.run`` (the op's path:
+the graph called directly, ``kernel_runner.GraphCall``), through ``run``'s path before direct calls
+(its config patch, then ``torch.compile``), through the direct call alone, through the compiled
+function itself (Dynamo's and AOTAutograd's wrappers, without ``run``'s hooks and config patch), and eagerly (``CHUNKCE_EAGER_KERNELS=1``'s path); the kernel's own work
 is the profiler's records of its generated code (CPU: ``cpp.enable_kernel_profile``'s record
 around each ``cpp_fused_*`` function; CUDA: the device kernels' time), and a call's cost is the
 time per call less that work. On CPU one intra-op thread (a walk thread's). Median of ``--rounds`` rounds, each path interleaved.
@@ -397,8 +398,20 @@ def run_calls(args) -> None:
     below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
     compiled = kernel_runner.compiled(fn_name, variant)
 
+    graph_call = kernel_runner.graph_call(fn_name, variant)
+    if graph_call is None:
+        print(f"no direct call of {fn_name}'s graph on this torch (kernel_runner.direct_calls_unavailable): its paths are left out")
+
     def through_run():
         kernel_runner.run(fn_name, variant, False, *kernel_args)
+
+    def run_through_compile():  # run's path before direct calls: the config patch, Dynamo, AOTAutograd
+        with below_autograd(), kernel_runner._shape_settings(), kernel_runner.dynamo_stats_kept():
+            kernel_runner._through_compile(compiled, kernel_args)
+
+    def direct():
+        with below_autograd():
+            graph_call(kernel_args)
 
     def compiled_function():
         with below_autograd():
@@ -407,9 +420,13 @@ def run_calls(args) -> None:
     def eager():
         kernel_runner.run(fn_name, variant, True, *kernel_args)
 
-    paths = {"kernel_runner.run (the op's path)": through_run,
+    paths = {"kernel_runner.run (the op's path: the graph called directly)": through_run,
+             "kernel_runner.run's path through torch.compile (config patch, Dynamo, AOTAutograd)": run_through_compile,
+             "the graph's direct call (guards, inputs, AOTAutograd's and Inductor's call)": direct,
              "the compiled function (Dynamo + AOTAutograd wrappers)": compiled_function,
              "eager (CHUNKCE_EAGER_KERNELS=1)": eager}
+    if graph_call is None:
+        paths = {name: path for name, path in paths.items() if "direct" not in name}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for call in paths.values():
         call()

@@ -152,12 +152,62 @@ get_optimize_ddp_mode = Private("torch._dynamo.utils:get_optimize_ddp_mode", "a 
 saved_tensors_hooks_off = Private("torch._dynamo.utils:_disable_saved_tensors_hooks_during_tracing",
                                   "saved-tensor hooks off while the pass computes an example_value")
 mark_unbacked = Private("torch._dynamo.decorators:mark_unbacked", "the per-chunk kernels' token dim unbacked")
+local_source = Private("torch._dynamo.source:LocalSource", "a kernel graph's input that is an argument (direct "
+                      "calls)", kind=PrivateKind.CLASS)
+attr_source = Private("torch._dynamo.source:AttrSource", "a kernel graph's input that is an argument's attribute",
+                      kind=PrivateKind.CLASS)
+tensor_property_source = Private("torch._dynamo.source:TensorPropertySource", "a kernel graph's input that is a "
+                                 "tensor's size, stride or offset", kind=PrivateKind.CLASS)
+tensor_property = Private("torch._dynamo.source:TensorProperty", "which of them", kind=PrivateKind.CLASS)
+as_tensor_fullprec = Private("torch:_as_tensor_fullprec", "a Python number Dynamo passes to a graph as a tensor")
+cache_entry_guards = PrivateAttribute("guard_manager", "torch._C._dynamo.eval_frame:_CacheEntry", "a kernel's "
+                                      "compiled entry's guards, checked before its graph is called directly")
 orig_backend = PrivateAttribute("_torchdynamo_orig_backend", "torch._dynamo.convert_frame:ConvertFrameAssert",
                                 "the backend a Dynamo-compiled callable wraps")
+
+
+def graph_input_reads(gm: Any, fn: Any) -> Any:
+    """A function of ``fn``'s arguments returning Dynamo's graph ``gm``'s inputs, each read as Dynamo's
+    bytecode reads it (its source, the placeholder's ``grapharg``); or why not (a str), where a
+    source is of another kind. Uses the entries just above."""
+    code = fn.__code__
+    if code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS) or code.co_kwonlyargcount:
+        return "its arguments are not all positional"
+    expressions = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        graph_arg = node.meta.get("grapharg")
+        expression = _source_expression(getattr(graph_arg, "source", None))
+        if expression is None:
+            return f"graph input {node.name} comes from {getattr(graph_arg, 'source', None)!r}"
+        expressions.append(f"as_tensor({expression})" if graph_arg.pass_arg_as_tensor else expression)
+    text = f"lambda {', '.join(code.co_varnames[:code.co_argcount])}: ({''.join(e + ', ' for e in expressions)})"
+    return eval(text, {"as_tensor": as_tensor_fullprec.get()})  # noqa: S307 - names checked identifiers
+
+
+def _source_expression(source: Any) -> str | None:
+    """``source`` (an argument, an attribute of one, a tensor's size, stride or storage offset) as a
+    Python expression over the kernel's argument names; None for any other kind."""
+    kind = type(source)
+    if kind is local_source.get():
+        plain = not (source.is_derefed_cell_contents or source.is_varargs or source.is_varkw)
+        return source.local_name if plain and source.local_name.isidentifier() else None
+    base = _source_expression(getattr(source, "base", None)) if kind is not type(None) else None
+    if kind is attr_source.get():
+        return f"{base}.{source.member}" if base and source.member.isidentifier() else None
+    if kind is tensor_property_source.get():
+        prop = tensor_property.get()
+        calls = {prop.SIZE: f"size({source.idx})", prop.STRIDE: f"stride({source.idx})",
+                 prop.STORAGE_OFFSET: "storage_offset()"}
+        return f"{base}.{calls[source.prop]}" if base and source.prop in calls else None
+    return None
+
 
 # --- Inductor and FX ---------------------------------------------------------------------------
 compile_fx = Private("torch._inductor.compile_fx:compile_fx", "the rewritten graph compiled by Inductor",
                      "torch.compile(backend='inductor'), which takes a model, not a graph")
+inductor_wrapper = Private("torch:_TorchCompileInductorWrapper", "Inductor's backend as torch.compile(options=...) "
+                           "builds it, wrapped by the kernels' graph-noting backend",
+                           "torch.compile(backend='inductor', options=...)", kind=PrivateKind.CLASS)
 list_mode_options = Private("torch._inductor:list_mode_options", "torch.compile's mode= as Inductor config")
 inductor_config = Private("torch._inductor:config", "the kernels' compiler (cpu_backend) and config patches",
                           kind=PrivateKind.MODULE)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import inspect
+import logging
 import os
 import queue
 import re
@@ -30,6 +32,7 @@ from compile_pass.op import kernels
 if TYPE_CHECKING:
     from compile_pass.op.schema import ResolvedCall
 
+_log = logging.getLogger(__name__)
 _MODULES = (kernels,)  # the kernels' modules, searched by function name
 _RECORDS = (kernels.KernelArgs, kernels.StatisticsArgs)  # their constants' records
 _RUN_HOOKS: list[Callable[[str, tuple], None]] = []
@@ -84,11 +87,28 @@ def _compiled(fn_name: str, variant: tuple, one_thread: bool):
     clone = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__)
     # emulate_precision_casts: a cast to half precision rounds as it does eagerly
     options = {"emulate_precision_casts": True, **({"cpp.threads": 1} if one_thread else {})}
-    return torch.compile(clone, dynamic=True, fullgraph=True, options=options)
+    if direct_calls_unavailable() is not None:  # logged: every call through torch.compile
+        return torch.compile(clone, dynamic=True, fullgraph=True, options=options)
+    graphs = KernelGraphs(clone, options)  # Inductor with these options, its graphs noted
+    kernel = torch.compile(clone, backend=graphs, dynamic=True, fullgraph=True)
+    _GRAPHS[kernel] = graphs
+    return kernel
+
+
+def _cache_clear() -> None:
+    _compiled.cache_clear()
+    _GRAPHS.clear()
 
 
 _COMPILED_LOCK = threading.Lock()
-compiled.cache_info, compiled.cache_clear = _compiled.cache_info, _compiled.cache_clear
+_GRAPHS: dict[Callable, KernelGraphs] = {}  # a compiled kernel's graphs and direct call
+compiled.cache_info, compiled.cache_clear = _compiled.cache_info, _cache_clear
+
+
+def graph_call(fn_name: str, variant: tuple, one_thread: bool = False) -> GraphCall | None:
+    """The compiled kernel's :class:`GraphCall`, None before its first call or where it has none."""
+    graphs = _GRAPHS.get(compiled(fn_name, variant, one_thread))
+    return None if graphs is None else graphs.call
 
 
 @functools.cache
@@ -135,30 +155,54 @@ def _symbolic(args: tuple) -> list:
 
 
 def run(fn_name: str, variant: tuple, eager: bool, *args):
-    """Run the kernel ``fn_name`` of :mod:`compile_pass.op.kernels` or
-    :mod:`compile_pass.op.kernels` on ``args``; ``variant`` is its compile key
-    (device type first). Errors propagate unchanged and leave no state behind.
-    """
+    """Run the kernel ``fn_name`` of :mod:`compile_pass.op.kernels` on ``args``; ``variant`` is its
+    compile key (device type first). Once compiled, its graph is called directly where its guards
+    hold (:class:`GraphCall`), else through ``torch.compile``. Errors propagate unchanged and leave
+    no state behind."""
     if eager or not inductor_compiles_for(variant[0]) or not plain_context():
         return _kernel(fn_name)(*args)
-    fx_config = _hot_path()[2]
-    # the kernels' shape settings (torch's config patches are the calling thread's own)
-    shape_settings = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
     if in_walk_thread():  # below autograd already; the walk's owner keeps Dynamo's stats (dynamo_stats_kept)
-        with shape_settings:
-            for hook in _RUN_HOOKS:
-                hook(fn_name, variant)
-            kernel = compiled(fn_name, variant, one_thread=True)
-            if kernel not in _CALLED:
-                _first_call(kernel, args)
-            return kernel(*_symbolic(args))
-    # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
-    below_autograd = _hot_path()[3]
-    with shape_settings, below_autograd():
         for hook in _RUN_HOOKS:
             hook(fn_name, variant)
-        with dynamo_stats_kept():
-            return compiled(fn_name, variant)(*_symbolic(args))
+        kernel = compiled(fn_name, variant, one_thread=True)
+        if _called_directly(kernel, args):
+            return None
+        with _shape_settings():
+            if kernel not in _CALLED:
+                _first_call(kernel, args)
+            return _through_compile(kernel, args)
+    # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
+    below_autograd = _hot_path()[3]
+    with below_autograd():
+        for hook in _RUN_HOOKS:
+            hook(fn_name, variant)
+        kernel = compiled(fn_name, variant)
+        if _called_directly(kernel, args):
+            return None
+        with _shape_settings(), dynamo_stats_kept():
+            return _through_compile(kernel, args)
+
+
+def _shape_settings() -> contextlib.AbstractContextManager:
+    """The kernels' shape settings while one compiles (torch's config patches are the calling thread's own)."""
+    return _hot_path()[2].patch(use_duck_shape=False, backed_size_oblivious=True)
+
+
+def _called_directly(kernel, args: tuple) -> bool:
+    """Whether ``kernel``'s graph ran, called directly: on ``args`` as they are, or detached (a guard
+    holds a tensor's requires_grad)."""
+    graphs = _GRAPHS.get(kernel)
+    call = None if graphs is None else graphs.call
+    return call is not None and (call(args) or call(_symbolic(args)))
+
+
+def _through_compile(kernel, args: tuple):
+    """``kernel`` called through ``torch.compile`` (compiling where no guards hold), then resolved."""
+    result = kernel(*_symbolic(args))
+    graphs = _GRAPHS.get(kernel)
+    if graphs is not None:
+        graphs.resolve(result)
+    return result
 
 
 def _first_call(kernel, args: tuple) -> None:
@@ -218,6 +262,94 @@ def dynamo_stats_kept() -> Iterator[None]:
             counters["chunkce"]["kernel_graphs"] += stats["unique_graphs"] - saved["unique_graphs"]
         stats.clear()
         stats.update(saved)
+
+
+# ---- a compiled kernel's graph called directly (docs/op.md, "Per-chunk kernels") -----------------
+# KernelGraphs, a kernel's backend (Inductor's, as torch.compile(options=...) builds it), notes each graph
+# and where its inputs come from (Dynamo's sources); after a call through torch.compile, resolve() pairs the
+# code's one compiled entry with its graph: GraphCall checks the entry's guards (Dynamo's own check) and
+# calls the graph on its inputs read as Dynamo's bytecode reads them. A kernel returns None and writes
+# only its tensor arguments, so nothing after the graph is left to run.
+
+_PARTS = ("inductor_wrapper", "local_source", "attr_source", "tensor_property_source", "tensor_property",
+          "as_tensor_fullprec", "cache_entry_list", "cache_entry_guards")
+
+
+@functools.cache
+def direct_calls_unavailable() -> str | None:
+    """Why this torch allows no direct calls (a name they need moved; logged once: every call goes
+    through ``torch.compile``), else None."""
+    try:
+        for entry in (getattr(internals, name) for name in _PARTS):
+            if isinstance(entry, internals.Private):
+                entry.get()
+            elif not entry.declared():
+                raise internals.TorchInternalMissing(f"chunkce: this torch's {entry.owner} has no {entry.name}")
+    except internals.TorchInternalMissing as exc:
+        _log.info("chunkce: the per-chunk kernels run through torch.compile's call path: %s", exc)
+        return str(exc)
+    return None
+
+
+class GraphCall:
+    """A kernel's compiled graph called directly: ``call(args)`` runs it and returns True where its
+    guards hold for ``args``, else False, having run nothing. ``calls`` counts its runs."""
+
+    def __init__(self, names: tuple[str, ...], guards: Any, reads: Callable, compiled: Callable):
+        self._names, self._check, self._reads, self._compiled = names, guards.check, reads, compiled
+        self.calls = 0
+
+    def __call__(self, args) -> bool:
+        if len(args) != len(self._names) or not self._check(dict(zip(self._names, args))):
+            return False
+        self._compiled(*self._reads(*args))
+        self.calls += 1
+        return True
+
+
+class KernelGraphs:
+    """One kernel's ``torch.compile`` backend; :attr:`call` its :class:`GraphCall` once resolved, else
+    :attr:`refused` says why none."""
+
+    compiler_name = "inductor"
+
+    def __init__(self, fn: Callable, options: dict):
+        self._fn, self._inductor = fn, internals.inductor_wrapper.get()(None, options, True)
+        self._graphs: dict[int, tuple] = {}  # id(Inductor's graph): (it, what the backend returned, reads or why none)
+        self.call: GraphCall | None = None
+        self.refused: str | None = None
+
+    def __call__(self, gm, example_inputs):
+        compiled = self._inductor(gm, example_inputs)
+        inner = inspect.unwrap(compiled)  # what Dynamo's own wrapper of it unwraps to
+        self._graphs[id(inner)] = (inner, compiled, internals.graph_input_reads(gm, self._fn))
+        return compiled
+
+    def resolve(self, result: Any) -> None:
+        """After a call through ``torch.compile`` that returned ``result``: :attr:`call` or
+        :attr:`refused` (once; counted, and a refusal logged at debug level)."""
+        if self.call is None and self.refused is None:
+            call = self._resolve(result)
+            outcome = "kernel_graph_calls" if isinstance(call, GraphCall) else "kernel_graph_calls_refused"
+            internals.counters.get()["chunkce"][outcome] += 1
+            if isinstance(call, GraphCall):
+                self.call = call
+            else:
+                self.refused = call
+                _log.debug("chunkce: %s runs through torch.compile at each call: %s", self._fn.__code__.co_name, call)
+
+    def _resolve(self, result: Any) -> GraphCall | str:
+        entries = internals.cache_entry_list(self._fn.__code__)
+        if result is not None or len(entries) != 1:
+            return "it returns a value" if result is not None else f"{len(entries)} compiled entries, not one"
+        graph = next((self._graphs[id(inner)] for name in entries[0].code.co_names
+                      if callable(obj := self._fn.__globals__.get(name))
+                      and id(inner := inspect.unwrap(obj)) in self._graphs), None)
+        if graph is None or isinstance(graph[2], str):
+            return "its entry calls no graph of this backend" if graph is None else graph[2]
+        code = self._fn.__code__
+        guards = internals.cache_entry_guards.read(entries[0]).root
+        return GraphCall(code.co_varnames[:code.co_argcount], guards, graph[2], graph[1])
 
 
 # ---- walk threads (docs/op.md, "Walk threads") ----------------------------------------------------

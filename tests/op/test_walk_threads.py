@@ -113,6 +113,7 @@ def test_an_error_in_a_walk_thread_is_raised_by_the_call_and_the_next_call_works
     """Part 0 failing before its first call of a kernel: part 1, waiting to call it first, goes on."""
     monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
     monkeypatch.setattr(kernel_runner, "_CALLED", set())  # every kernel's first call again (compiled already)
+    monkeypatch.setattr(kernel_runner, "_GRAPHS", {})  # and no direct call of its graph
     hidden, weight, bias, target = _inputs()
 
     def fail_in_one_thread(fn_name, variant):
@@ -144,6 +145,7 @@ def test_a_kernels_first_call_is_the_first_parts_whichever_thread_comes_first(mo
     monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
     first_callers = _FirstCallers()
     monkeypatch.setattr(kernel_runner, "_CALLED", first_callers)  # every kernel's first call again
+    monkeypatch.setattr(kernel_runner, "_GRAPHS", {})  # and no direct call of its graph
     held_back = threading.Event()
 
     def hold_back_part_0(fn_name, variant):

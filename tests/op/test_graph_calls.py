@@ -1,0 +1,115 @@
+"""The compiled kernels' direct calls (``kernel_runner.GraphCall``): taken once a kernel has compiled,
+bitwise equal to the calls through ``torch.compile`` for the loss and statistics kernels over tile
+widths, token counts and walk threads, and ``torch.compile`` alone where this torch lacks a name
+they need (logged once)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import compile_pass.torch_internals as internals
+from compile_pass import linear_cross_entropy, linear_statistics
+from compile_pass.op import kernel_runner
+
+SHAPES = [(37, 53, 16), (64, 509, 8), (9, 130, 4)]  # N, V, chunk_size: ragged last chunks and blocks
+
+
+def _loss_and_grads(num_tokens, vocab_size, chunk_size):
+    gen = torch.Generator().manual_seed(num_tokens + vocab_size)
+    hidden = torch.randn(num_tokens, 16, generator=gen, requires_grad=True)
+    weight = (torch.randn(vocab_size, 16, generator=gen) * 0.1).requires_grad_()
+    target = torch.randint(vocab_size, (num_tokens,), generator=gen)
+    target[::5] = -100
+    tiles = {"chunk_size": chunk_size, "chunk_bytes": chunk_size * 48 * 4}  # blocks of 48 columns, the last narrower
+    loss = linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, **tiles)
+    stats = linear_statistics(hidden, weight, None, target.clamp(min=0)[:, None], temperature=0.7, **tiles)
+    total = loss + stats.lse.sum() + stats.entropy.sum() + stats.selected.sum()
+    return (loss, stats.lse, stats.entropy, stats.argmax, *torch.autograd.grad(total, [hidden, weight]))
+
+
+def _fresh_kernels():
+    kernel_runner.compiled.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
+    _fresh_kernels()
+    yield
+    monkeypatch.undo()  # the test's patches of kernel_runner and the internals first
+    kernel_runner.direct_calls_unavailable.cache_clear()
+    _fresh_kernels()
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_direct_calls_are_taken_and_bitwise_equal_to_torch_compile(compiled_kernels, monkeypatch, threads):
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", threads)
+    calls = []
+    with kernel_runner.hooked_runs(lambda name, variant: calls.append((name, variant, kernel_runner.in_walk_thread()))):
+        direct = [_loss_and_grads(*shape) for shape in SHAPES]
+    direct_calls = {key: kernel_runner.graph_call(key[0], key[1], key[2]) for key in set(calls)}
+    assert {name for name, _, _ in direct_calls} == {"chunk_forward", "chunk_backward", "statistics_forward",
+                                                       "statistics_backward"}
+    assert all(isinstance(call, kernel_runner.GraphCall) for call in direct_calls.values()), direct_calls
+    # every call but each kernel's compiling first one (and a walk thread's copy of it) ran directly
+    assert sum(call.calls for call in direct_calls.values()) >= len(calls) - int(threads) * len(direct_calls)
+    assert counters["chunkce"]["kernel_graph_calls"] == len(direct_calls)
+    assert counters["chunkce"]["kernel_graph_calls_refused"] == 0
+
+    _fresh_kernels()
+    monkeypatch.setattr(kernel_runner, "direct_calls_unavailable", lambda: "direct calls off for the test")
+    through_compile = [_loss_and_grads(*shape) for shape in SHAPES]
+    assert all(kernel_runner.graph_call(*key) is None for key in direct_calls)
+    for ours, theirs in zip(direct, through_compile, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_missing_internal_falls_back_to_torch_compile_logged_once(compiled_kernels, monkeypatch, caplog):
+    expected = _loss_and_grads(*SHAPES[0])
+    _fresh_kernels()
+    monkeypatch.setattr(internals, "inductor_wrapper", internals.Private("torch:_NoSuchWrapper", "a test"))
+    kernel_runner.direct_calls_unavailable.cache_clear()
+    with caplog.at_level(logging.INFO, logger="compile_pass.op.kernel_runner"):
+        got = [_loss_and_grads(*SHAPES[0]) for _ in range(2)]
+    messages = [r.getMessage() for r in caplog.records if r.name == "compile_pass.op.kernel_runner"]
+    assert len(messages) == 1 and "run through torch.compile's call path" in messages[0], messages
+    assert f"torch {torch.__version__} has no torch:_NoSuchWrapper" in messages[0]
+    assert counters["chunkce"]["kernel_graph_calls"] == 0 and counters["chunkce"]["kernel_graphs"] > 0
+    for run in got:
+        for a, b in zip(expected, run, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_failing_guard_runs_through_torch_compile(compiled_kernels, monkeypatch):
+    """A call its graph's guards refuse (here a logits tile whose rows are not contiguous) is not run
+    directly: ``torch.compile`` recompiles for it, as without direct calls."""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "1")
+    _loss_and_grads(*SHAPES[0])
+    captured = []
+    real_run = kernel_runner.run
+    monkeypatch.setattr(kernel_runner, "run", lambda name, variant, eager, *a: captured.append(
+        (name, variant, torch.is_grad_enabled(), a)) or real_run(name, variant, eager, *a))
+    _loss_and_grads(*SHAPES[0])
+    name, variant, grad_mode, args = next(c for c in captured if c[0] == "chunk_forward")
+    direct = kernel_runner.graph_call(name, variant)  # one walk thread: the caller's variant
+    with torch.no_grad():
+        logits = args[0].clone()
+        strided = torch.empty(logits.shape[0], logits.shape[1] + 3)[:, : logits.shape[1]].copy_(logits)
+        state, expected_state, copy = ([a.clone() if isinstance(a, torch.Tensor) else a for a in args[1:]]
+                                       for _ in range(3))
+    with torch.set_grad_enabled(grad_mode), internals.below_autograd.get()():
+        assert direct((logits, *copy)) and not direct((strided, *state))
+        real_run(name, variant, False, logits, *expected_state)
+        before = counters["chunkce"]["kernel_graphs"]
+        real_run(name, variant, False, strided, *state)
+    assert counters["chunkce"]["kernel_graphs"] == before + 1  # recompiled for the new layout
+    for a, b in zip(state, expected_state, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
