@@ -13,8 +13,8 @@ plus ``--headroom-gib``. A trial is one token count in a fresh process: a first 
 above the parameters and state is measured (``compile_pass.memory``; gradients freed before
 it); it fits when parameters + state + that peak is at most the cap.
 
-Per backend, for a real model, two small trials (``--calibrate``) also measure a forward +
-backward without the optimizer; the search starts where the straight line through those two
+Per backend, for a real model, two trials (``--calibrate``) also measure a forward + backward
+without the optimizer; the search starts where the straight line through those two
 meets the cap (else where ``benchmarks.predict`` expects the last fit), tries the grid point
 next to the start, then doubles or halves, then bisects to one granularity between a measured
 fit and a measured misfit. A trial predicted above ``--mem-cap-gib`` (the machine's share) is
@@ -102,9 +102,10 @@ def line_start(points: list[tuple[int, float]], cap_mib: float, granularity: int
     """The largest multiple of ``granularity`` (up to ``max_tokens``) at which the straight line
     through two measured ``(tokens, MiB in all)`` points stays within ``cap_mib``; None when the
     line does not rise (no token count is bounded by it). A forward + backward's memory is
-    parameters and state, the gradients, and saved activations linear in the tokens; what is
-    not linear (attention's scores, where the math kernel runs) shows as a misfit at the start,
-    and the search walks down from it."""
+    parameters and state, the gradients, and saved activations linear in the tokens, once the
+    activations set its peak: at Llama-3.2-1B's widths, two layers, the peak at 1024 and 2048
+    tokens is the gradients' (6906 and 6946 MiB measured), and a line through them starts at
+    41472. What is not linear shows as a misfit at the start, and the search walks down from it."""
     (t1, m1), (t2, m2) = sorted(points)
     slope = (m2 - m1) / (t2 - t1)
     if slope <= 0:
@@ -265,8 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--headroom-gib", type=float, default=4.0, help="the cap above parameters + AdamW state")
     p.add_argument("--granularity", type=int, default=512, help="tokens are multiples of this")
     p.add_argument("--max-tokens", type=int, default=65536)
-    p.add_argument("--calibrate", type=int, nargs=2, default=[1024, 2048],
-                   help="a real model's two small trials whose line starts the search")
+    p.add_argument("--calibrate", type=int, nargs=2, default=[4096, 8192],
+                   help="a real model's two trials whose line starts the search: sizes where the saved "
+                        "activations, not the gradients, set a forward + backward's peak")
     p.add_argument("--steps", type=int, default=3,
                    help="timed steps at each backend's largest fit (0: none; a later run times them)")
     p.add_argument("--mem-cap-gib", type=float, default=14.0, help="do not start a trial predicted above this")
