@@ -168,7 +168,7 @@ def plot_long_run(records: Sequence[dict], path: str) -> None:
         gap_ax.set_xlabel("step")
         gap_ax.set_ylabel("|loss - Inductor's loss| (equal: at 1e-9)")
         gap_ax.legend(fontsize=8)
-    fig.suptitle(f"chunkce, Inductor and eager from the same weights and batches (CPU, torch {records[0]['torch']})")
+    fig.suptitle(f"chunkce, Inductor and eager: same weights, same batches\n(CPU, torch {records[0]['torch']})")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
