@@ -128,6 +128,7 @@ def plot_budget(trials: Sequence[dict], best: Sequence[dict], cap_mib: float, pa
                         ha="center", va="bottom", fontsize=9)
         ax.set(ylabel=label, title=label)
         ax.grid(True, axis="y", alpha=0.3)
+    speed_ax.set_title("tokens/s at that step\n(one row a step: attention's cost a token grows with it)", fontsize=10)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
