@@ -269,3 +269,44 @@ def test_the_check_sees_another_shape_of_the_scale():
 def test_the_head_scale_has_one_shape():
     found = {module: shapes for module, tree in _modules().items() if (shapes := other_shapes_of_the_scale(tree))}
     assert found == {}, f"the head's scale spelled outside compile_pass.op.kernels.HeadScale (use it): {found}"
+
+
+# LazyLogits owns its fields: its private attributes (``self._x`` it assigns, ``_x`` methods and
+# properties it defines) are read and written in compile_pass/lazy_logits/tensor.py alone; other
+# modules use its public methods (``rows``, ``inputs()``, ``root_storage``, ``add_edit``, ...).
+_LAZY_MODULE = "compile_pass.lazy_logits.tensor"
+
+
+def _private_members(tree: ast.Module, class_name: str) -> set[str]:
+    """The single-underscore names class ``class_name`` assigns on ``self`` or defines."""
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == class_name)
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {t.attr for n in ast.walk(cls)
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else [])
+              for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return {name for name in names if name.startswith("_") and not name.startswith("__")}
+
+
+def uses_of(tree: ast.Module, names: set[str]) -> list[str]:
+    """``line: name`` of each attribute ``x.name`` and each ``getattr`` / ``hasattr`` / ``setattr`` of
+    the string ``"name"`` in ``tree``."""
+    found = [(n.lineno, n.attr) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in names]
+    found += [(n.lineno, n.args[1].value) for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr", "setattr")
+              and len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and n.args[1].value in names]
+    return [f"{line}: {name}" for line, name in sorted(found)]
+
+
+def test_the_check_sees_a_private_field_used_elsewhere():
+    tree = ast.parse("def f(t):\n    t._rows\n    return getattr(t._root(), '_storage', None)\n")
+    assert uses_of(tree, {"_rows", "_root", "_storage"}) == ["2: _rows", "3: _root", "3: _storage"]
+
+
+def test_lazy_logits_fields_are_its_own():
+    modules = _modules()
+    private = _private_members(modules[_LAZY_MODULE], "LazyLogits")
+    assert {"_value", "_copy_of", "_edits", "_root", "_storage"} <= private, private
+    found = {module: uses for module, tree in modules.items() if module != _LAZY_MODULE
+             if (uses := uses_of(tree, private))}
+    assert found == {}, f"LazyLogits' private fields used outside {_LAZY_MODULE} (add a method there): {found}"

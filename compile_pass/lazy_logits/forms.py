@@ -77,7 +77,7 @@ def root_storage(source: object, head: Head, shape: torch.Size) -> Storage:
 
 def form_of(tensor: Tensor) -> Form | None:
     """``tensor``'s form (a LazyLogits), or None when some row has none."""
-    storage, rows = getattr(tensor._root(), "_storage", None), tensor._rows
+    storage, rows = tensor.root_storage, tensor.rows
     if storage is None or rows is None or not storage.keys:  # no keys: a copy of no rows
         return None
     flat = rows.reshape(-1)
@@ -110,7 +110,7 @@ def view_rows(rows: Tensor | None, vocab: int, func: object, args: tuple, kwargs
 
 def _snapshot(tensor: Tensor) -> tuple[Storage, Tensor] | None:
     """The storage and its rows flattened that ``tensor``'s rows are, if it has a form."""
-    storage, rows = getattr(tensor._root(), "_storage", None), tensor._rows
+    storage, rows = tensor.root_storage, tensor.rows
     if storage is None or rows is None:
         return None
     return storage, rows.reshape(-1)
@@ -152,7 +152,7 @@ def copied(tensor: Tensor, dtype: torch.dtype) -> Storage | None:
 def selected(tensor: Tensor, rows: Tensor) -> Storage | None:
     """The storage of a copy of the rows ``rows`` (ids into the root's rows, any shape) of
     ``tensor`` (a LazyLogits): ``tensor[mask]`` of its token dims."""
-    storage = getattr(tensor._root(), "_storage", None)
+    storage = tensor.root_storage
     if storage is None:
         return None
     return _new_storage(storage, rows.reshape(-1), lambda key, head_rows: key, value_dtype=storage.value_dtype)
@@ -176,12 +176,12 @@ def scaled(tensor: Tensor, other: object, multiplies: bool, dtype: torch.dtype) 
 def record_edit(tensor: Tensor, other: object, multiplies: bool) -> bool:
     """Record ``tensor.mul_(other)`` / ``div_`` on its root's rows (their keys change), or take
     the form of those rows away; whether they keep one."""
-    storage = getattr(tensor._root(), "_storage", None)
+    storage = tensor.root_storage
     changed = scaled(tensor, other, multiplies, tensor.dtype) if storage is not None else None
     if changed is None:
         break_rows(tensor)
         return False
-    rows = tensor._rows.reshape(-1)
+    rows = tensor.rows.reshape(-1)
     offset = len(storage.keys)
     storage.keys.extend(changed.keys)
     storage.row_keys[rows] = torch.where(changed.row_keys >= 0, changed.row_keys + offset, -1)
@@ -190,9 +190,9 @@ def record_edit(tensor: Tensor, other: object, multiplies: bool) -> bool:
 
 def break_rows(tensor: Tensor) -> None:
     """Take the form of ``tensor``'s rows (all of its root's, when unknown) away: something else wrote them."""
-    storage = getattr(tensor._root(), "_storage", None)
+    storage = tensor.root_storage
     if storage is not None:
-        storage.row_keys[tensor._rows.reshape(-1) if tensor._rows is not None else slice(None)] = -1
+        storage.row_keys[tensor.rows.reshape(-1) if tensor.rows is not None else slice(None)] = -1
 
 
 def softmaxed(tensor: Tensor, kind: RowContent, dtype: torch.dtype) -> Storage | None:

@@ -109,11 +109,11 @@ def _copy(base: Any, func: Any, args: tuple, kwargs: dict, layout: Layout, stora
     """A new root made by ``func`` from the LazyLogits among ``args``: a plain tensor computed now
     when one of their roots' values is (those can change later), else lazy (pending in their inputs)."""
     operands = [a for a in args if is_lazy(a)]
-    if any(a._root()._value is not None for a in operands) or len({id(a._inputs()) for a in operands}) != 1:
+    if any(a.root_computed for a in operands) or len({id(a.inputs()) for a in operands}) != 1:
         return func(*[a.compute() if is_lazy(a) else a for a in args], **kwargs)
-    counts = tuple(len(a._root()._edits) for a in operands)
+    counts = tuple(a.edit_count for a in operands)
     copy = type(base)(layout, copy_of=(func, args, kwargs, counts))
-    copy.read_from(base._inputs(), storage)
+    copy.read_from(base.inputs(), storage)
     return copy
 
 
@@ -124,7 +124,7 @@ def derived(func: Any, args: tuple, kwargs: dict) -> Any:
     if kwargs or not args or func not in _DERIVED:
         return None
     lazy = [a for a in args if is_lazy(a)]
-    if not lazy or any(a._rows is None for a in lazy):
+    if not lazy or any(a.rows is None for a in lazy):
         return None
     out = func(*on_meta(args))
     if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.shape != lazy[0].shape:
@@ -141,12 +141,12 @@ def indexed(args: tuple, kwargs: dict) -> Any:
     rows (their form), else None. The selected rows are found on the CPU, as a mask's count is
     (a host sync, which stock's boolean indexing makes too)."""
     tensor, indices = args
-    if (kwargs or not is_lazy(tensor) or tensor.dim() == 0 or tensor._rows is None
+    if (kwargs or not is_lazy(tensor) or tensor.dim() == 0 or tensor.rows is None
             or any(is_lazy(index) for index in indices)):
         return None
     indices = [None if index is None else index.detach().clone() for index in indices]  # the values of now
     try:  # the rows' ids indexed as the values would be: an index of the vocabulary dim raises here
-        rows = _aten.index.Tensor(tensor._rows, [None if index is None else index.cpu() for index in indices])
+        rows = _aten.index.Tensor(tensor.rows, [None if index is None else index.cpu() for index in indices])
     except (IndexError, RuntimeError):  # torch's own error, from the values
         return None
     storage = forms.selected(tensor, rows)
@@ -181,10 +181,9 @@ def edit(func: Any, args: tuple, kwargs: dict) -> Any:
     func(on_meta(tensor), *on_meta(args[1:]), **kwargs)  # torch's checks (shapes, dtypes)
     overlaps = internals.has_internal_overlap(on_meta(tensor)) == 1  # torch refuses: the values' op raises
     kept = not overlaps and forms.record_edit(tensor, other, EDITS[func])
-    root = tensor._root()
-    if kept and root._value is None:
+    if kept and not tensor.root_computed:
         other = other.detach().clone() if isinstance(other, torch.Tensor) else other
-        root.add_edit(tensor, func, (other, *args[2:]), kwargs)
+        tensor.add_edit(func, (other, *args[2:]), kwargs)
         return tensor
     func(tensor.compute(), *args[1:], **kwargs)
     return tensor
@@ -193,16 +192,8 @@ def edit(func: Any, args: tuple, kwargs: dict) -> Any:
 def replay(values: torch.Tensor, root: Any, edits: list) -> torch.Tensor:
     """``values`` (``root``'s, computed afresh) with ``edits`` applied in place, in order."""
     for tensor, func, args, kwargs in edits:
-        func(view_of(values, tensor, root), *args, **kwargs)
+        func(tensor.view_in(values, root), *args, **kwargs)
     return values
-
-
-def view_of(values: torch.Tensor, tensor: Any, root: Any) -> torch.Tensor:
-    """The view ``tensor`` is of ``root``, taken of ``values`` (``root``'s)."""
-    if tensor is root:
-        return values
-    base, func, args, kwargs = tensor._parent
-    return func(view_of(values, base, root), *args, **kwargs)
 
 
 def inplace_view(func: Any, args: tuple, kwargs: dict) -> Any:

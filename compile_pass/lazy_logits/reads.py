@@ -51,7 +51,7 @@ def fused(func: object, args: tuple, kwargs: dict) -> object:
         bound = inspect.signature(read).bind(*args, **kwargs)
     except TypeError:
         return NotImplemented
-    if getattr(bound.arguments.get("input"), "_rows", None) is None:
+    if getattr(bound.arguments.get("input"), "rows", None) is None:
         return NotImplemented
     return read(**bound.arguments)
 

@@ -79,7 +79,7 @@ class Inputs:
     def copied(self, copy: Any) -> None:
         """Record a lazy copy (a ``LazyLogits``) whose values are read from these inputs (through its source)."""
         if len(self.pending) >= 64:
-            self.pending = [ref for ref in self.pending if (c := ref()) is not None and c._value is None]
+            self.pending = [ref for ref in self.pending if (c := ref()) is not None and not c.is_computed]
         self.pending.append(weakref.ref(copy))
 
     def flush(self, everything: bool = False) -> None:
@@ -91,9 +91,9 @@ class Inputs:
         try:
             for ref in self.pending:
                 copy = ref()
-                if copy is None or copy._value is not None:
+                if copy is None or copy.is_computed:
                     continue
-                if everything or copy._sources_kept():
+                if everything or copy.sources_kept():
                     try:
                         copy.compute()
                         continue

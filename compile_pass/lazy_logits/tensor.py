@@ -61,13 +61,28 @@ class LazyLogits(torch.Tensor):
         if storage is not None:
             self._form = storage
 
-    def add_edit(self, view: LazyLogits, func: Any, args: tuple, kwargs: dict) -> None:
-        """A root's: ``func(view, *args, **kwargs)``, an in-place edit of ``view`` (itself or one of
-        its views), applied when its values are computed (:func:`compile_pass.lazy_logits.ops.replay`)."""
-        self._edits.append((view, func, args, kwargs))
+    def add_edit(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """``func(self, *args, **kwargs)``, an in-place edit of this tensor, kept by its root and
+        applied when the root's values are computed (:func:`compile_pass.lazy_logits.ops.replay`)."""
+        self._root()._edits.append((self, func, args, kwargs))
 
     @property
-    def _rows(self) -> torch.Tensor | None:
+    def root_storage(self) -> forms.Storage | None:
+        """Its root's form storage (:class:`compile_pass.lazy_logits.forms.Storage`), None: none."""
+        return getattr(self._root(), "_storage", None)  # None too where the fields were never made
+
+    @property
+    def root_computed(self) -> bool:
+        """Whether its root's values were computed and kept (they can change from then on)."""
+        return self._root()._value is not None
+
+    @property
+    def edit_count(self) -> int:
+        """How many in-place edits its root keeps, not applied yet."""
+        return len(self._root()._edits)
+
+    @property
+    def rows(self) -> torch.Tensor | None:
         """Which rows of its root's values this tensor's rows are (``shape[:-1]``), None: unknown
         or no form (made on first use: a view only read or printed makes none)."""
         if not self._rows_made:
@@ -76,7 +91,7 @@ class LazyLogits(torch.Tensor):
                 self._view_rows = forms.own_rows(self.shape) if self._storage is not None else None
             else:
                 base, func, args, kwargs = self._parent
-                self._view_rows = forms.view_rows(base._rows, base.shape[-1] if base.dim() else 0, func, args, kwargs)
+                self._view_rows = forms.view_rows(base.rows, base.shape[-1] if base.dim() else 0, func, args, kwargs)
         return self._view_rows
 
     @classmethod
@@ -86,7 +101,7 @@ class LazyLogits(torch.Tensor):
         try:
             out = reads.fused(func, args, kwargs)
         except StaleLogitsError:  # the op cannot run now; kept values serve the read as torch runs it
-            if not all(a._root()._value is not None for a in (*args, *kwargs.values()) if isinstance(a, LazyLogits)):
+            if not all(a.root_computed for a in (*args, *kwargs.values()) if isinstance(a, LazyLogits)):
                 raise
             out = NotImplemented
         if out is not NotImplemented:
@@ -103,7 +118,7 @@ class LazyLogits(torch.Tensor):
                     self._value = func(base.compute(), *args, **kwargs)  # a view of the base's kept values
             else:
                 self._value = self._values_at(None)
-                self._inputs().flush()  # copies of these values are taken now: from here on they can change
+                self.inputs().flush()  # copies of these values are taken now: from here on they can change
                 self._copy_of = self._copied_from = None  # a computed copy holds its values only, not its source's
         return self._value
 
@@ -115,11 +130,20 @@ class LazyLogits(torch.Tensor):
     def _root(self) -> LazyLogits:
         return self if self._parent is None else self._parent[0]._root()
 
-    def _inputs(self) -> Inputs:
+    def view_in(self, values: torch.Tensor, root: LazyLogits) -> torch.Tensor:
+        """The view this tensor is of ``root`` (itself, or a root it is a view of), taken of
+        ``values`` (``root``'s values or a tensor of their layout)."""
+        if self is root:
+            return values
+        base, func, args, kwargs = self._parent
+        return func(base.view_in(values, root), *args, **kwargs)
+
+    def inputs(self) -> Inputs:
+        """The recipe's inputs its values are read from (its root's, or those its copy reads)."""
         root = self._root()
         return root._source if root._source is not None else root._copied_from
 
-    def _sources_kept(self) -> bool:
+    def sources_kept(self) -> bool:
         """Whether a lazy copy's operands have kept values (which can change from now on)."""
         return any(ops.is_lazy(a) and a._root()._value is not None for a in self._copy_of[1])
 

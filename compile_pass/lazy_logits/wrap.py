@@ -112,7 +112,7 @@ def lazy_logits(recipe: Recipe | DroppedRecipe, tensors: Sequence[torch.Tensor],
         logits = _Recompute.apply(source, layout, *tensors)
     else:
         logits = LazyLogits(layout, source=source)
-    storage = logits._storage if statistics else None  # the root's form: one key, every head row
+    storage = logits.root_storage if statistics else None  # the root's form: one key, every head row
     if storage is not None:
         cache_of(storage.keys[0]).keep(*statistics)
     return logits

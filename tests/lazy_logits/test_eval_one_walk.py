@@ -150,7 +150,7 @@ def test_eval_loss_and_reads_of_the_returned_logits_take_one_walk(walks, dtype, 
     for name in ("max", "logsumexp", "entropy", "log_probs"):
         torch.testing.assert_close(got[name], expected[name], **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
-    key = logits._storage.keys[0]  # the kept statistics are what the logits' own walk gives
+    key = logits.root_storage.keys[0]  # the kept statistics are what the logits' own walk gives
     key.cache = None
     with torch.no_grad():
         logits.logsumexp(-1)  # a walk of every statistic first (argmax alone would walk for the maximum)

@@ -331,7 +331,7 @@ def test_the_pending_lazy_copies_stay_bounded(steps32):
         h, labels = batch(0)
         _, logits = compiled(h, labels)
         _, expected = model(h, labels)
-        inputs = logits._inputs()
+        inputs = logits.inputs()
         for _ in range(1000):
             logits[:, -1].clone()  # a lazy copy, dropped unread
         assert len(inputs.pending) <= 64
