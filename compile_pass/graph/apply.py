@@ -1,10 +1,12 @@
 """Apply: carry out a graph's plans, each site in one all-or-nothing edit, then its logits' fate.
 
-    records = apply_plans(plans, logits, options, take_out=True)
+    records = apply_plans(plans, walks, logits, options, take_out=True)
     returned = take_out_returned(plan_returned(graph, options), options)   # a graph with no site
 
-Each ``REWRITE`` plan is one :class:`compile_pass.graph.nodes.Edit` (the rewrite, then a lint):
-a failure undoes it and the site is refused as ``internal_error``. Then the logits planned
+Each op call of the plan (a :class:`compile_pass.graph.plan.WalkPlan`, in graph order) is one
+:class:`compile_pass.graph.nodes.Edit` (the rewrite, then a lint), and so is each row statistic
+folded into one, which then reads its statistics: a failure undoes it and the site is refused as
+``internal_error`` (a statistic folded into a failed walk walks alone). Then the logits planned
 ``LAZY`` / ``DROPPED`` are taken out (``take_out``), each projection in an edit of its own: a
 failure leaves them computed (``LOGITS_KEPT``). The records are the plans' with what was done.
 
@@ -45,7 +47,7 @@ from compile_pass.graph.nodes import (
     size_hint,
     trace_into,
 )
-from compile_pass.graph.plan import Action, LogitsPlan, SitePlan
+from compile_pass.graph.plan import LogitsPlan, SitePlan, WalkPlan
 from compile_pass.graph.projection import op_scale
 from compile_pass.graph.report import (
     DROP_LOGITS_FIX,
@@ -71,21 +73,29 @@ from compile_pass.op.tiling import Tiles
 from compile_pass.options import Options
 
 
-def apply_plans(plans: list[SitePlan], logits: list[LogitsPlan], options: Options, take_out: bool) -> list[SiteRecord]:
-    """The records of ``plans`` once carried out; ``take_out``: the caller wraps the compiled graph
-    (:func:`compile_pass.graph.returned_logits.add_outputs`), so returned logits may leave it."""
-    # a loss before the row statistics folded into its walk (plan.py, _plan_fold), which read its nodes
-    for plan in sorted(plans, key=lambda plan: plan.walk_of is not None):
-        if plan.action is Action.REWRITE:
-            plan.record = _rewrite(plan, options, strict=options.strict)
+def apply_plans(plans: list[SitePlan], walks: list[WalkPlan], logits: list[LogitsPlan], options: Options,
+                take_out: bool) -> list[SiteRecord]:
+    """The records of ``plans`` once carried out: each of ``walks``, then the row statistics folded
+    into each, then each projection's logits' fate; ``take_out``: the caller wraps the compiled
+    graph (:func:`compile_pass.graph.returned_logits.add_outputs`), so returned logits may leave it."""
+    statistics: dict[WalkPlan, tuple[Node, ...]] = {}  # the row statistics each walk returned
+    for walk in walks:
+        walk.plan.record, statistics[walk] = _rewrite(walk, options, strict=options.strict)
+    for walk in walks:  # a statistic folded into a walk reads its statistics; into a failed one, it walks alone
+        for plan in walk.folded:
+            if walk.plan.record.decision is Decision.REWRITTEN:
+                plan.record = _rewrite_folded(plan, statistics[walk], options, strict=options.strict)
+            else:
+                plan.record, _ = _rewrite(WalkPlan(plan, plan.replacement, plan.site.node), options,
+                                          strict=options.strict)
+    served = {walk.plan.site.projection.node: statistics[walk] for walk in walks if walk.serves_reads}
     for group in logits:
         done = [plan for plan in group.sites if plan.record.decision is Decision.REWRITTEN]
         # a failed rewrite's loss still reads the logits
         fate, droppable = (group.fate, group.droppable) if len(done) == len(group.sites) else (Fate.KEPT, False)
         saved = None
-        statistics = next((plan.statistics for plan in done if plan.statistics and plan.serves_reads), ())
         if fate in (Fate.LAZY, Fate.DROPPED) and take_out:
-            saved = _take_out(group, fate, options, statistics, strict=options.strict)
+            saved = _take_out(group, fate, options, served.get(group.projection.node, ()), strict=options.strict)
         if fate in (Fate.LAZY, Fate.DROPPED) and saved is None:
             fate = Fate.KEPT
         _note(done, fate, droppable, saved or 0)
@@ -106,27 +116,45 @@ def take_out_returned(logits: list[LogitsPlan], options: Options) -> list[Return
     return records
 
 
-def _failed(plan: SitePlan, options: Options, exc: Exception) -> SiteRecord:
+def _refused(record: SiteRecord, exc: Exception) -> SiteRecord:
     reason = guard.internal_error(f"{type(exc).__name__}: {exc}")
-    return dataclasses.replace(plan.record, decision=Decision.REFUSED, reason=str(reason), reason_key=reason.key,
+    return dataclasses.replace(record, decision=Decision.REFUSED, reason=str(reason), reason_key=reason.key,
                                fix=reason.fix, tiles=None)
 
 
-@tolerant("rewriting {plan.site.node} failed; left it unfused", fallback=_failed)
-def _rewrite(plan: SitePlan, options: Options) -> SiteRecord:
+def _walk_failed(walk: WalkPlan, options: Options, exc: Exception) -> tuple[SiteRecord, tuple[Node, ...]]:
+    return _refused(walk.plan.record, exc), ()
+
+
+@tolerant("rewriting {walk.plan.site.node} failed; left it unfused", fallback=_walk_failed)
+def _rewrite(walk: WalkPlan, options: Options) -> tuple[SiteRecord, tuple[Node, ...]]:
+    """The record of ``walk``'s site once its op call is in, and the row statistics it returns."""
+    graph = walk.at.graph
+    with Edit(graph) as edit:
+        for node in walk.moved:  # the labels of a loss whose walk runs at an earlier statistic
+            edit.move_before(node, walk.at)
+        reached("rewrite", walk.plan.site)
+        done = rewrite_site(walk.plan.site, walk.replacement, edit, options, head_rows=walk.head_rows,
+                            at=walk.at)
+        graph.lint()
+    return dataclasses.replace(walk.plan.record, logits_bytes_avoided=done.logits_bytes_avoided,
+                               tiles=done.tiles), done.statistics
+
+
+def _folded_failed(plan: SitePlan, walked: tuple[Node, ...], options: Options, exc: Exception) -> SiteRecord:
+    return _refused(plan.record, exc)
+
+
+@tolerant("rewriting {plan.site.node} failed; left it unfused", fallback=_folded_failed)
+def _rewrite_folded(plan: SitePlan, walked: tuple[Node, ...], options: Options) -> SiteRecord:
+    """The record of a row statistic's site once it reads ``walked``, a walk's statistics."""
     graph = plan.site.node.graph
     with Edit(graph) as edit:
-        for node in plan.moved:  # the labels of a loss whose walk runs at an earlier statistic (plan.py, _plan_fold)
-            edit.move_before(node, plan.at)
         reached("rewrite", plan.site)
-        loss = plan.walk_of  # a row statistic folded into that loss's walk: its statistics, if it was rewritten
-        walked = loss.statistics if loss is not None and loss.record.decision is Decision.REWRITTEN else None
-        done = rewrite_site(plan.site, plan.replacement, edit, options, head_rows=plan.head_rows,
-                            walked=walked, at=plan.at)
+        done = rewrite_site(plan.site, plan.replacement, edit, options, walked=walked)
         graph.lint()
-    plan.statistics = done.statistics
     return dataclasses.replace(plan.record, logits_bytes_avoided=done.logits_bytes_avoided, tiles=done.tiles,
-                               folded=walked is not None)
+                               folded=True)
 
 
 @tolerant("taking the returned logits of {group.projection.node} out of the graph failed; the step computes them")
