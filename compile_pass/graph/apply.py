@@ -244,6 +244,7 @@ def _op_call(site: Site, replacement: Callable[..., Any], hidden: Node, options:
                                 for node in (hidden, weight, bias)),
                               grad_enabled=example_value(site.node).requires_grad)
     loss = site.call if isinstance(site.call, LossCall) else None  # a row statistic reads no target or argument
+    tiles = _tiles(site, loss, "rows" in extra, wanted, options)
     new = trace_into(
         graph, replacement, hidden, weight, loss and loss.target, bias, loss and loss.weight,
         reduction=loss.reduction if loss else "none", ignore_index=loss.ignore_index if loss else -100,
@@ -255,7 +256,7 @@ def _op_call(site: Site, replacement: Callable[..., Any], hidden: Node, options:
     new, *statistics = new if isinstance(new, tuple) else (new,)
     if sharded is not None and sharded.loss_parallel:  # the loss a replicated DTensor, as loss_parallel's
         new = tensor_parallel.as_dtensor_loss(sharded, new, graph, meta)
-    return new, tuple(statistics), _tiles(site, loss, "rows" in extra, wanted, options)
+    return new, tuple(statistics), tiles
 
 
 def _weight_and_bias(projection: Projection, meta: dict) -> tuple[Node, Node | None]:
@@ -290,14 +291,28 @@ def _tiles(site: Site, loss: LossCall | None, every_head_row: bool, grads_in_for
 
 
 def _replace(site: Site, new: Node, edit: Edit) -> int:
-    """Replace the site's node by ``new`` and erase what nothing reads any more, as part of
-    ``edit``; the bytes no longer materialized (:attr:`Rewritten.logits_bytes_avoided`)."""
+    """Replace the site's node by ``new`` and erase the site's nodes nothing reads any more, as part
+    of ``edit``; the bytes no longer materialized: the loss's own ``[N, V]`` buffers, and of the
+    nodes erased the projection's output (and the matmul under a bias add), every dtype-changing
+    cast of the logits and the scaled logits."""
+    projection = site.projection
+    materialized = {projection.node}
+    if projection.bias is not None and projection.inner:
+        materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
+    materialized.update(step.node for step in site.steps if step.kind is StepKind.CAST
+                        and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
     # [N, V] as cross_entropy saw it (a DTensor's bytes: this rank's local tensor, [N, V_local] under loss_parallel)
     loss_input = tensor_parallel.local_value(example_value(site.call.input))
-    loss_buffers = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
+    bytes_avoided = 2 * size_hint(loss_input.numel()) * loss_input.element_size()
     edit.replace_all_uses_with(site.node, new)
     edit.erase(site.node)
-    bytes_avoided = loss_buffers + _erase_dead(site, edit)
+    for node in site.erasable():
+        if node.users:
+            continue
+        value = tensor_parallel.local_value(example_value(node))  # a DTensor: this rank's bytes
+        if node in materialized and isinstance(value, torch.Tensor):
+            bytes_avoided += size_hint(value.numel()) * value.element_size()
+        edit.erase(node)
     reached("erased", site)
     if site.scale is not None and not site.scale_node.users:  # erased with the casts: its [..., V] is gone too
         scaled = tensor_parallel.local_value(example_value(site.scale_node))
@@ -344,26 +359,3 @@ def _replayed(site: Site, hidden: Node, meta: dict) -> Node:
             node = step.node
             hidden = create_node(graph, node.op, node.target, (hidden, *node.args[1:]), node.kwargs, meta=meta)
     return hidden
-
-
-def _erase_dead(site: Site, edit: Edit) -> int:
-    """Erase the site's nodes nothing uses any more; bytes of logits no longer materialized.
-
-    Counted: the projection's output (and the matmul under a bias add) and every
-    dtype-changing cast of the logits that is gone.
-    """
-    projection = site.projection
-    materialized = {projection.node}
-    if projection.bias is not None and projection.inner:
-        materialized.add(projection.inner[-1])  # the matmul under `matmul + bias`
-    materialized.update(step.node for step in site.steps if step.kind is StepKind.CAST
-                        and example_value(step.node).dtype != example_value(step.node.args[0]).dtype)
-    bytes_avoided = 0
-    for node in site.erasable():
-        if node.users:
-            continue
-        value = tensor_parallel.local_value(example_value(node))  # a DTensor: this rank's bytes
-        if node in materialized and isinstance(value, torch.Tensor):
-            bytes_avoided += size_hint(value.numel()) * value.element_size()
-        edit.erase(node)
-    return bytes_avoided
