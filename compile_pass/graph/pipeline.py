@@ -84,8 +84,8 @@ def _run_graph(graph: Graph, options: Options, in_subgraph: bool, take_out: bool
     sites = find_sites(graph, in_subgraph, strict=options.strict)
     if isinstance(sites, Exception):  # the graph could not be read
         return [failed("(whole graph)", guard.internal_error(f"{type(sites).__name__}: {sites}"))]
-    plans, logits = plan_sites(sites, options, in_subgraph, take_out and not in_subgraph)
-    return apply_plans(plans, logits, options, take_out and not in_subgraph)
+    plans, walks, logits = plan_sites(sites, options, in_subgraph, take_out and not in_subgraph)
+    return apply_plans(plans, walks, logits, options, take_out and not in_subgraph)
 
 
 def is_subgraph(graph: Graph) -> bool:

@@ -1,9 +1,9 @@
-"""Plan: per site rewrite / refuse / leave, per projection its logits' fate, before any edit.
+"""Plan: per site rewrite / refuse / leave, per projection its logits' fate and op calls, before any edit.
 
-Plan: what the pass will do at every site of a graph and with the logits the sites read,
-decided before any edit (pure queries).
+Plan: what the pass will do at every site of a graph, with the logits the sites read and in the
+op calls that rewrite them, decided before any edit (pure queries).
 
-    plans, logits = plan_sites(sites, options, in_subgraph, take_out)
+    plans, walks, logits = plan_sites(sites, options, in_subgraph, take_out)
     returned = plan_returned(graph, options)   # a top-level graph with no site: its returned logits
 
 A :class:`SitePlan` per site: ``REWRITE`` (with its spelling's replacement), ``REFUSE`` (a
@@ -19,17 +19,18 @@ together: a site without grad whose logits stay ``KEPT`` is left as stock, since
 Inductor fuses the upcast and the log-softmax into reductions over the logits, and the rewrite
 would only add a second projection.
 
-One walk: a loss site without grad whose logits the step returns ``LAZY`` would walk the
-vocabulary twice, once for the loss and once more when the caller reads the returned logits (an
-``argmax`` for a metric). When the loss is the row statistics' (its spelling's ``one_walk``: a
-cross-entropy with no class weight or label smoothing, or a gather of log-probs) and those
+A :class:`WalkPlan` per op call (:func:`_plan_walks`): what it computes, the sites that read it
+and the rows it serves. Each rewritten site walks alone, except where a loss's walk returns the
+row statistics too (its spelling's ``one_walk``: a cross-entropy with no class weight or label
+smoothing, or a gather of log-probs) for readers that would walk again. One walk: a loss without
+grad whose logits the step returns ``LAZY`` would walk the vocabulary twice, once for the loss and
+once more when the caller reads the returned logits (an ``argmax`` for a metric); where its
 statistics are exactly what the lazy logits' first read would compute
-(:func:`compile_pass.graph.returned_logits.returned_head`), the site is
-replaced by one ``chunkce::linear_statistics`` walk that gives the loss and returns the
-statistics, which the lazy logits keep (:func:`compile_pass.lazy_logits.wrap.wrap_compiled`).
+(:func:`compile_pass.graph.returned_logits.returned_head`), its walk returns them
+(``serves_reads``), which the lazy logits keep (:func:`compile_pass.lazy_logits.wrap.wrap_compiled`).
 Logits sliced before the loss (``logits[:, :-1]``) too: the walk covers every head row and the
-loss reads its own (``head_rows``). Row statistics of the same values beside a loss (a z-loss's
-logsumexp, an entropy) read that loss's walk too (``_plan_fold``): one op call forward and one
+loss reads its own (``head_rows``). The fold: row statistics of the same values beside a loss (a
+z-loss's logsumexp, an entropy) read that loss's walk (``folded``): one op call forward and one
 backward where each walked on its own.
 """
 
@@ -79,13 +80,28 @@ class SitePlan:
     site: Site
     action: Action
     record: SiteRecord
-    replacement: Callable[..., Any] | None = None  # REWRITE: what the rewrite traces in
-    statistics: tuple[Node, ...] = ()  # rewritten by one walk (plan.py): its lse, entropy, max, argmax, row_sum nodes
-    head_rows: bool = False  # the replacement walks every head row, told which are the loss's (``rows=``)
-    serves_reads: bool = False  # its statistics are those the returned logits' reads compute (_plan_one_walk)
-    walk_of: SitePlan | None = None  # a row statistic folded into that loss site's walk (_plan_fold)
-    at: Node | None = None  # a loss whose walk serves statistics before it: traced in before this node
-    moved: tuple[Node, ...] = ()  # the nodes making its labels, moved before ``at`` first
+    replacement: Callable[..., Any] | None = None  # REWRITE: its spelling's replacement
+
+
+@dataclass(eq=False)
+class WalkPlan:
+    """One op call over a projection's head, in place of the node of one rewritten site (``plan``).
+
+    ``replacement``: what is traced in (the site's own, or its spelling's ``one_walk`` that returns
+    the row statistics too); ``head_rows``: it walks every head row and is told which are the
+    site's (``rows=``); ``folded``: row statistic sites of the same values that read its statistics
+    instead of walking; ``serves_reads``: its statistics are those the returned logits' reads
+    compute; ``at``: the node it is traced in before (the site's, or the first folded statistic's);
+    ``moved``: the nodes making the site's labels, moved before ``at`` first.
+    """
+
+    plan: SitePlan
+    replacement: Callable[..., Any]
+    at: Node
+    head_rows: bool = False
+    folded: tuple[SitePlan, ...] = ()
+    serves_reads: bool = False
+    moved: tuple[Node, ...] = ()
 
 
 @dataclass
@@ -99,9 +115,10 @@ class LogitsPlan:
 
 
 def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
-               take_out: bool = False) -> tuple[list[SitePlan], list[LogitsPlan]]:
-    """The plans of ``sites`` (one graph's) and of the logits they read; ``take_out``: returned
-    logits may leave the graph (the caller wraps it).
+               take_out: bool = False) -> tuple[list[SitePlan], list[WalkPlan], list[LogitsPlan]]:
+    """The plans of ``sites`` (one graph's), of the op calls that rewrite them (in graph order of
+    the nodes they replace) and of the logits they read; ``take_out``: returned logits may leave
+    the graph (the caller wraps it).
 
     Raises:
         NotImplementedError: ``options.strict`` and a site is refused (the message has the reason).
@@ -118,13 +135,12 @@ def plan_sites(sites: list[Site], options: Options, in_subgraph: bool,
     for plan in plans:
         if plan.action is Action.REWRITE:
             groups.setdefault(plan.site.projection.node, LogitsPlan(plan.site.projection)).sites.append(plan)
+    walks: list[WalkPlan] = []
     for logits in groups.values():
         _plan_logits(logits, returned, in_subgraph, strict=options.strict)
-        if take_out and logits.fate is Fate.LAZY:
-            _plan_one_walk(logits, options, strict=options.strict)
-        if not options.grads_in_forward:
-            _plan_fold(logits, order, strict=options.strict)
-    return plans, list(groups.values())
+        walks += _plan_walks(logits, options, order, serve_reads=take_out and logits.fate is Fate.LAZY)
+    walks.sort(key=lambda walk: order[walk.plan.site.node])
+    return plans, walks, list(groups.values())
 
 
 def _unplanned(site: Site, order: dict[Node, int], exc: Exception) -> SitePlan:
@@ -157,50 +173,67 @@ def _plan_logits(logits: LogitsPlan, returned: ReturnedLogits, in_subgraph: bool
     reached("fate", logits.projection.node)
     fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], returned, in_subgraph)
     left = [plan for plan in logits.sites if not _requires_grad(plan.site.node)] if fate is Fate.KEPT else []
+    sites = [plan for plan in logits.sites if plan not in left]
     if left:
-        logits.sites = [plan for plan in logits.sites if plan not in left]
-        fate, droppable = logits_fate(logits.projection, [plan.site for plan in logits.sites], returned, in_subgraph)
+        fate, droppable = logits_fate(logits.projection, [plan.site for plan in sites], returned, in_subgraph)
     for plan in left:
         plan.action, plan.replacement = Action.LEAVE, None
         plan.record = dataclasses.replace(plan.record, decision=Decision.LEFT, reason=NO_GRAD_LOGITS_READ,
                                           reason_key="no_grad_logits_read")
-    logits.fate, logits.droppable = fate, droppable
+    logits.sites, logits.fate, logits.droppable = sites, fate, droppable  # all at once: a failure changes nothing
+
+
+def _plan_walks(logits: LogitsPlan, options: Options, order: dict[Node, int], serve_reads: bool) -> list[WalkPlan]:
+    """The op calls that rewrite ``logits.sites``, in their order: a walk per site, but for a loss
+    without grad whose walk also serves the returned logits' reads (``serve_reads``: they are
+    ``LAZY``; :func:`_serving_walk`) and a loss whose walk row statistics of the same values read
+    instead of walking (:func:`_fold`; not under ``grads_in_forward``)."""
+    walks = {plan.site.node: WalkPlan(plan, plan.replacement, plan.site.node) for plan in logits.sites}
+    serving = _serving_walk(logits, options, strict=options.strict) if serve_reads else None
+    if serving is not None:
+        walks[serving.plan.site.node] = serving
+    fold = None if options.grads_in_forward else _fold(logits, walks, order, strict=options.strict)
+    if fold is not None:
+        walks[fold.plan.site.node] = fold
+        for plan in fold.folded:
+            del walks[plan.site.node]
+    return list(walks.values())
 
 
 @tolerant("could not plan one walk for the loss and the returned logits' reads; the loss walks alone")
-def _plan_one_walk(logits: LogitsPlan, options: Options) -> None:
-    """The first site without grad among ``logits.sites`` (``LAZY``) that can, replaced by one
-    walk returning the row statistics of the returned logits (:mod:`compile_pass.graph.plan`)."""
+def _serving_walk(logits: LogitsPlan, options: Options) -> WalkPlan | None:
+    """The walk of the first site without grad among ``logits.sites`` that can, returning the row
+    statistics of the returned logits (:func:`one_walk_replacement`); None when none can."""
     dead = dead_after(plan.site for plan in logits.sites)
     for plan in logits.sites:
         if _requires_grad(plan.site.node):
             continue
         found = one_walk_replacement(plan.site, dead, options.tiles)
         if found is not None:
-            plan.replacement, plan.head_rows = found
-            plan.serves_reads = True
-            return
+            replacement, head_rows = found
+            return WalkPlan(plan, replacement, plan.site.node, head_rows=head_rows, serves_reads=True)
+    return None
 
 
 @tolerant("could not fold the row statistics into the loss's walk; each walks alone")
-def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
-    """A loss site and row statistics (a z-loss's logsumexp, an entropy) of the same logits: the
-    statistics read the loss's walk (``walk_of``), which walks every head row and returns them
-    (its spelling's ``one_walk``), where they read the same values (the same casts and scale) with
-    grad as the loss, and the loss's inputs exist before the first of them (``at``: where the walk
-    is traced in)."""
+def _fold(logits: LogitsPlan, walks: dict[Node, WalkPlan], order: dict[Node, int]) -> WalkPlan | None:
+    """The walk of the one loss site of ``logits`` (``walks[node]`` so far) that row statistics (a
+    z-loss's logsumexp, an entropy) read, ``folded``: it walks every head row and returns them (its
+    spelling's ``one_walk``), where they read the same values (the same casts and scale) with
+    grad as the loss, and the loss's inputs exist before the first of them (``at``); None when
+    none folds."""
     losses = [plan for plan in logits.sites if isinstance(plan.site.call, LossCall)]
     statistics = [plan for plan in logits.sites if plan.site.call.spelling.kind is SpellingKind.STATISTIC]
     if len(losses) != 1 or not statistics:
-        return
+        return None
     (loss,) = losses
-    site = loss.site
-    replacement, head_rows = loss.replacement, loss.head_rows
-    if not loss.serves_reads:
+    site, walk = loss.site, walks[loss.site.node]
+    replacement, head_rows = walk.replacement, walk.head_rows
+    if not walk.serves_reads:
         spelling = site.call.spelling.one_walk
         replacement = spelling(site.call, site.projection) if spelling is not None else None
         if replacement is None:
-            return
+            return None
         replacement = partial(replacement, statistics_dtype=cast_chains(site)[-1][-1])
         head_rows = not all(isinstance(step, Reshape) for step in site.hidden_plan)
     grad = _requires_grad(site.node)  # a statistic under no_grad beside a loss with grad walks alone
@@ -217,13 +250,10 @@ def _plan_fold(logits: LogitsPlan, order: dict[Node, int]) -> None:
         if any(mutates(node) for node in nodes) or moved is None or reads_statistic:
             folded, moved = [plan for plan in folded if plan not in early], []
     if not folded:
-        return
-    loss.replacement, loss.head_rows = replacement, head_rows
-    first_site = min((loss, *folded), key=lambda plan: order[plan.site.node])
-    loss.at = first_site.site.node if first_site is not loss else None
-    loss.moved = tuple(moved)
-    for plan in folded:
-        plan.walk_of = loss
+        return None
+    at = min((loss, *folded), key=lambda plan: order[plan.site.node]).site.node
+    return dataclasses.replace(walk, replacement=replacement, head_rows=head_rows, folded=tuple(folded), at=at,
+                               moved=tuple(moved))
 
 
 def _loss_inputs(site: Site) -> list[Node]:

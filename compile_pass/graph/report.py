@@ -91,7 +91,7 @@ class SiteRecord:
     # what became of the logits, on the record that says so (``reason``): every rewritten site of
     # logits kept, the last rewritten site of logits taken out; None on the others
     fate: Fate | None = None
-    folded: bool = False  # a row statistic read from a loss's walk (graph/plan.py, _plan_fold): no op of its own
+    folded: bool = False  # a row statistic read from a loss's walk (graph/plan.py, WalkPlan.folded): no op of its own
 
     def __post_init__(self) -> None:
         if self.decision is Decision.REFUSED and not self.fix:  # every refusal says what to do about it

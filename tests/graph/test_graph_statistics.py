@@ -118,7 +118,7 @@ def row_means_keepdim_and_entropy_mean(m, h, y):
 
 # name: (loss, loss sites, statistic sites, cross-entropy op nodes, statistics op nodes). A cross-entropy
 # or per-token log-probabilities (a gather) and the statistics of the same values are one walk: one
-# statistics op (graph/plan.py, _plan_fold).
+# statistics op (graph/plan.py, _fold).
 SPELLINGS = {
     "z_loss": (z_loss, 1, 1, 0, 1),
     "z_loss_flat_keepdim": (z_loss_flat_keepdim, 1, 1, 0, 1),

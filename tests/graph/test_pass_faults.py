@@ -117,7 +117,7 @@ def test_a_fault_leaves_the_graph_exactly_as_it_was(stage, caplog):
 
 class ZLossFirst(torch.nn.Module):
     """A z-loss written before the cross-entropy, the labels made between them: the fold moves the
-    labels above the z-loss (graph/plan.py, _plan_fold). A vocabulary's size (a statistic site)."""
+    labels above the z-loss (graph/plan.py, _fold). A vocabulary's size (a statistic site)."""
 
     def __init__(self):
         super().__init__()

@@ -81,7 +81,7 @@ def statistic_replacement(hidden_states: Tensor, weight: Tensor, target: None, b
     with ``every`` (``SUM`` or ``MEAN``), that reduction of the rows' values instead (0-d).
     The signature is :func:`compile_pass.op.loss.chunked_cross_entropy`'s (a statistic reads
     no target, class weight or loss argument: ``unused``). ``walked``: the statistics of every head
-    row from a loss's walk of the same values (no walk here; graph/plan.py, ``_plan_fold``), and
+    row from a loss's walk of the same values (no walk here; graph/plan.py, ``_fold``), and
     ``rows`` the head rows this statistic reads (None: all, in order)."""
     statistics = walked if walked is not None else chunked_statistics(
         hidden_states.flatten(0, -2), weight, bias, None, None, projection_dtype=projection_dtype,
