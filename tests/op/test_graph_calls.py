@@ -18,12 +18,17 @@ from compile_pass.op import kernel_runner
 SHAPES = [(37, 53, 16), (64, 509, 8), (9, 130, 4)]  # N, V, chunk_size: ragged last chunks and blocks
 
 
-def _loss_and_grads(num_tokens, vocab_size, chunk_size):
+def _inputs(num_tokens, vocab_size):
     gen = torch.Generator().manual_seed(num_tokens + vocab_size)
     hidden = torch.randn(num_tokens, 16, generator=gen, requires_grad=True)
     weight = (torch.randn(vocab_size, 16, generator=gen) * 0.1).requires_grad_()
     target = torch.randint(vocab_size, (num_tokens,), generator=gen)
     target[::5] = -100
+    return hidden, weight, target
+
+
+def _loss_and_grads(num_tokens, vocab_size, chunk_size):
+    hidden, weight, target = _inputs(num_tokens, vocab_size)
     tiles = {"chunk_size": chunk_size, "chunk_bytes": chunk_size * 48 * 4}  # blocks of 48 columns, the last narrower
     loss = linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, **tiles)
     stats = linear_statistics(hidden, weight, None, target.clamp(min=0)[:, None], temperature=0.7, **tiles)
@@ -116,12 +121,8 @@ def test_a_failing_guard_runs_through_torch_compile(compiled_kernels, monkeypatc
 
 
 def _reference(num_tokens, vocab_size, chunk_size):
-    """``_loss_and_grads``' loss, lse and gradients by torch's unfused ops."""
-    gen = torch.Generator().manual_seed(num_tokens + vocab_size)
-    hidden = torch.randn(num_tokens, 16, generator=gen, requires_grad=True)
-    weight = (torch.randn(vocab_size, 16, generator=gen) * 0.1).requires_grad_()
-    target = torch.randint(vocab_size, (num_tokens,), generator=gen)
-    target[::5] = -100
+    """``_loss_and_grads``' loss, lse, entropy and gradients by torch's unfused ops."""
+    hidden, weight, target = _inputs(num_tokens, vocab_size)
     logits = hidden @ weight.t()
     loss = torch.nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
     scaled = logits / 0.7
