@@ -38,11 +38,14 @@ first column holding the maximum, a float minimum) against the same with ``torch
 ``chunk_forward`` call of a real op call on a tiny tile (``--call-shape``, one walk thread) is
 captured, compiled, then replayed ``--calls`` times through ``kernel_runner.run`` (the op's path:
 the graph called directly, ``kernel_runner.GraphCall``), through ``run``'s path before direct calls
-(its config patch, then ``torch.compile``), through the direct call alone, through the compiled
-function itself (Dynamo's and AOTAutograd's wrappers, without ``run``'s hooks and config patch), and eagerly (``CHUNKCE_EAGER_KERNELS=1``'s path); the kernel's own work
-is the profiler's records of its generated code (CPU: ``cpp.enable_kernel_profile``'s record
-around each ``cpp_fused_*`` function; CUDA: the device kernels' time), and a call's cost is the
-time per call less that work. On CPU one intra-op thread (a walk thread's). Median of ``--rounds`` rounds, each path interleaved.
+(its config patch, then ``torch.compile``), through the direct call alone (Dynamo's guard check, the
+graph's inputs, Inductor's own call) and the same through AOTAutograd's wrapper, through the compiled
+function itself (Dynamo's and AOTAutograd's wrappers, without ``run``'s hooks and config patch), and
+eagerly (``CHUNKCE_EAGER_KERNELS=1``'s path); then the direct call's parts, each alone. The kernel's
+own work is the profiler's records of its generated code (CPU: ``cpp.enable_kernel_profile``'s record
+around each ``cpp_fused_*`` function; CUDA: the device kernels' time), and a call's cost is the time
+per call less that work. On CPU one intra-op thread (a walk thread's). The minimum and the median of
+``--rounds`` rounds, each path interleaved (the minimum: the least disturbed by other processes).
 Inputs: hidden states ``randn``, weight std 0.02, fp32, 5 % of targets ignored.
 """
 
@@ -386,6 +389,21 @@ def _kernel_work_us(call, device: torch.device, calls: int) -> float:
     return total / calls
 
 
+def _timed(paths: dict, rounds: int, calls: int, device: torch.device) -> dict[str, list[float]]:
+    """us a call of each of ``paths``, ``rounds`` rounds of ``calls`` calls, the paths interleaved round by round."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for call in paths.values():
+        call()
+    for _ in range(rounds):
+        for name, call in paths.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            harness.synchronize(device)
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    return times
+
+
 def run_calls(args) -> None:
     import os
 
@@ -398,53 +416,59 @@ def run_calls(args) -> None:
     below_autograd = torch._C._AutoDispatchBelowADInplaceOrView
     compiled = kernel_runner.compiled(fn_name, variant)
 
-    graph_call = kernel_runner.graph_call(fn_name, variant)
-    if graph_call is None:
+    direct = kernel_runner.graph_call(fn_name, variant)
+    if direct is None:
         print(f"no direct call of {fn_name}'s graph on this torch (kernel_runner.direct_calls_unavailable): its paths are left out")
+    elif direct.inductor is None:
+        print(f"{fn_name}'s direct call goes through AOTAutograd's wrapper (kernel_runner's debug log says why)")
 
     def through_run():
         kernel_runner.run(fn_name, variant, False, *kernel_args)
 
     def run_through_compile():  # run's path before direct calls: the config patch, Dynamo, AOTAutograd
-        with below_autograd(), kernel_runner._shape_settings(), kernel_runner.dynamo_stats_kept():
+        with kernel_runner._shape_settings(), kernel_runner.dynamo_stats_kept():
             kernel_runner._through_compile(compiled, kernel_args)
 
-    def direct():
-        with below_autograd():
-            graph_call(kernel_args)
-
     def compiled_function():
-        with below_autograd():
-            compiled(*kernel_runner._symbolic(list(kernel_args)))
+        compiled(*kernel_runner._symbolic(list(kernel_args)))
 
     def eager():
         kernel_runner.run(fn_name, variant, True, *kernel_args)
 
     paths = {"kernel_runner.run (the op's path: the graph called directly)": through_run,
              "kernel_runner.run's path through torch.compile (config patch, Dynamo, AOTAutograd)": run_through_compile,
-             "the graph's direct call (guards, inputs, AOTAutograd's and Inductor's call)": direct,
              "the compiled function (Dynamo + AOTAutograd wrappers)": compiled_function,
              "eager (CHUNKCE_EAGER_KERNELS=1)": eager}
-    if graph_call is None:
-        paths = {name: path for name, path in paths.items() if "direct" not in name}
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for call in paths.values():
-        call()
-    for _ in range(args.rounds):
-        for name, call in paths.items():
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                call()
-            harness.synchronize(args.device)
-            times[name].append((time.perf_counter() - start) / args.calls * 1e6)
+    parts = {}
+    if direct is not None:
+        through_aot = kernel_runner.GraphCall(direct.names, direct.check, direct.reads, direct.compiled, None)
+        inputs, named = direct.reads(*kernel_args), dict(zip(direct.names, kernel_args))
+
+        paths |= {"the graph's direct call (guards, inputs, Inductor's call)": lambda: direct(kernel_args),
+                  "the graph's direct call through AOTAutograd's wrapper": lambda: through_aot(kernel_args)}
+        parts = {"Dynamo's guard check (its arguments by name, checked)":
+                 lambda: direct.check(dict(zip(direct.names, kernel_args))),
+                 "the guard check alone": lambda: direct.check(named),
+                 "the graph's inputs read": lambda: direct.reads(*kernel_args),
+                 "AOTAutograd's wrapper + Inductor's call (with the work)": lambda: direct.compiled(*inputs),
+                 "the arguments detached, token dim unbacked (kernel_runner._symbolic)":
+                 lambda: kernel_runner._symbolic(kernel_args)}
+        if direct.inductor is not None:
+            parts["Inductor's call (with the work)"] = lambda: direct.inductor(list(inputs))
+    with below_autograd(), torch.no_grad():  # as run() calls a kernel (its guards hold the grad mode)
+        times = _timed(paths, args.rounds, args.calls, args.device)
+        parts = _timed(parts, args.rounds, args.calls, args.device)
     work = _kernel_work_us(through_run, args.device, args.calls)
     print(f"{fn_name} on a [{tokens}, {vocab}] fp32 tile (H {hidden}), variant {variant}; {args.calls} calls "
-          f"a round, median of {args.rounds} rounds; the kernel's own work {work:.1f} us a call")
-    print("| path | us a call | us a call above the kernel's work |\n|---|---:|---:|")
+          f"a round, {args.rounds} rounds (min and median); the kernel's own work {work:.1f} us a call")
+    print("| path | us a call, min | median | us a call above the kernel's work (min) |\n|---|---:|---:|---:|")
     for name, measured in times.items():
-        median = statistics.median(measured)
-        above = f"{median - work:.1f}" if "eager" not in name else "-"
-        print(f"| {name} | {median:.1f} | {above} |")
+        above = f"{min(measured) - work:.1f}" if "eager" not in name else "-"
+        print(f"| {name} | {min(measured):.1f} | {statistics.median(measured):.1f} | {above} |")
+    if parts:
+        print("\nthe direct call's parts, each alone:\n| part | us a call, min | median |\n|---|---:|---:|")
+        for name, measured in parts.items():
+            print(f"| {name} | {min(measured):.1f} | {statistics.median(measured):.1f} |")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -166,8 +166,21 @@ orig_backend = PrivateAttribute("_torchdynamo_orig_backend", "torch._dynamo.conv
                                 "the backend a Dynamo-compiled callable wraps")
 
 
+def missing(names: Any) -> str | None:
+    """Why this torch lacks an entry of ``names`` (the first it lacks), else None."""
+    try:
+        for entry in (globals()[name] for name in names):
+            if isinstance(entry, Private):
+                entry.get()
+            elif not entry.declared():
+                raise _missing(f"{entry.owner}.{entry.name}")
+    except TorchInternalMissing as exc:
+        return str(exc)
+    return None
+
+
 def graph_input_reads(gm: Any, fn: Any) -> Any:
-    """A function of ``fn``'s arguments returning Dynamo's graph ``gm``'s inputs, each read as Dynamo's
+    """A function of ``fn``'s arguments returning Dynamo's graph ``gm``'s inputs (a list), each read as Dynamo's
     bytecode reads it (its source, the placeholder's ``grapharg``); or why not (a str), where a
     source is of another kind. Uses the entries just above."""
     code = fn.__code__
@@ -180,7 +193,7 @@ def graph_input_reads(gm: Any, fn: Any) -> Any:
         if expression is None:
             return f"graph input {node.name} comes from {getattr(graph_arg, 'source', None)!r}"
         expressions.append(f"as_tensor({expression})" if graph_arg.pass_arg_as_tensor else expression)
-    text = f"lambda {', '.join(code.co_varnames[:code.co_argcount])}: ({''.join(e + ', ' for e in expressions)})"
+    text = f"lambda {', '.join(code.co_varnames[:code.co_argcount])}: [{', '.join(expressions)}]"
     return eval(text, {"as_tensor": as_tensor_fullprec.get()})  # noqa: S307 - names checked identifiers
 
 
@@ -200,6 +213,89 @@ def _source_expression(source: Any) -> str | None:
                  prop.STORAGE_OFFSET: "storage_offset()"}
         return f"{base}.{calls[source.prop]}" if base and source.prop in calls else None
     return None
+
+
+# --- Dynamo, AOTAutograd and Inductor under a kernel's graph (kernel_runner.GraphCall) ----------
+disable_context = Private("torch._dynamo.eval_frame:DisableContext", "torch._dynamo.disable's wrapper, which a "
+                          "kernel's direct call looks through", "torch.compiler.disable", kind=PrivateKind.CLASS)
+eval_frame_callback = Private("torch._C._dynamo.eval_frame:get_eval_frame_callback", "whether Dynamo's frame "
+                              "callback is set (a direct call below torch._dynamo.disable runs where it is not)")
+aot_module_simplified = Private("torch._functorch.aot_autograd:aot_module_simplified", "AOTAutograd's entry, "
+                                "whose call wrapper a kernel's direct call looks through", "torch.compile")
+create_runtime_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:_create_runtime_wrapper",
+                                 "AOTAutograd's runtime wrapper, which a kernel's direct call looks through")
+serializable_function = Private("torch._functorch._aot_autograd.runtime_wrappers:SerializableCompiledFunction",
+                                "AOTAutograd's cacheable wrapper, which a kernel's direct call looks through",
+                                kind=PrivateKind.CLASS)
+compiled_fx_graph = Private("torch._inductor.output_code:CompiledFxGraph", "a kernel's graph as Inductor compiled it",
+                            kind=PrivateKind.CLASS)
+current_callable = PrivateAttribute("current_callable", "torch._inductor.output_code:CompiledFxGraph",
+                                    "Inductor's generated call(args), which a kernel's direct call runs")
+output_strides = PrivateAttribute("output_strides", "torch._inductor.output_code:CompiledFxGraph",
+                                  "the compiled graph's outputs (a direct call needs none)")
+mutated_input_idxs = PrivateAttribute("mutated_input_idxs", "torch._inductor.output_code:CompiledFxGraph",
+                                      "the graph inputs it writes (AOTAutograd bumps their version counters)")
+
+
+def inductor_call(compiled: Any) -> Any:
+    """``(call, written)``: Inductor's own callable under ``compiled`` (what the Inductor backend returned
+    for a graph; ``call(inputs)``, boxed: it clears the list) and the positions of the inputs its graph
+    writes; else why not (a str; one of the entries just above this torch lacks, too). Only these may
+    lie between, each of which adds nothing to a graph with no outputs but state its caller keeps: Dynamo's
+    disable wrapper (no frame callback while it runs), AOTAutograd's call wrapper (no parameters or
+    buffers to prepend), its runtime wrapper (the written inputs' version counters bumped, grad mode,
+    autocast) and its cacheable wrapper; a dedupe, synthetic-base, RNG, effect-token or subclass wrapper refuses."""
+    try:
+        return _inductor_call(compiled)
+    except TorchInternalMissing as exc:
+        return str(exc)
+
+
+def _inductor_call(compiled: Any) -> Any:
+    aot, disable = aot_module_simplified.get(), disable_context.get().__call__
+    wrappers = {code: outer for outer in (aot, create_runtime_wrapper.get(), disable) for code in _nested_codes(outer.__code__)}
+    level = compiled
+    while not isinstance(level, compiled_fx_graph.get()):
+        outer = wrappers.get(getattr(level, "__code__", None))
+        if not hasattr(level, "__wrapped__") or outer is None and not isinstance(level, serializable_function.get()):
+            return f"{getattr(level, '__qualname__', type(level).__name__)} lies between (not AOTAutograd's own)"
+        cells = inspect.getclosurevars(level).nonlocals if outer is not None else {}
+        if outer is aot and cells.get("params_buffers_flat", ()) != []:
+            return "AOTAutograd prepends parameters or buffers to its inputs"
+        if outer is disable and (getattr(cells.get("self"), "callback", 0) is not None or cells.get("fn") is not level.__wrapped__):
+            return "torch._dynamo.disable's wrapper sets a frame callback"
+        level = level.__wrapped__
+    if output_strides.read(level) != []:
+        return "its compiled graph has outputs"
+    call = current_callable.read(level)
+    return (call, tuple(sorted(mutated_input_idxs.read(level)))) if callable(call) else "no compiled callable"
+
+
+def aot_wrapper_state(tensors: Any) -> tuple:
+    """What AOTAutograd's runtime wrapper may change around its graph's call: grad mode, autocast (on:
+    it turns it off for the call), the version counters of ``tensors`` (it bumps its written inputs')."""
+    devices = {"cpu", *(t.device.type for t in tensors)}
+    return (torch.is_grad_enabled(), any(torch.is_autocast_enabled(device) for device in devices),
+            *(None if t.is_inference() else version.read(t) for t in tensors))
+
+
+def as_observed(inductor: tuple, reads: Any, args: Any, tensors: Any, before: tuple, after: tuple) -> Any:
+    """``inductor``, what :func:`inductor_call` returned, where a call through AOTAutograd's wrapper on
+    ``args`` (its graph's inputs: ``reads(*args)``) changed only what calling ``inductor`` does:
+    ``tensors``' state (:func:`aot_wrapper_state`) went from ``before`` to ``after`` by each written
+    input's version counter bumped once (no counter shared with another tensor), grad mode kept,
+    autocast off; else why not (a str)."""
+    written = {id(tensor) for position, tensor in enumerate(reads(*args)) if position in inductor[1]}
+    bumped = (*before[:2], *(v if v is None else v + (id(t) in written) for t, v in zip(tensors, before[2:])))
+    if before[1] or after != bumped or not written <= {id(t) for t in tensors}:
+        return "autocast is on" if before[1] else "its call changed grad mode or version counters otherwise"
+    return inductor
+
+
+def _nested_codes(code: Any) -> list:
+    """The code objects of the functions defined in ``code``, at any depth."""
+    nested = [const for const in code.co_consts if inspect.iscode(const)]
+    return [c for const in nested for c in (const, *_nested_codes(const))]
 
 
 # --- Inductor and FX ---------------------------------------------------------------------------
@@ -225,6 +321,26 @@ has_triton = Private("torch.utils._triton:has_triton", "whether Triton is presen
 fx_config = Private("torch.fx.experimental._config", "the kernels' shape settings (use_duck_shape, "
                     "backed_size_oblivious)", kind=PrivateKind.MODULE)
 
+
+@functools.cache
+def inductor_compiles_for(device_type: str) -> bool:
+    """Whether Inductor can compile the op's kernels for ``device_type`` (decided once, never learnt
+    from a failed compile): a code generator is registered for it and its compiler (C++ for
+    CPU, Triton for CUDA / XPU) is present. Uses the entries just above."""
+    init_backend_registration()
+    if get_scheduling_for_device(device_type) is None:
+        return False
+    if device_type == "cpu" and inductor_config.get().cpu_backend == "cpp":
+        try:
+            get_cpp_compiler()
+        except invalid_cxx_compiler.get():
+            return False
+    if device_type in ("cuda", "xpu"):
+        return has_triton()
+    return True
+
+
+
 # --- dispatch, autograd and subclasses ---------------------------------------------------------
 get_current_dispatch_mode = Private("torch.utils._python_dispatch:_get_current_dispatch_mode",
                                     "kernels run eagerly under a dispatch mode")
@@ -234,6 +350,8 @@ profiler_enabled = Private("torch._C._autograd:_profiler_enabled", "a profiled w
                           "thread, whose ops and allocations the profiler sees")
 below_autograd = Private("torch._C:_AutoDispatchBelowADInplaceOrView", "the compiled kernels below autograd",
                          kind=PrivateKind.CLASS)
+set_grad_enabled = Private("torch._C:_set_grad_enabled", "grad mode off around a kernel's call (a tenth of "
+                           "torch.no_grad()'s cost)", "torch.no_grad()")
 dispatch_key_for_device = Private("torch._C:_dispatch_key_for_device", "a device's dispatch key")
 dispatch_has_kernel = Private("torch._C:_dispatch_has_kernel_for_dispatch_key",
                               "whether addmm with an out dtype exists for a device")

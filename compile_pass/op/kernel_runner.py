@@ -40,13 +40,21 @@ _CALLED: set = set()  # the one-thread kernels that have run once (compiled: lat
 # Held by a walk thread's first call of a kernel (two would both compile it); its waits: a part's
 # first call waits for the walk's earlier parts (_PartOrder).
 _FIRST_CALL = threading.Condition()
-_WALK_THREAD = threading.local()  # .active: this thread runs a walk's parts (mark_walk_thread); .order, .part
+
+
+class _WalkThread(threading.local):
+    """The calling thread's walk state (:func:`mark_walk_thread`, :class:`_PartOrder`); class defaults: no read misses."""
+
+    active, order, part = False, None, 0
+
+
+_WALK_THREAD = _WalkThread()
 
 
 def in_walk_thread() -> bool:
     """Whether the calling thread runs a walk's parts (a :class:`WalkThreads`
     thread, or a caller running them itself): its kernels are the one-thread variants."""
-    return getattr(_WALK_THREAD, "active", False)
+    return _WALK_THREAD.active
 
 
 def mark_walk_thread(active: bool) -> None:
@@ -89,7 +97,7 @@ def _compiled(fn_name: str, variant: tuple, one_thread: bool):
     options = {"emulate_precision_casts": True, **({"cpp.threads": 1} if one_thread else {})}
     if direct_calls_unavailable() is not None:  # logged: every call through torch.compile
         return torch.compile(clone, dynamic=True, fullgraph=True, options=options)
-    graphs = KernelGraphs(clone, options)  # Inductor with these options, its graphs noted
+    graphs = KernelGraphs(clone, options, (fn_name, variant, one_thread))  # Inductor with these options
     kernel = torch.compile(clone, backend=graphs, dynamic=True, fullgraph=True)
     _GRAPHS[kernel] = graphs
     return kernel
@@ -98,44 +106,31 @@ def _compiled(fn_name: str, variant: tuple, one_thread: bool):
 def _cache_clear() -> None:
     _compiled.cache_clear()
     _GRAPHS.clear()
+    _DIRECT.clear()
 
 
 _COMPILED_LOCK = threading.Lock()
 _GRAPHS: dict[Callable, KernelGraphs] = {}  # a compiled kernel's graphs and direct call
+_DIRECT: dict[tuple, GraphCall] = {}  # (fn_name, variant, one_thread): its resolved direct call, found without a lock
 compiled.cache_info, compiled.cache_clear = _compiled.cache_info, _cache_clear
+
+
+inductor_compiles_for = internals.inductor_compiles_for  # whether Inductor compiles the kernels for a device
 
 
 def graph_call(fn_name: str, variant: tuple, one_thread: bool = False) -> GraphCall | None:
     """The compiled kernel's :class:`GraphCall`, None before its first call or where it has none."""
-    graphs = _GRAPHS.get(compiled(fn_name, variant, one_thread))
-    return None if graphs is None else graphs.call
-
-
-@functools.cache
-def inductor_compiles_for(device_type: str) -> bool:
-    """Whether Inductor can compile the kernels for ``device_type`` (decided once, never learnt
-    from a failed compile): a code generator is registered for it and its compiler (C++ for
-    CPU, Triton for CUDA / XPU) is present."""
-    internals.init_backend_registration()
-    if internals.get_scheduling_for_device(device_type) is None:
-        return False
-    if device_type == "cpu" and internals.inductor_config.get().cpu_backend == "cpp":
-        try:
-            internals.get_cpp_compiler()
-        except internals.invalid_cxx_compiler.get():
-            return False
-    if device_type in ("cuda", "xpu"):
-        return internals.has_triton()
-    return True
+    return _DIRECT.get((fn_name, variant, one_thread))
 
 
 @functools.cache
 def _hot_path() -> tuple:
     """The private torch names each kernel call reaches, resolved once per process (a per-tile lookup
     cost more than the tile's own bookkeeping): dispatch mode, functorch, fx config, autograd guard,
-    counters."""
+    grad mode setter, counters."""
     return (internals.get_current_dispatch_mode.get(), internals.are_functorch_transforms_active.get(),
-            internals.fx_config.get(), internals.below_autograd.get(), internals.counters.get())
+            internals.fx_config.get(), internals.below_autograd.get(), internals.set_grad_enabled.get(),
+            internals.counters.get())
 
 
 def plain_context() -> bool:
@@ -162,25 +157,30 @@ def run(fn_name: str, variant: tuple, eager: bool, *args):
     if eager or not inductor_compiles_for(variant[0]) or not plain_context():
         return _kernel(fn_name)(*args)
     if in_walk_thread():  # below autograd already; the walk's owner keeps Dynamo's stats (dynamo_stats_kept)
-        for hook in _RUN_HOOKS:
-            hook(fn_name, variant)
-        kernel = compiled(fn_name, variant, one_thread=True)
-        if _called_directly(kernel, args):
-            return None
-        with _shape_settings():
-            if kernel not in _CALLED:
-                _first_call(kernel, args)
-            return _through_compile(kernel, args)
-    # below autograd whoever calls, so the guards on dispatch keys never differ (a recompile)
-    below_autograd = _hot_path()[3]
+        return _run_compiled(fn_name, variant, True, args)
+    # below autograd, no grad, whoever calls: the guards on dispatch keys and grad mode never differ (a recompile)
+    below_autograd, set_grad_enabled, grad_mode = *_hot_path()[3:5], torch.is_grad_enabled()
     with below_autograd():
-        for hook in _RUN_HOOKS:
-            hook(fn_name, variant)
-        kernel = compiled(fn_name, variant)
-        if _called_directly(kernel, args):
-            return None
-        with _shape_settings(), dynamo_stats_kept():
-            return _through_compile(kernel, args)
+        set_grad_enabled(False)  # torch.no_grad() costs more than the rest of this call
+        try:
+            return _run_compiled(fn_name, variant, False, args)
+        finally:
+            set_grad_enabled(grad_mode)
+
+
+def _run_compiled(fn_name: str, variant: tuple, one_thread: bool, args: tuple):
+    """:func:`run` of a compiled kernel: its direct call, on ``args`` as they are, then detached (a guard
+    holds a tensor's requires_grad), where it has one and its guards hold; else through ``torch.compile``."""
+    for hook in _RUN_HOOKS:
+        hook(fn_name, variant)
+    direct = _DIRECT.get((fn_name, variant, one_thread))
+    if direct is not None and (direct(args) or direct(_symbolic(args))):
+        return None
+    kernel = compiled(fn_name, variant, one_thread)
+    with _shape_settings(), contextlib.nullcontext() if one_thread else dynamo_stats_kept():
+        if one_thread and kernel not in _CALLED:
+            _first_call(kernel, args)
+        return _through_compile(kernel, args)
 
 
 def _shape_settings() -> contextlib.AbstractContextManager:
@@ -188,20 +188,16 @@ def _shape_settings() -> contextlib.AbstractContextManager:
     return _hot_path()[2].patch(use_duck_shape=False, backed_size_oblivious=True)
 
 
-def _called_directly(kernel, args: tuple) -> bool:
-    """Whether ``kernel``'s graph ran, called directly: on ``args`` as they are, or detached (a guard
-    holds a tensor's requires_grad)."""
-    graphs = _GRAPHS.get(kernel)
-    call = None if graphs is None else graphs.call
-    return call is not None and (call(args) or call(_symbolic(args)))
-
-
 def _through_compile(kernel, args: tuple):
     """``kernel`` called through ``torch.compile`` (compiling where no guards hold), then resolved."""
-    result = kernel(*_symbolic(args))
-    graphs = _GRAPHS.get(kernel)
-    if graphs is not None:
-        graphs.resolve(result)
+    args, graphs = _symbolic(args), _GRAPHS.get(kernel)
+    if graphs is None or graphs.call is not None or graphs.refused is not None:
+        return kernel(*args)
+    tensors = [t for arg in args for t in ((*arg, arg.transform.tensor) if isinstance(arg, _RECORDS) else (arg,))
+               if isinstance(t, Tensor)]  # the graph's tensors, its records' included
+    before = internals.aot_wrapper_state(tensors)
+    result = kernel(*args)
+    graphs.resolve(result, (args, tensors, before, internals.aot_wrapper_state(tensors)))
     return result
 
 
@@ -212,7 +208,7 @@ def _first_call(kernel, args: tuple) -> None:
     its cache keys, are the same in every process: Dynamo takes its symbols' hints (a tile's
     ``vocab_start``, its width) and a tensor's storage offset from the first call, and AOTAutograd's
     cache key holds the hints (torch 2.15); a later part's first tile starts further on."""
-    order, part = getattr(_WALK_THREAD, "order", None), getattr(_WALK_THREAD, "part", 0)
+    order, part = _WALK_THREAD.order, _WALK_THREAD.part
     with _FIRST_CALL:
         if order is not None:
             _FIRST_CALL.wait_for(lambda: kernel in _CALLED or order.earlier_parts_ended(part))
@@ -252,7 +248,7 @@ def dynamo_stats_kept() -> Iterator[None]:
     compile is chunkce's own, not a graph of the user's (who counts recompiles with them); its graphs
     are counted in ``counters["chunkce"]["kernel_graphs"]``. Entered by the thread that owns a call
     (the counters are the process's), around its walk threads' runs."""
-    counters = _hot_path()[4]
+    counters = _hot_path()[5]
     stats = counters["stats"]
     saved = stats.copy()
     try:
@@ -265,11 +261,10 @@ def dynamo_stats_kept() -> Iterator[None]:
 
 
 # ---- a compiled kernel's graph called directly (docs/op.md, "Per-chunk kernels") -----------------
-# KernelGraphs, a kernel's backend (Inductor's, as torch.compile(options=...) builds it), notes each graph
-# and where its inputs come from (Dynamo's sources); after a call through torch.compile, resolve() pairs the
-# code's one compiled entry with its graph: GraphCall checks the entry's guards (Dynamo's own check) and
-# calls the graph on its inputs read as Dynamo's bytecode reads them. A kernel returns None and writes
-# only its tensor arguments, so nothing after the graph is left to run.
+# KernelGraphs, a kernel's backend (Inductor's, as torch.compile(options=...) builds it), notes each graph,
+# its inputs' sources and Inductor's own call; after a call through torch.compile, resolve() pairs the code's
+# one compiled entry with its graph: GraphCall checks the entry's guards (Dynamo's own), reads the inputs as
+# Dynamo's bytecode does and runs Inductor's call. A kernel returns None and writes only its tensor arguments.
 
 _PARTS = ("inductor_wrapper", "local_source", "attr_source", "tensor_property_source", "tensor_property",
           "as_tensor_fullprec", "cache_entry_list", "cache_entry_guards")
@@ -279,30 +274,35 @@ _PARTS = ("inductor_wrapper", "local_source", "attr_source", "tensor_property_so
 def direct_calls_unavailable() -> str | None:
     """Why this torch allows no direct calls (a name they need moved; logged once: every call goes
     through ``torch.compile``), else None."""
-    try:
-        for entry in (getattr(internals, name) for name in _PARTS):
-            if isinstance(entry, internals.Private):
-                entry.get()
-            elif not entry.declared():
-                raise internals.TorchInternalMissing(f"chunkce: this torch's {entry.owner} has no {entry.name}")
-    except internals.TorchInternalMissing as exc:
-        _log.info("chunkce: the per-chunk kernels run through torch.compile's call path: %s", exc)
-        return str(exc)
-    return None
+    missing = internals.missing(_PARTS)
+    if missing is not None:
+        _log.info("chunkce: the per-chunk kernels run through torch.compile's call path: %s", missing)
+    return missing
 
 
 class GraphCall:
     """A kernel's compiled graph called directly: ``call(args)`` runs it and returns True where its
-    guards hold for ``args``, else False, having run nothing. ``calls`` counts its runs."""
+    guards hold for ``args`` (``check``, Dynamo's, of the arguments by ``names``), else False, having run
+    nothing. Its graph's inputs, ``reads(*args)``, go to ``inductor``, Inductor's own callable, after the
+    version counters of those it writes (``written``) are bumped, as AOTAutograd's wrapper does, where no
+    Dynamo frame callback is set; else (or None) to ``compiled``, the backend's. ``calls`` counts runs."""
 
-    def __init__(self, names: tuple[str, ...], guards: Any, reads: Callable, compiled: Callable):
-        self._names, self._check, self._reads, self._compiled = names, guards.check, reads, compiled
-        self.calls = 0
+    def __init__(self, names: tuple[str, ...], check: Callable, reads: Callable, compiled: Callable,
+                 inductor: Callable | None = None, written: tuple[int, ...] = ()):
+        self.names, self.check, self.reads, self.compiled = names, check, reads, compiled
+        self.inductor, self.written, self.calls = inductor, written, 0
+        self._frame_callback = internals.eval_frame_callback.get() if inductor is not None else None
 
     def __call__(self, args) -> bool:
-        if len(args) != len(self._names) or not self._check(dict(zip(self._names, args))):
+        if len(args) != len(self.names) or not self.check(dict(zip(self.names, args))):
             return False
-        self._compiled(*self._reads(*args))
+        inputs = self.reads(*args)
+        if self.inductor is not None and self._frame_callback() is None:
+            if self.written:
+                torch.autograd.graph.increment_version([inputs[i] for i in self.written])
+            self.inductor(inputs)  # boxed: it clears the list
+        else:
+            self.compiled(*inputs)
         self.calls += 1
         return True
 
@@ -313,32 +313,35 @@ class KernelGraphs:
 
     compiler_name = "inductor"
 
-    def __init__(self, fn: Callable, options: dict):
+    def __init__(self, fn: Callable, options: dict, key: tuple):
         self._fn, self._inductor = fn, internals.inductor_wrapper.get()(None, options, True)
-        self._graphs: dict[int, tuple] = {}  # id(Inductor's graph): (it, what the backend returned, reads or why none)
-        self.call: GraphCall | None = None
-        self.refused: str | None = None
+        self._graphs: dict[int, tuple] = {}  # id(Inductor's graph): (it, what the backend returned, reads, Inductor's call)
+        self._key = key  # (fn_name, variant, one_thread): where run() finds :attr:`call`
+        self.call, self.refused = None, None  # its GraphCall once resolved, or why none (a str)
 
     def __call__(self, gm, example_inputs):
         compiled = self._inductor(gm, example_inputs)
         inner = inspect.unwrap(compiled)  # what Dynamo's own wrapper of it unwraps to
-        self._graphs[id(inner)] = (inner, compiled, internals.graph_input_reads(gm, self._fn))
+        self._graphs[id(inner)] = (inner, compiled, internals.graph_input_reads(gm, self._fn),
+                                   internals.inductor_call(compiled))
         return compiled
 
-    def resolve(self, result: Any) -> None:
-        """After a call through ``torch.compile`` that returned ``result``: :attr:`call` or
-        :attr:`refused` (once; counted, and a refusal logged at debug level)."""
+    def resolve(self, result: Any, observed: tuple) -> None:
+        """After a call through ``torch.compile`` on ``args`` that returned ``result``, ``observed``: ``(args,
+        tensors, before, after)``, their state around the call (``torch_internals.aot_wrapper_state``): :attr:`call`
+        or :attr:`refused` (once; counted, and a refusal logged at debug level, as is a call that runs
+        AOTAutograd's wrapper: where it did more than bump the version counters of the inputs Inductor writes)."""
         if self.call is None and self.refused is None:
-            call = self._resolve(result)
+            call = self._resolve(result, observed)
             outcome = "kernel_graph_calls" if isinstance(call, GraphCall) else "kernel_graph_calls_refused"
             internals.counters.get()["chunkce"][outcome] += 1
             if isinstance(call, GraphCall):
-                self.call = call
+                self.call = _DIRECT[self._key] = call
             else:
                 self.refused = call
                 _log.debug("chunkce: %s runs through torch.compile at each call: %s", self._fn.__code__.co_name, call)
 
-    def _resolve(self, result: Any) -> GraphCall | str:
+    def _resolve(self, result: Any, observed: tuple) -> GraphCall | str:
         entries = internals.cache_entry_list(self._fn.__code__)
         if result is not None or len(entries) != 1:
             return "it returns a value" if result is not None else f"{len(entries)} compiled entries, not one"
@@ -347,9 +350,14 @@ class KernelGraphs:
                       and id(inner := inspect.unwrap(obj)) in self._graphs), None)
         if graph is None or isinstance(graph[2], str):
             return "its entry calls no graph of this backend" if graph is None else graph[2]
-        code = self._fn.__code__
-        guards = internals.cache_entry_guards.read(entries[0]).root
-        return GraphCall(code.co_varnames[:code.co_argcount], guards, graph[2], graph[1])
+        inductor = graph[3] if isinstance(graph[3], str) else internals.as_observed(graph[3], graph[2], *observed)
+        if isinstance(inductor, str):
+            _log.debug("chunkce: %s's direct call goes through AOTAutograd's wrapper: %s", self._fn.__code__.co_name,
+                       inductor)
+        internals.counters.get()["chunkce"]["kernel_inductor_calls"] += not isinstance(inductor, str)
+        code, guards = self._fn.__code__, internals.cache_entry_guards.read(entries[0]).root
+        return GraphCall(code.co_varnames[:code.co_argcount], guards.check, graph[2], graph[1],
+                         *(() if isinstance(inductor, str) else inductor))
 
 
 # ---- walk threads (docs/op.md, "Walk threads") ----------------------------------------------------

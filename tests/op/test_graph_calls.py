@@ -18,12 +18,17 @@ from compile_pass.op import kernel_runner
 SHAPES = [(37, 53, 16), (64, 509, 8), (9, 130, 4)]  # N, V, chunk_size: ragged last chunks and blocks
 
 
-def _loss_and_grads(num_tokens, vocab_size, chunk_size):
+def _inputs(num_tokens, vocab_size):
     gen = torch.Generator().manual_seed(num_tokens + vocab_size)
     hidden = torch.randn(num_tokens, 16, generator=gen, requires_grad=True)
     weight = (torch.randn(vocab_size, 16, generator=gen) * 0.1).requires_grad_()
     target = torch.randint(vocab_size, (num_tokens,), generator=gen)
     target[::5] = -100
+    return hidden, weight, target
+
+
+def _loss_and_grads(num_tokens, vocab_size, chunk_size):
+    hidden, weight, target = _inputs(num_tokens, vocab_size)
     tiles = {"chunk_size": chunk_size, "chunk_bytes": chunk_size * 48 * 4}  # blocks of 48 columns, the last narrower
     loss = linear_cross_entropy(hidden, weight, target, label_smoothing=0.1, **tiles)
     stats = linear_statistics(hidden, weight, None, target.clamp(min=0)[:, None], temperature=0.7, **tiles)
@@ -113,3 +118,90 @@ def test_a_failing_guard_runs_through_torch_compile(compiled_kernels, monkeypatc
     for a, b in zip(state, expected_state, strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
+
+
+def _reference(num_tokens, vocab_size, chunk_size):
+    """``_loss_and_grads``' loss, lse, entropy and gradients by torch's unfused ops."""
+    hidden, weight, target = _inputs(num_tokens, vocab_size)
+    logits = hidden @ weight.t()
+    loss = torch.nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
+    scaled = logits / 0.7
+    lse = scaled.logsumexp(-1)
+    probs = scaled.softmax(-1)
+    entropy = lse - (probs * scaled).sum(-1)
+    selected = scaled.gather(1, target.clamp(min=0)[:, None]).sum()
+    total = loss + lse.sum() + entropy.sum() + selected
+    return (loss, lse, entropy, *torch.autograd.grad(total, [hidden, weight]))
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_second_call_runs_inductors_own_call_for_every_tile(compiled_kernels, monkeypatch, threads):
+    """Once each kernel has compiled, an op call runs every tile through Inductor's generated call
+    (below AOTAutograd's wrapper): no tile goes through ``torch.compile``, the direct calls count
+    every tile, and the results match torch's unfused ops."""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", threads)
+    _loss_and_grads(*SHAPES[0])
+    assert counters["chunkce"]["kernel_inductor_calls"] == counters["chunkce"]["kernel_graph_calls"] > 0
+    tiles, through_compile = [], []
+    real_through_compile = kernel_runner._through_compile
+    monkeypatch.setattr(kernel_runner, "_through_compile",
+                        lambda kernel, args: through_compile.append(kernel) or real_through_compile(kernel, args))
+    direct = list(kernel_runner._DIRECT.values())
+    before = sum(call.calls for call in direct)
+    with kernel_runner.hooked_runs(lambda name, variant: tiles.append(name)):
+        got = _loss_and_grads(*SHAPES[0])
+    assert not through_compile and tiles
+    assert all(call.inductor is not None for call in direct)
+    assert sum(call.calls for call in direct) - before == len(tiles)
+    loss, lse, entropy, _, grad_hidden, grad_weight = got
+    for ours, theirs in zip((loss, lse, entropy, grad_hidden, grad_weight), _reference(*SHAPES[0]), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_through_aotautograds_wrapper_where_inductors_own_is_refused(compiled_kernels, monkeypatch, caplog):
+    """Where Inductor's own call is refused (here: ``inductor_call`` says why), the direct call runs
+    AOTAutograd's wrapper, logged at debug level, with the same results bitwise."""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
+    expected = _loss_and_grads(*SHAPES[1])
+    _fresh_kernels()
+    monkeypatch.setattr(internals, "inductor_call", lambda compiled: "refused for the test")
+    with caplog.at_level(logging.DEBUG, logger="compile_pass.op.kernel_runner"):
+        got = [_loss_and_grads(*SHAPES[1]) for _ in range(2)]
+    assert "goes through AOTAutograd's wrapper: refused for the test" in caplog.text
+    direct = list(kernel_runner._DIRECT.values())
+    assert direct and all(call.inductor is None and call.calls for call in direct)
+    assert counters["chunkce"]["kernel_inductor_calls"] == 0
+    for run in got:
+        for a, b in zip(expected, run, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.slow  # compiles graphs of its own with Inductor
+def test_inductor_call_refuses_a_graph_with_outputs_or_another_wrapper():
+    """Inductor's own call under what its backend returned: for a graph that writes its input (run
+    on the graph's inputs: it writes as the function does); refused for a graph with outputs and for
+    a callable that is not AOTAutograd's."""
+    graphs, inductor = [], internals.inductor_wrapper.get()(None, {}, True)
+
+    def backend(gm, example_inputs):  # its inputs as writes() reads them (before Inductor compiles gm)
+        graphs.append((internals.graph_input_reads(gm, writes), inductor(gm, example_inputs)))
+        return graphs[-1][1]
+
+    def writes(x, out):
+        out.copy_(x.sin())
+
+    def returns(x):
+        return x.sin()
+
+    torch._dynamo.reset()
+    x, out = torch.randn(8), torch.empty(8)
+    torch.compile(writes, backend=backend, fullgraph=True)(x, out)
+    torch.compile(returns, backend=backend, fullgraph=True)(x)
+    call, written = internals.inductor_call(graphs[0][1])
+    inputs = graphs[0][0](x, out)
+    assert [inputs[i] for i in written] == [out]
+    out.zero_()
+    assert len(call(inputs)) == 0 and torch.equal(out, x.sin())
+    assert internals.inductor_call(graphs[1][1]) == "its compiled graph has outputs"
+    assert internals.inductor_call(returns).endswith("returns lies between (not AOTAutograd's own)")
+    torch._dynamo.reset()

@@ -114,6 +114,7 @@ def test_an_error_in_a_walk_thread_is_raised_by_the_call_and_the_next_call_works
     monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
     monkeypatch.setattr(kernel_runner, "_CALLED", set())  # every kernel's first call again (compiled already)
     monkeypatch.setattr(kernel_runner, "_GRAPHS", {})  # and no direct call of its graph
+    monkeypatch.setattr(kernel_runner, "_DIRECT", {})
     hidden, weight, bias, target = _inputs()
 
     def fail_in_one_thread(fn_name, variant):
@@ -146,6 +147,7 @@ def test_a_kernels_first_call_is_the_first_parts_whichever_thread_comes_first(mo
     first_callers = _FirstCallers()
     monkeypatch.setattr(kernel_runner, "_CALLED", first_callers)  # every kernel's first call again
     monkeypatch.setattr(kernel_runner, "_GRAPHS", {})  # and no direct call of its graph
+    monkeypatch.setattr(kernel_runner, "_DIRECT", {})
     held_back = threading.Event()
 
     def hold_back_part_0(fn_name, variant):
