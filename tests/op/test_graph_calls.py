@@ -200,8 +200,10 @@ def test_inductor_call_refuses_a_graph_with_outputs_or_another_wrapper():
     call, written = internals.inductor_call(graphs[0][1])
     inputs = graphs[0][0](x, out)
     assert [inputs[i] for i in written] == [out]
+    compiled = out.clone()  # the compiled function's write: Inductor's sin may differ from eager's by ulps
     out.zero_()
-    assert len(call(inputs)) == 0 and torch.equal(out, x.sin())
+    assert len(call(inputs)) == 0 and torch.equal(out, compiled)
+    torch.testing.assert_close(out, x.sin())
     assert internals.inductor_call(graphs[1][1]) == "its compiled graph has outputs"
     assert internals.inductor_call(returns).endswith("returns lies between (not AOTAutograd's own)")
     torch._dynamo.reset()
