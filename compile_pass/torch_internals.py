@@ -14,14 +14,17 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import logging
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["Private", "PrivateAttribute", "PrivateKind", "TorchInternalMissing", "ENTRIES"]
+__all__ = ["Older", "Private", "PrivateAttribute", "PrivateKind", "TorchInternalMissing", "ENTRIES"]
+
+log = logging.getLogger(__name__)
 
 
 class TorchInternalMissing(RuntimeError):
@@ -73,20 +76,38 @@ class Private:
 
 
 @dataclass(frozen=True)
+class Older:
+    """What the torch releases before ``release`` keep in place of a private attribute their owner
+    does not declare yet: the attribute ``name`` (None: nothing), read as ``convert(value)``."""
+
+    release: str
+    name: str | None
+    convert: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
 class PrivateAttribute:
-    """A private attribute ``name`` of instances of the torch class at ``owner``."""
+    """A private attribute ``name`` of instances of the torch class at ``owner``; ``older``: what a
+    release before it keeps instead (used where this torch is one, logged once)."""
 
     name: str
     owner: str
     use: str
     public: str = "none"
+    older: Older | None = None
 
     def read(self, obj: Any) -> Any:
-        """``obj.<name>``; :class:`TorchInternalMissing` where ``obj`` has none."""
+        """``obj.<name>`` (or its older stand-in); :class:`TorchInternalMissing` where ``obj`` has none."""
+        name, convert = self.name, None
+        if (older := _older_in_use(self)) is not None:
+            if older.name is None:
+                return older.convert(None)
+            name, convert = older.name, older.convert
         try:
-            return getattr(obj, self.name)
+            value = getattr(obj, name)
         except AttributeError as exc:
-            raise _missing(f"{type(obj).__name__}.{self.name}", exc) from exc
+            raise _missing(f"{type(obj).__name__}.{name}", exc) from exc
+        return value if convert is None else convert(value)
 
     def read_if_set(self, obj: Any) -> Any:
         """``obj.<name>``, or None where this instance has not set it yet; :class:`TorchInternalMissing`
@@ -101,18 +122,36 @@ class PrivateAttribute:
             raise _missing(f"{self.owner}.{self.name}")
         setattr(cls, self.name, function)
 
-    def declared(self) -> bool:
-        """Whether the owner class declares it (an attribute, annotation or ``self.<name>`` assignment)."""
-        owner = _resolve(self.owner)
+    def declared(self, name: str | None = None) -> bool:
+        """Whether the owner class declares it (or ``name``): an attribute, annotation or ``self.<name>``
+        assignment."""
+        owner, name = _resolve(self.owner), name or self.name
         classes = owner.__mro__ if isinstance(owner, type) else ()
-        assigned = re.compile(rf"self\.{self.name}\s*[:=]")
-        return (hasattr(owner, self.name) or any(self.name in getattr(c, "__annotations__", {}) for c in classes)
+        assigned = re.compile(rf"self\.{name}\s*[:=]")
+        return (hasattr(owner, name) or any(name in getattr(c, "__annotations__", {}) for c in classes)
                 or any(assigned.search(_source(c)) for c in classes))
+
+    def resolves(self) -> bool:
+        """Whether this torch declares it, or is a release before ``older.release`` declaring its stand-in."""
+        older = _older_in_use(self)
+        return self.declared() if older is None else older.name is None or self.declared(older.name)
 
 
 @functools.cache
 def _declared(attribute: PrivateAttribute) -> bool:
     return attribute.declared()
+
+
+@functools.cache
+def _older_in_use(attribute: PrivateAttribute) -> Older | None:
+    """``attribute.older`` where this torch is a release before it whose owner does not declare the
+    attribute (logged once), else None: a newer release that lacks it raises."""
+    older = attribute.older
+    if older is None or torch.__version__ >= older.release or _declared(attribute):
+        return None
+    log.debug("chunkce: torch %s has no %s.%s (from %s on); reading %s instead", torch.__version__,
+              attribute.owner, attribute.name, older.release, older.name or "nothing")
+    return older
 
 
 def _source(cls: type) -> str:
@@ -159,6 +198,11 @@ attr_source = Private("torch._dynamo.source:AttrSource", "a kernel graph's input
 tensor_property_source = Private("torch._dynamo.source:TensorPropertySource", "a kernel graph's input that is a "
                                  "tensor's size, stride or offset", kind=PrivateKind.CLASS)
 tensor_property = Private("torch._dynamo.source:TensorProperty", "which of them", kind=PrivateKind.CLASS)
+# before 2.13 no local is marked a function's *args or **kwargs: graph_input_reads refuses a function with either
+local_is_varargs = PrivateAttribute("is_varargs", "torch._dynamo.source:LocalSource", "a kernel graph's input "
+                                    "that is a function's *args (refused)", older=Older("2.13", None, bool))
+local_is_varkw = PrivateAttribute("is_varkw", "torch._dynamo.source:LocalSource", "a kernel graph's input that "
+                                  "is a function's **kwargs (refused)", older=Older("2.13", None, bool))
 as_tensor_fullprec = Private("torch:_as_tensor_fullprec", "a Python number Dynamo passes to a graph as a tensor")
 cache_entry_guards = PrivateAttribute("guard_manager", "torch._C._dynamo.eval_frame:_CacheEntry", "a kernel's "
                                       "compiled entry's guards, checked before its graph is called directly")
@@ -172,7 +216,7 @@ def missing(names: Any) -> str | None:
         for entry in (globals()[name] for name in names):
             if isinstance(entry, Private):
                 entry.get()
-            elif not entry.declared():
+            elif not entry.resolves():
                 raise _missing(f"{entry.owner}.{entry.name}")
     except TorchInternalMissing as exc:
         return str(exc)
@@ -202,7 +246,7 @@ def _source_expression(source: Any) -> str | None:
     Python expression over the kernel's argument names; None for any other kind."""
     kind = type(source)
     if kind is local_source.get():
-        plain = not (source.is_derefed_cell_contents or source.is_varargs or source.is_varkw)
+        plain = not (source.is_derefed_cell_contents or local_is_varargs.read(source) or local_is_varkw.read(source))
         return source.local_name if plain and source.local_name.isidentifier() else None
     base = _source_expression(getattr(source, "base", None)) if kind is not type(None) else None
     if kind is attr_source.get():
@@ -406,7 +450,8 @@ module_state = Private("torch.distributed._composable_state:_module_state_mappin
                        "fully_shard applies to (a refusal's wording)", kind=PrivateKind.MAPPING)
 fsdp_state = Private("torch.distributed.fsdp:FSDPModule._get_fsdp_state", "an FSDP2 module's state")
 fsdp_param_groups = PrivateAttribute("_fsdp_param_groups", "torch.distributed.fsdp._fully_shard._fsdp_state:"
-                                     "FSDPState", "an FSDP2 module's parameter groups")
+                                     "FSDPState", "an FSDP2 module's parameter groups", older=Older(
+                                         "2.12", "_fsdp_param_group", lambda group: [] if group is None else [group]))
 unsharded_param = PrivateAttribute("_unsharded_param", "torch.distributed.fsdp._fully_shard._fsdp_param:"
                                    "FSDPParam", "the unsharded parameter FSDP2 all-gathers into")
 

@@ -37,7 +37,7 @@ def test_each_private_torch_name_resolves_on_this_torch(name):
         obj = entry.get()
         assert KINDS[entry.kind](obj), f"{name}: {entry.path} on torch {torch.__version__} is {obj!r}, not {entry.kind.value}"
     else:
-        assert entry.declared(), f"{name}: torch {torch.__version__}'s {entry.owner} has no attribute {entry.name}"
+        assert entry.resolves(), f"{name}: torch {torch.__version__}'s {entry.owner} has no attribute {entry.name}"
 
 
 def test_a_moved_name_raises_naming_it_and_the_torch_version():
@@ -47,6 +47,22 @@ def test_a_moved_name_raises_naming_it_and_the_torch_version():
         moved.get()
     with pytest.raises(internals.TorchInternalMissing, match=r"has no Tensor\.no_such_attr"):
         internals.PrivateAttribute("no_such_attr", "torch:Tensor", "a test").read(torch.zeros(1))
+
+
+def test_an_attribute_a_release_added_reads_its_older_stand_in_only_on_the_releases_before_it():
+    """Before ``older.release`` an undeclared attribute reads what the older torch keeps (or the
+    stand-in's value of nothing); from it on, it raises like any moved name."""
+    def attribute(release, name):
+        return internals.PrivateAttribute("_no_such_attr", "torch:Tensor", "a test",
+                                          older=internals.Older(release, name, lambda value: ("older", value)))
+
+    t = torch.zeros(1)
+    assert attribute("999.0", "_version").read(t) == ("older", t._version)
+    assert attribute("999.0", None).read(t) == ("older", None)
+    assert attribute("999.0", "_version").resolves() and not attribute("999.0", "_no_such_older").resolves()
+    with pytest.raises(internals.TorchInternalMissing, match=r"has no Tensor\._no_such_attr"):
+        attribute("2.0", "_version").read(t)
+    assert not attribute("2.0", "_version").resolves()
 
 
 def _private(parts: list[str]) -> bool:
