@@ -268,6 +268,12 @@ aot_module_simplified = Private("torch._functorch.aot_autograd:aot_module_simpli
                                 "whose call wrapper a kernel's direct call looks through", "torch.compile")
 create_runtime_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:_create_runtime_wrapper",
                                  "AOTAutograd's runtime wrapper, which a kernel's direct call looks through")
+rng_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:FunctionalizedRngRuntimeWrapper.post_compile",
+                      "AOTAutograd's RNG wrapper, which a kernel's direct call looks through where it passes its "
+                      "call on (no functionalized RNG; from 2.13 it adds none then)")
+effect_tokens_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:EffectTokensWrapper.post_compile",
+                                "AOTAutograd's effect-token wrapper, which a kernel's direct call looks through where "
+                                "it passes its call on (no tokens; from 2.13 it adds none then)")
 serializable_function = Private("torch._functorch._aot_autograd.runtime_wrappers:SerializableCompiledFunction",
                                 "AOTAutograd's cacheable wrapper, which a kernel's direct call looks through",
                                 kind=PrivateKind.CLASS)
@@ -288,7 +294,8 @@ def inductor_call(compiled: Any) -> Any:
     lie between, each of which adds nothing to a graph with no outputs but state its caller keeps: Dynamo's
     disable wrapper (no frame callback while it runs), AOTAutograd's call wrapper (no parameters or
     buffers to prepend), its runtime wrapper (the written inputs' version counters bumped, grad mode,
-    autocast) and its cacheable wrapper; a dedupe, synthetic-base, RNG, effect-token or subclass wrapper refuses."""
+    autocast), its cacheable wrapper, and its RNG and effect-token wrappers where they pass the call on (no
+    RNG op functionalized, no token); any other (a dedupe, synthetic-base or subclass wrapper) refuses."""
     try:
         return _inductor_call(compiled)
     except TorchInternalMissing as exc:
@@ -296,16 +303,22 @@ def inductor_call(compiled: Any) -> Any:
 
 
 def _inductor_call(compiled: Any) -> Any:
-    aot, disable = aot_module_simplified.get(), disable_context.get().__call__
-    wrappers = {code: outer for outer in (aot, create_runtime_wrapper.get(), disable) for code in _nested_codes(outer.__code__)}
+    aot, disable, rng, tokens = (aot_module_simplified.get(), disable_context.get().__call__, rng_wrapper.get(),
+                                 effect_tokens_wrapper.get())
+    wrappers = {code: outer for outer in (aot, create_runtime_wrapper.get(), disable, rng, tokens)
+                for code in _nested_codes(outer.__code__)}
     level = compiled
     while not isinstance(level, compiled_fx_graph.get()):
         outer = wrappers.get(getattr(level, "__code__", None))
         if not hasattr(level, "__wrapped__") or outer is None and not isinstance(level, serializable_function.get()):
             return f"{getattr(level, '__qualname__', type(level).__name__)} lies between (not AOTAutograd's own)"
-        cells = inspect.getclosurevars(level).nonlocals if outer is not None else {}
+        cells = _cells(level) if outer is not None else {}
         if outer is aot and cells.get("params_buffers_flat", ()) != []:
             return "AOTAutograd prepends parameters or buffers to its inputs"
+        if outer is rng and getattr(cells.get("runtime_metadata"), "is_rng_op_functionalized", True) is not False:
+            return "AOTAutograd's RNG wrapper adds a seed and offset to its inputs"
+        if outer is tokens and cells.get("num_tokens") != 0:
+            return "AOTAutograd's effect-token wrapper adds tokens to its inputs"
         if outer is disable and (getattr(cells.get("self"), "callback", 0) is not None or cells.get("fn") is not level.__wrapped__):
             return "torch._dynamo.disable's wrapper sets a frame callback"
         level = level.__wrapped__
@@ -334,6 +347,17 @@ def as_observed(inductor: tuple, reads: Any, args: Any, tensors: Any, before: tu
     if before[1] or after != bumped or not written <= {id(t) for t in tensors}:
         return "autocast is on" if before[1] else "its call changed grad mode or version counters otherwise"
     return inductor
+
+
+def _cells(fn: Any) -> dict:
+    """The variables ``fn`` closes over that are set (a wrapper may close over one it assigns later)."""
+    cells = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return cells
 
 
 def _nested_codes(code: Any) -> list:
