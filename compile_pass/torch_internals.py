@@ -11,6 +11,7 @@ a moved one raises :class:`TorchInternalMissing`, naming the entry and torch's v
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -123,8 +124,7 @@ class PrivateAttribute:
         setattr(cls, self.name, function)
 
     def declared(self, name: str | None = None) -> bool:
-        """Whether the owner class declares it (or ``name``): an attribute, annotation or ``self.<name>``
-        assignment."""
+        """Whether the owner class declares it (or ``name``): an attribute, annotation or ``self.<name>`` assignment."""
         owner, name = _resolve(self.owner), name or self.name
         classes = owner.__mro__ if isinstance(owner, type) else ()
         assigned = re.compile(rf"self\.{name}\s*[:=]")
@@ -353,10 +353,8 @@ def _cells(fn: Any) -> dict:
     """The variables ``fn`` closes over that are set (a wrapper may close over one it assigns later)."""
     cells = {}
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        try:
+        with contextlib.suppress(ValueError):  # an empty cell
             cells[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
     return cells
 
 
@@ -386,6 +384,8 @@ init_backend_registration = Private("torch._inductor.codegen.common:init_backend
 get_scheduling_for_device = Private("torch._inductor.codegen.common:get_scheduling_for_device",
                                     "whether Inductor generates code for a device")
 has_triton = Private("torch.utils._triton:has_triton", "whether Triton is present for CUDA / XPU kernels")
+cpp_overrides = Private("torch._inductor.codegen.cpp:CppOverrides", "whether Inductor's C++ code keeps a cast to half "
+                        "precision and back (its to_dtype)", kind=PrivateKind.CLASS)
 fx_config = Private("torch.fx.experimental._config", "the kernels' shape settings (use_duck_shape, "
                     "backed_size_oblivious)", kind=PrivateKind.MODULE)
 
@@ -407,6 +407,17 @@ def inductor_compiles_for(device_type: str) -> bool:
         return has_triton()
     return True
 
+
+@functools.cache
+def inductor_keeps_half_casts(device_type: str) -> bool:
+    """Whether Inductor's kernels for ``device_type`` keep a float32 value cast to half precision and
+    back (emulate_precision_casts): Triton's do; the C++ code's where its to_dtype reads the setting
+    (torch 2.13 on; before, it serves the float32 value back). Logged once where not."""
+    kept = device_type != "cpu" or "emulate_precision_casts" in inspect.getsource(cpp_overrides.get().to_dtype)
+    if not kept:
+        log.info("chunkce: torch %s's Inductor C++ code drops a cast to half precision and back; the kernels "
+                 "that round to bf16 / fp16 run eagerly on CPU", torch.__version__)
+    return kept
 
 
 # --- dispatch, autograd and subclasses ---------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+import compile_pass.torch_internals as internals
 from compile_pass.op.kernels import HeadScale, KernelArgs
 from compile_pass.op.tiling import Tiles, resolve_tiles, settings, walk_threads
 
@@ -123,7 +124,7 @@ class ResolvedCall:
     options: Mapping[str, Any]  # the op's keyword arguments, every default filled in
     tiles: Tiles  # tokens and vocabulary columns a tile, resolved
     release_cache: bool  # CHUNKCE_RELEASE_CACHE: empty the allocator's cache after the op
-    eager_kernels: bool  # CHUNKCE_EAGER_KERNELS
+    eager_kernels: bool  # CHUNKCE_EAGER_KERNELS, or casts to half precision Inductor would drop (_drops_half_casts)
     transform: HeadScale  # the head's scale, its dtype resolved (HeadScale.resolve)
     vocab_size: int  # V (the whole vocabulary's, for a shard)
     vocab_offset: int = 0  # a shard's first column: the kernels see a tile at its global columns
@@ -143,6 +144,7 @@ class ResolvedCall:
         """
         env = settings()
         options = {**option_defaults, **options}
+        transform = HeadScale.from_op_arguments(scale_tensor, options).resolve(hidden_states.dtype)
         threads = 1 if whole_rows else walk_threads(hidden_states.device.type)
         return ResolvedCall(
             options=options,
@@ -150,8 +152,8 @@ class ResolvedCall:
                                 hidden_states.element_size(), hidden_states.device.type,
                                 chunk_bytes=options.get("chunk_bytes"), whole_rows=whole_rows, parts=threads),
             release_cache=env.release_cache,
-            eager_kernels=env.eager_kernels,
-            transform=HeadScale.from_op_arguments(scale_tensor, options).resolve(hidden_states.dtype),
+            eager_kernels=env.eager_kernels or _drops_half_casts(hidden_states, options, transform),
+            transform=transform,
             vocab_size=weight.shape[0] if vocab_size is None else vocab_size,
             vocab_offset=vocab_offset,
             threads=threads,
@@ -174,3 +176,14 @@ class ResolvedCall:
         logits dtype, class weights and smoothing present, the transform's variant."""
         return (logits.device.type, logits.dtype, self.options["logits_dtype"],
                 class_weight is not None, self.kernel_label_smoothing is not None, self.transform.variant())
+
+
+def _drops_half_casts(hidden_states: Tensor, options: Mapping[str, Any], transform: HeadScale) -> bool:
+    """Whether the kernels round a value they computed in float32 to half precision (a half-precision
+    dtype among the projection's, the logits', the statistics' and the scale's where they differ, or
+    under a scale or a statistics op's temperature) and Inductor would drop that rounding on this device."""
+    dtypes = {hidden_states.dtype, options["logits_dtype"], options.get("statistics_dtype") or options["logits_dtype"],
+              transform.dtype or hidden_states.dtype}
+    rounds = len(dtypes) > 1 or not transform.is_identity or "temperature_value" in options
+    return (rounds and not dtypes.isdisjoint((torch.float16, torch.bfloat16))
+            and not internals.inductor_keeps_half_casts(hidden_states.device.type))
