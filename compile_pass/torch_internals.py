@@ -198,16 +198,21 @@ attr_source = Private("torch._dynamo.source:AttrSource", "a kernel graph's input
 tensor_property_source = Private("torch._dynamo.source:TensorPropertySource", "a kernel graph's input that is a "
                                  "tensor's size, stride or offset", kind=PrivateKind.CLASS)
 tensor_property = Private("torch._dynamo.source:TensorProperty", "which of them", kind=PrivateKind.CLASS)
-# before 2.13 no local is marked a function's *args or **kwargs: graph_input_reads refuses a function with either
-local_is_varargs = PrivateAttribute("is_varargs", "torch._dynamo.source:LocalSource", "a kernel graph's input "
-                                    "that is a function's *args (refused)", older=Older("2.13", None, bool))
-local_is_varkw = PrivateAttribute("is_varkw", "torch._dynamo.source:LocalSource", "a kernel graph's input that "
-                                  "is a function's **kwargs (refused)", older=Older("2.13", None, bool))
+local_is_varargs = PrivateAttribute("is_varargs", "torch._dynamo.source:LocalSource", "a function's *args as a kernel "
+                                    "graph's input (refused; and before 2.13 by graph_input_reads)", older=Older("2.13", None, bool))
+local_is_varkw = PrivateAttribute("is_varkw", "torch._dynamo.source:LocalSource", "a function's **kwargs as a kernel "
+                                  "graph's input (refused; and before 2.13 by graph_input_reads)", older=Older("2.13", None, bool))
 as_tensor_fullprec = Private("torch:_as_tensor_fullprec", "a Python number Dynamo passes to a graph as a tensor")
 cache_entry_guards = PrivateAttribute("guard_manager", "torch._C._dynamo.eval_frame:_CacheEntry", "a kernel's "
                                       "compiled entry's guards, checked before its graph is called directly")
 orig_backend = PrivateAttribute("_torchdynamo_orig_backend", "torch._dynamo.convert_frame:ConvertFrameAssert",
                                 "the backend a Dynamo-compiled callable wraps")
+
+
+def dtensor_prim(target: Any) -> str | None:
+    """The DTensor method (``to_local``, ``redistribute``) a graph's function ``target`` stands for where Dynamo
+    made it with the call's arguments baked in (torch 2.11; 2.12 records the method call), else None."""
+    return {"prim_to_local": "to_local", "prim_redistribute": "redistribute"}.get(getattr(target, "__name__", None))
 
 
 def missing(names: Any) -> str | None:

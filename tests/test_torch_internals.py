@@ -65,6 +65,22 @@ def test_an_attribute_a_release_added_reads_its_older_stand_in_only_on_the_relea
     assert not attribute("2.0", "_version").resolves()
 
 
+def test_a_dtensor_method_dynamo_records_as_a_function_reads_as_the_method():
+    """torch 2.11's Dynamo records ``x.to_local()`` / ``x.redistribute(...)`` as functions so named; 2.12 and later
+    record the method calls, which tensor_op_name reads as it reads any tensor method."""
+    def prim_to_local(x):
+        return x
+
+    def redistribute(x):
+        return x
+
+    prim_redistribute = lambda x: x  # noqa: E731 - renamed below, as Dynamo names its function
+    prim_redistribute.__name__ = "prim_redistribute"
+    assert internals.dtensor_prim(prim_to_local) == "to_local"
+    assert internals.dtensor_prim(prim_redistribute) == "redistribute"
+    assert internals.dtensor_prim(redistribute) is None and internals.dtensor_prim(torch.Tensor.to) is None
+
+
 def _private(parts: list[str]) -> bool:
     return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
 

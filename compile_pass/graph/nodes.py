@@ -77,7 +77,7 @@ def tensor_op_name(node: Node) -> str | None:
     name = getattr(node.target, "__name__", None)
     if name and getattr(torch.Tensor, name, None) is node.target:
         return name
-    return None
+    return internals.dtensor_prim(node.target)  # torch 2.11's DTensor.to_local / redistribute
 
 
 def function_of(node: Node) -> Any:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.fx import Graph, Node
 
@@ -208,11 +209,18 @@ def replicated_in(copy: Graph, hidden_states: Node, projection: Projection) -> t
     """In a recipe's graph ``copy``: ``DTensor.from_local(hidden_states, mesh, (Replicate(),))``, and the
     mesh (the head's, read from the fake ``DTensor`` at compile time), which the recipe module must
     hold as its attribute :data:`MESH_ATTRIBUTE`."""
+    mesh = copy.get_attr(MESH_ATTRIBUTE)
+    return copy.call_function(_replicated, (hidden_states, mesh)), example_value(projection.hidden).device_mesh
+
+
+def _replicated(hidden_states: Tensor, mesh: Any) -> Tensor:
+    """``DTensor.from_local(hidden_states, mesh, (Replicate(),))``, ``hidden_states`` detached where grad mode is
+    off (a read in a backward): a DTensor that requires grad there is detached in place, which DTensor before
+    torch 2.13 has no rule for; a function of the graph's own (torch 2.11 has no name for DTensor.from_local's)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = copy.get_attr(MESH_ATTRIBUTE)
-    return (copy.call_function(DTensor.from_local, (hidden_states, mesh, (Replicate(),)), {"run_check": False}),
-            example_value(projection.hidden).device_mesh)
+    hidden_states = hidden_states if torch.is_grad_enabled() else hidden_states.detach()
+    return DTensor.from_local(hidden_states, mesh, (Replicate(),), run_check=False)
 
 
 def logits_shards(projection: Projection) -> list[Tensor]:

@@ -26,6 +26,10 @@ from compile_pass.graph.report import LOGITS_DROPPED, LOGITS_KEPT, LOGITS_LAZY
 pytestmark = pytest.mark.usefixtures("fresh_compile", "eager_kernels")
 
 V, H = 37, 16
+# torch 2.11's Dynamo records DTensor.from_local as a function of its own with the mesh baked in: no mesh node
+# in the graph to make a loss_parallel() loss a DTensor from, so the pass refuses that layout there
+NEEDS_MESH_NODE = pytest.mark.skipif(torch.__version__ < "2.12", reason="torch 2.11's Dynamo bakes the mesh into "
+                                     "DTensor.from_local: no mesh in the graph, a loss_parallel() head is refused")
 
 
 class TPHead(nn.Module):
@@ -114,8 +118,9 @@ def assert_same_step(outputs, model, eager, grads):
         torch.testing.assert_close(param.grad.to_local(), other.grad.to_local(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("layout, bias", [("rep", False), ("rep", True), ("loss_parallel", False),
-                                          ("loss_parallel", True), ("sequence_parallel", False)])
+@pytest.mark.parametrize("layout, bias", [
+    ("rep", False), ("rep", True), pytest.param("loss_parallel", False, marks=NEEDS_MESH_NODE),
+    pytest.param("loss_parallel", True, marks=NEEDS_MESH_NODE), ("sequence_parallel", False)])
 def test_vocabulary_sharded_head_is_rewritten_into_the_vocabulary_parallel_op(mesh, layout, bias):
     graphs, outputs, model, eager, grads = run(mesh, layout, bias)
     assert_same_step(outputs, model, eager, grads)
@@ -240,6 +245,7 @@ def test_returned_logits_of_a_gathered_head_are_gathered_in_the_step_with_keep(m
     assert record.reason == LOGITS_KEPT and "returned_logits': 'lazy'" in record.fix, record
 
 
+@NEEDS_MESH_NODE
 def test_returned_logits_of_a_loss_parallel_head_stay_computed(mesh):
     """loss_parallel's logits are a Shard(-1) DTensor (no gather in the step to save): computed in the
     step as stock computes them (``logits_kept``); the loss is still rewritten."""
@@ -252,6 +258,8 @@ def test_returned_logits_of_a_loss_parallel_head_stay_computed(mesh):
     assert len(vocab_parallel_nodes(graphs[0])) == 2
 
 
+@pytest.mark.skipif(torch.__version__ < "2.12", reason="pins a failure of torch 2.12's and 2.13's AOTAutograd "
+                    "partitioner that torch 2.11 does not have")
 def test_torch_fails_to_compile_a_second_loss_parallel_model_on_a_new_mesh(mesh):
     """Known, torch 2.13's, not chunkce's: compiling a ``loss_parallel()`` model (its loss a DTensor) of
     another vocabulary on a new DeviceMesh in a process that compiled one before fails in AOTAutograd's
@@ -278,6 +286,7 @@ def test_torch_fails_to_compile_a_second_loss_parallel_model_on_a_new_mesh(mesh)
 
 
 @pytest.mark.slow  # the op's kernels compiled by Inductor
+@NEEDS_MESH_NODE
 def test_loss_parallel_peak_is_below_stock_loss_parallel_with_compiled_kernels(mesh, monkeypatch):
     """torchtitan's layout holds [N, V_local] log-probabilities per rank; the op, with its kernels
     compiled as by default, holds tiles (512 rows on CPU) and [N] vectors: N = 2048 tokens, V = 509.

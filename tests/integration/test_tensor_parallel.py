@@ -21,6 +21,7 @@ import torch
 import tp_cases
 from compile_pass.graph.report import LOGITS_LAZY
 from test_distributed import BF16, BF16_VS_FP32, Spawned, assert_pairs, refusals, spawn_ranks
+from test_tensor_parallel_graph import NEEDS_MESH_NODE
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -55,8 +56,9 @@ def assert_shard_rows(result: dict, rank: int, world_size: int) -> None:
     assert result["local_vocab"] == rows[rank], (rank, result["local_vocab"], rows)
 
 
-@pytest.mark.parametrize("name", ["tp_rep", "tp_rep_tied", "tp_rep_even", "tp_rep_chunked", "tp_loss_parallel",
-                                  "tp_sequence_parallel", "tp_memory", "tp_memory_loss_parallel"])
+@pytest.mark.parametrize("name", ["tp_rep", "tp_rep_tied", "tp_rep_even", "tp_rep_chunked",
+                                  pytest.param("tp_loss_parallel", marks=NEEDS_MESH_NODE), "tp_sequence_parallel",
+                                  "tp_memory", pytest.param("tp_memory_loss_parallel", marks=NEEDS_MESH_NODE)])
 def test_vocabulary_parallel_head_is_rewritten_and_exact(two_ranks, name):
     """ColwiseParallel(output_layouts=Replicate()) (HF's colwise_rep), tied and untied, V odd and even;
     Shard(-1) logits under loss_parallel(); Shard(1) hidden states gathered by the head's plan."""
