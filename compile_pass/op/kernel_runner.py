@@ -3,9 +3,9 @@
 The walk threads (:class:`WalkThreads`, :func:`split`, :func:`run_parts`): on CPU a walk's tiles
 split over threads of the op's own, each on one intra-op thread (docs/op.md, "Walk threads").
 How the per-chunk kernels run: compiled by Inductor for the input's device once per variant
-(dynamic shapes, ``emulate_precision_casts``), or eagerly where Inductor cannot compile for the
-device (:func:`inductor_compiles_for`), under ``CHUNKCE_EAGER_KERNELS=1``, a dispatch mode or a
-functorch transform. Why each setting: docs/op.md, "Per-chunk kernels".
+(dynamic shapes, ``emulate_precision_casts``), or eagerly where Inductor cannot compile for the device
+(:func:`inductor_compiles_for`) or keep their casts to half precision, under ``CHUNKCE_EAGER_KERNELS=1``,
+a dispatch mode or a functorch transform. Why each setting: docs/op.md, "Per-chunk kernels".
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from test_op import CLASS_WEIGHT, TOL, chunked, loss_and_grads, make_inputs, unf
 from torch._dynamo.utils import counters
 
 from compile_pass import linear_cross_entropy
+import compile_pass.torch_internals as internals
 from compile_pass.op import kernel_runner, loops
 
 
@@ -218,6 +219,26 @@ def test_eager_kernels_by_an_explicit_device_rule(monkeypatch):
         assert not compiled  # ran eagerly by the rule, no compile attempted
     finally:
         kernel_runner.inductor_compiles_for.cache_clear()
+
+
+def test_kernels_rounding_to_half_precision_run_eagerly_where_inductor_would_drop_the_rounding(monkeypatch):
+    """Where Inductor would serve a float32 value back for its cast to half precision and back (its C++
+    code before torch 2.13), the kernels of an fp32 head with bf16 logits run eagerly, and round; a
+    bf16 head's (no such cast) still compile."""
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS", raising=False)
+    monkeypatch.setattr(internals, "inductor_keeps_half_casts", lambda device_type: False)
+    hidden, weight, target, _ = make_inputs(n=24, h=16, v=40, ignored=3)
+    compiled = []
+    with kernel_runner.hooked_runs(lambda *a: compiled.append(a)):
+        ours = loss_and_grads(chunked, hidden, weight, target, None, chunk_size=8, logits_dtype=torch.bfloat16)
+    assert not compiled
+    monkeypatch.setenv("CHUNKCE_EAGER_KERNELS", "1")  # the eager kernels, asked for
+    _assert_all_close(ours, loss_and_grads(chunked, hidden, weight, target, None, chunk_size=8,
+                                           logits_dtype=torch.bfloat16))
+    monkeypatch.delenv("CHUNKCE_EAGER_KERNELS")
+    with kernel_runner.hooked_runs(lambda *a: compiled.append(a)):
+        loss_and_grads(chunked, *(t.bfloat16() for t in (hidden, weight)), target, None, chunk_size=8)
+    assert compiled
 
 
 # ---- any device ---------------------------------------------------------------------
