@@ -12,6 +12,7 @@ a moved one raises :class:`TorchInternalMissing`, naming the entry and torch's v
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
@@ -78,8 +79,7 @@ class Private:
 
 @dataclass(frozen=True)
 class Older:
-    """What the torch releases before ``release`` keep in place of a private attribute their owner
-    does not declare yet: the attribute ``name`` (None: nothing), read as ``convert(value)``."""
+    """What releases before ``release`` keep for an attribute: ``name`` (None: nothing), read as ``convert(value)``."""
 
     release: str
     name: str | None
@@ -88,8 +88,7 @@ class Older:
 
 @dataclass(frozen=True)
 class PrivateAttribute:
-    """A private attribute ``name`` of instances of the torch class at ``owner``; ``older``: what a
-    release before it keeps instead (used where this torch is one, logged once)."""
+    """A private attribute ``name`` of instances of the torch class at ``owner``; ``older``: its older stand-in."""
 
     name: str
     owner: str
@@ -144,17 +143,15 @@ def _declared(attribute: PrivateAttribute) -> bool:
 
 @functools.cache
 def _older_in_use(attribute: PrivateAttribute) -> Older | None:
-    """``attribute.older`` where this torch is a release before it whose owner does not declare the
-    attribute (logged once), else None: a newer release that lacks it raises."""
+    """``attribute.older`` where this torch, a release before it, lacks the attribute (logged once); else None."""
     older = attribute.older
     if older is None or torch.__version__ >= older.release or _declared(attribute):
         return None
-    log.debug("chunkce: torch %s has no %s.%s (from %s on); reading %s instead", torch.__version__,
-              attribute.owner, attribute.name, older.release, older.name or "nothing")
+    log.debug("chunkce: torch %s lacks %s.%s; reading %s", torch.__version__, attribute.owner, attribute.name, older.name)
     return older
 
 
-def _source(cls: type) -> str:
+def _source(cls: Any) -> str:
     try:
         return inspect.getsource(cls)
     except (OSError, TypeError):
@@ -168,6 +165,7 @@ dynamo_config = Private("torch._dynamo:config", "ignore_logging_functions, read 
                         "torch.compiler.config holds other settings", kind=PrivateKind.MODULE)
 config_entries = PrivateAttribute("_config", "torch._dynamo:config",
                                   "the default of ignore_logging_functions for every thread")
+config_override = PrivateAttribute("user_override", "torch.utils._config_module:_ConfigEntry", "a config patch per thread")
 current_tx = Private("torch._dynamo.symbolic_convert:InstructionTranslator.current_tx",
                      "which backend the frame Dynamo traces now is compiled for")
 input_codes = Private("torch._dynamo.convert_frame:input_codes", "the code objects Dynamo compiled (explain's "
@@ -209,9 +207,15 @@ orig_backend = PrivateAttribute("_torchdynamo_orig_backend", "torch._dynamo.conv
                                 "the backend a Dynamo-compiled callable wraps")
 
 
+@functools.cache
+def config_patches_per_thread() -> bool:
+    """Whether a torch config patch is the patching thread's own (torch 2.12 on), not the whole process's."""
+    entry = next(iter(config_entries.read(dynamo_config.get()).values()))
+    return isinstance(config_override.read(entry), contextvars.ContextVar)
+
+
 def dtensor_prim(target: Any) -> str | None:
-    """The DTensor method (``to_local``, ``redistribute``) a graph's function ``target`` stands for where Dynamo
-    made it with the call's arguments baked in (torch 2.11; 2.12 records the method call), else None."""
+    """The DTensor method a function torch 2.11's Dynamo made for it (arguments baked in) stands for, else None."""
     return {"prim_to_local": "to_local", "prim_redistribute": "redistribute"}.get(getattr(target, "__name__", None))
 
 
@@ -274,11 +278,9 @@ aot_module_simplified = Private("torch._functorch.aot_autograd:aot_module_simpli
 create_runtime_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:_create_runtime_wrapper",
                                  "AOTAutograd's runtime wrapper, which a kernel's direct call looks through")
 rng_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:FunctionalizedRngRuntimeWrapper.post_compile",
-                      "AOTAutograd's RNG wrapper, which a kernel's direct call looks through where it passes its "
-                      "call on (no functionalized RNG; from 2.13 it adds none then)")
+                      "AOTAutograd's RNG wrapper, looked through where it adds nothing (before 2.13 it is always there)")
 effect_tokens_wrapper = Private("torch._functorch._aot_autograd.runtime_wrappers:EffectTokensWrapper.post_compile",
-                                "AOTAutograd's effect-token wrapper, which a kernel's direct call looks through where "
-                                "it passes its call on (no tokens; from 2.13 it adds none then)")
+                                "AOTAutograd's effect-token wrapper, looked through as the RNG wrapper is")
 serializable_function = Private("torch._functorch._aot_autograd.runtime_wrappers:SerializableCompiledFunction",
                                 "AOTAutograd's cacheable wrapper, which a kernel's direct call looks through",
                                 kind=PrivateKind.CLASS)
@@ -415,13 +417,12 @@ def inductor_compiles_for(device_type: str) -> bool:
 
 @functools.cache
 def inductor_keeps_half_casts(device_type: str) -> bool:
-    """Whether Inductor's kernels for ``device_type`` keep a float32 value cast to half precision and
-    back (emulate_precision_casts): Triton's do; the C++ code's where its to_dtype reads the setting
-    (torch 2.13 on; before, it serves the float32 value back). Logged once where not."""
-    kept = device_type != "cpu" or "emulate_precision_casts" in inspect.getsource(cpp_overrides.get().to_dtype)
+    """Whether Inductor's kernels for ``device_type`` keep a float32 value cast to half precision and back: Triton's
+    do; the C++ code's where its to_dtype reads emulate_precision_casts (2.13 on; source unread: not). Logged if not."""
+    kept = device_type != "cpu" or "emulate_precision_casts" in _source(cpp_overrides.get().to_dtype)
     if not kept:
-        log.info("chunkce: torch %s's Inductor C++ code drops a cast to half precision and back; the kernels "
-                 "that round to bf16 / fp16 run eagerly on CPU", torch.__version__)
+        log.info("chunkce: torch %s's Inductor C++ code drops casts to half precision: those kernels run eagerly",
+                 torch.__version__)
     return kept
 
 

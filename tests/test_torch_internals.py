@@ -81,6 +81,26 @@ def test_a_dtensor_method_dynamo_records_as_a_function_reads_as_the_method():
     assert internals.dtensor_prim(redistribute) is None and internals.dtensor_prim(torch.Tensor.to) is None
 
 
+def test_config_patches_per_thread_says_whether_a_patch_in_another_thread_is_seen_here():
+    import threading
+
+    config, patched, release = torch._dynamo.config, threading.Event(), threading.Event()
+    before = config.verbose
+
+    def patch_elsewhere():
+        with config.patch(verbose=not before):
+            patched.set()
+            release.wait()
+
+    thread = threading.Thread(target=patch_elsewhere)
+    thread.start()
+    patched.wait()
+    seen_here = config.verbose
+    release.set()
+    thread.join()
+    assert internals.config_patches_per_thread() == (seen_here == before) and config.verbose == before
+
+
 def _private(parts: list[str]) -> bool:
     return any(p.startswith("_") and not (p.startswith("__") and p.endswith("__")) for p in parts)
 

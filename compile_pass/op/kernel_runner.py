@@ -37,8 +37,8 @@ _MODULES = (kernels,)  # the kernels' modules, searched by function name
 _RECORDS = (kernels.KernelArgs, kernels.StatisticsArgs)  # their constants' records
 _RUN_HOOKS: list[Callable[[str, tuple], None]] = []
 _CALLED: set = set()  # the one-thread kernels that have run once (compiled: later calls find them)
-# Held by a walk thread's first call of a kernel (two would both compile it); its waits: a part's
-# first call waits for the walk's earlier parts (_PartOrder).
+# Held by a walk thread's first call of a kernel (two would both compile it), and by every call through torch.compile
+# where config patches are the process's (2.11); a part's first call waits in it for the earlier parts (_PartOrder).
 _FIRST_CALL = threading.Condition()
 
 
@@ -177,14 +177,16 @@ def _run_compiled(fn_name: str, variant: tuple, one_thread: bool, args: tuple):
     if direct is not None and (direct(args) or direct(_symbolic(args))):
         return None
     kernel = compiled(fn_name, variant, one_thread)
-    with _shape_settings(), contextlib.nullcontext() if one_thread else dynamo_stats_kept():
+    serial = _FIRST_CALL if one_thread and not internals.config_patches_per_thread() else contextlib.nullcontext()
+    with serial:  # no config patch held while a first call waits
         if one_thread and kernel not in _CALLED:
             _first_call(kernel, args)
-        return _through_compile(kernel, args)
+        with _shape_settings(), contextlib.nullcontext() if one_thread else dynamo_stats_kept():
+            return _through_compile(kernel, args)
 
 
 def _shape_settings() -> contextlib.AbstractContextManager:
-    """The kernels' shape settings while one compiles (torch's config patches are the calling thread's own)."""
+    """The kernels' shape settings while one compiles (a patch is the calling thread's own from torch 2.12)."""
     return _hot_path()[2].patch(use_duck_shape=False, backed_size_oblivious=True)
 
 
@@ -202,26 +204,25 @@ def _through_compile(kernel, args: tuple):
 
 
 def _first_call(kernel, args: tuple) -> None:
-    """A one-thread kernel's first call, which compiles it: once (the other walk threads wait for it,
-    then find it), by the earliest part of the walk that calls it whichever thread gets there first
-    (:class:`_PartOrder`), on copies of its tensors at storage offset 0. So the graph compiled, and
-    its cache keys, are the same in every process: Dynamo takes its symbols' hints (a tile's
-    ``vocab_start``, its width) and a tensor's storage offset from the first call, and AOTAutograd's
-    cache key holds the hints (torch 2.15); a later part's first tile starts further on."""
+    """A one-thread kernel's first call, which compiles it: once (the other walk threads wait for it, then find
+    it), by the earliest part of the walk that calls it whichever thread gets there first (:class:`_PartOrder`),
+    on copies of its tensors at storage offset 0. So the graph compiled, and its cache keys, are the same in every
+    process: Dynamo takes its symbols' hints (a tile's ``vocab_start``, its width) and a tensor's storage offset
+    from the first call, and AOTAutograd's cache key holds the hints (torch 2.15); a later part's starts further on."""
     order, part = _WALK_THREAD.order, _WALK_THREAD.part
     with _FIRST_CALL:
         if order is not None:
             _FIRST_CALL.wait_for(lambda: kernel in _CALLED or order.earlier_parts_ended(part))
         if kernel not in _CALLED:
-            kernel(*_symbolic([arg.clone() if isinstance(arg, Tensor) else arg for arg in args]))
+            with _shape_settings():
+                kernel(*_symbolic([arg.clone() if isinstance(arg, Tensor) else arg for arg in args]))
             _CALLED.add(kernel)
             _FIRST_CALL.notify_all()
 
 
 class _PartOrder:
-    """Which parts of one walk on :class:`WalkThreads` have ended (returned or raised): a part's first
-    call of a kernel waits for the earlier parts to call it or to end (:func:`_first_call`). No cycle:
-    a part waits only on earlier ones, and the first waits on none."""
+    """Which parts of one walk on :class:`WalkThreads` have ended (returned or raised): a part's first call of a
+    kernel waits for the earlier parts to call it or to end (:func:`_first_call`); the first waits on none."""
 
     def __init__(self, count: int):
         self._ended = [False] * count
@@ -440,9 +441,8 @@ def thread_pool(count: int) -> WalkThreads:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child runs only the thread that forked: a lock another thread held at the fork
-    (a walk's, a kernel's first call) would stay held there for ever, and the parent's walk
-    threads are not the child's. The child gets fresh locks and starts threads of its own."""
+    """A forked child runs only the thread that forked: a lock another thread held at the fork (a walk's, a
+    kernel's first call) would stay held for ever, and the parent's walk threads are not the child's: new ones."""
     global _POOLS_LOCK, _COMPILED_LOCK, _FIRST_CALL
     _POOLS_LOCK, _COMPILED_LOCK, _FIRST_CALL = threading.Lock(), threading.Lock(), threading.Condition()
     _POOLS.clear()

@@ -186,9 +186,6 @@ def test_backward_hands_over_the_saved_gradients_with_no_copy():
         assert_close(t.grad, r, **TOL[torch.float32])
 
 
-@pytest.mark.skipif(torch.__version__ < "2.12", reason="torch 2.11's AOTAutograd checks the donated buffers (the "
-                    "step's saved gradients) where it compiles a backward lazily, as for a step compiled dynamic after "
-                    "another length: there a first backward(retain_graph=True) already raises")
 @pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_backend_retain_graph_second_backward_is_exact_or_raises(inner):
     # Compiled, AOTAutograd owns the backward graph: a second backward is either exact (its

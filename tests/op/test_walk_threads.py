@@ -206,6 +206,27 @@ def test_a_walk_leaves_its_callers_thread_only_where_nothing_of_the_thread_is_le
                                                 [("chunkce-walk-1", 1, [1, 3, 5]), ("chunkce-walk-1", 1, [2, 4])]]
 
 
+def test_walks_compiling_on_two_threads_leave_torchs_config_as_it_was(monkeypatch):
+    """Each kernel compiles under chunkce's shape settings and torch.compile's own patches; two walk threads
+    compiling at once leave none of them behind (where a patch is the whole process's, torch 2.11, a walk
+    thread's calls through torch.compile take turns)."""
+    monkeypatch.setenv("CHUNKCE_WALK_THREADS", "2")
+    kernel_runner.compiled.cache_clear()
+    torch._dynamo.reset()
+    fx_config, dynamo_config = torch.fx.experimental._config, torch._dynamo.config
+    settings = [(fx_config, "use_duck_shape"), (fx_config, "backed_size_oblivious"),
+                (dynamo_config, "assume_static_by_default"), (dynamo_config, "automatic_dynamic_shapes")]
+    before = [getattr(module, name) for module, name in settings]
+    for num_tokens, vocab_size, seed in ((300, 1000, 0), (64, 509, 1), (37, 130, 2)):
+        hidden, weight, bias, target = _inputs(num_tokens, vocab_size=vocab_size, seed=seed)
+        _loss_and_gradients(lambda *a, **k: _ours(*a, chunk_size=16, chunk_bytes=16 * 48 * 4, **k),
+                            hidden, weight, bias, target)
+        linear_statistics(hidden, weight, bias, target.clamp(min=0)[:, None], temperature=0.7, chunk_size=16)
+    assert [getattr(module, name) for module, name in settings] == before
+    kernel_runner.compiled.cache_clear()
+    torch._dynamo.reset()
+
+
 def test_the_backward_keeps_its_extra_sums_within_their_budget(monkeypatch):
     """Parts beyond the first each hold an ``[N, H]`` sum: with no room for one, the backward runs on
     the caller's thread (the forward still splits)."""
