@@ -179,6 +179,12 @@ def test_budget_summary_takes_the_largest_measured_fit_and_its_timing():
     page = budget.document(records, args, static=22.0, cap=125)
     assert "| chunkce | 4096 | 8.00x | 2.0 | 2048 |" in page
     assert "| chunkce | 8192 | 160 | False |  |" in page
+    # checkpointed backends are over Inductor's checkpointed fit; a search stopped at its largest trial, fitting, says >=
+    records += [trial("inductor-ckpt", 1024, 100), trial("inductor-ckpt", 2048, 130), trial("chunkce-ckpt", 8192, 110)]
+    best = {r["backend"]: r for r in budget.summary(records, "tiny", 2, cap=125)}
+    assert not best["chunkce"]["at_least"] and not best["inductor-ckpt"]["at_least"] and best["chunkce-ckpt"]["at_least"]
+    page = budget.document(records, args, static=22.0, cap=125)
+    assert "| inductor-ckpt | 1024 | 1.00x |" in page and "| chunkce-ckpt | >= 8192 | >= 8.00x |" in page
 
 
 # ---------------------------------------------------------------- slow: configs and commands
@@ -246,3 +252,14 @@ def test_budget_command_at_the_tiny_model(tmp_path):
     assert trials[128]["tokens_per_s"] > 0 and "tokens_per_s" not in trials[256]
     assert not [r for r in records if r["kind"] == "speed"]
     assert "| inductor | 128 |" in table.read_text() and plot.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.pinned
+def test_budget_checkpointed_trial_rewrites_the_head_under_checkpointing(tmp_path):
+    results = tmp_path / "b.jsonl"
+    _run("benchmarks.budget", "--model", "tiny", "--backends", "chunkce-ckpt", "--headroom-gib", "0.006",
+         "--granularity", "128", "--max-tokens", "128", "--steps", "0", "--results", str(results),
+         "--write", str(tmp_path / "b.md"), "--plot", "", tmp_path=tmp_path)
+    [record] = harness.read_jsonl(str(results))
+    assert record["backend"] == "chunkce-ckpt" and record["status"] == "measured" and record["sites_rewritten"] == 1
