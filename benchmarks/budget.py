@@ -12,8 +12,10 @@ The model (``--model``): Llama-3.2-1B's published widths, vocabulary and tied he
 ``bench_model``'s ``cpu-micro`` at those layers). The cap is the model's parameters and AdamW's two states
 plus ``--headroom-gib``. A backend ending in ``-ckpt`` checkpoints every decoder layer's activations
 (transformers' ``activation_checkpointing_enable``, non-reentrant), as a user short of memory does.
-Not yet in the table: at Llama-3.2-1B's widths chunkce-ckpt's 16384-token step measured 11804 MiB
-in all, about what the two layers' saved activations would add without checkpointing. A trial is one token count in a fresh process: a first step
+Not in the table: under ``torch.compile`` of the loss, transformers' checkpointing does not lower
+Inductor's peak on torch 2.13 (CPU; ``python -m benchmarks.checkpoint_peaks``), and chunkce-ckpt's
+16384-token step at Llama-3.2-1B's widths measured 11804 MiB in all, as without checkpointing.
+A trial is one token count in a fresh process: a first step
 (compiling, making AdamW's state), then one step (forward, backward, AdamW) whose peak
 above the parameters and state is measured (``compile_pass.memory``; gradients freed before
 it); it fits when parameters + state + that peak is at most the cap.

@@ -1,5 +1,5 @@
 """The benchmarks at real sizes, at tiny sizes: ``benchmarks.real_heads``, ``benchmarks.budget``,
-``benchmarks.predict`` and ``benchmarks.real_models``.
+``benchmarks.predict``, ``benchmarks.real_models`` and ``benchmarks.checkpoint_peaks``.
 
 Fast: the budget's search over a known answer, the predictions that keep a case off a
 shared machine, the tables written from results files (resuming, the latest record of a
@@ -263,3 +263,17 @@ def test_budget_checkpointed_trial_rewrites_the_head_under_checkpointing(tmp_pat
          "--write", str(tmp_path / "b.md"), "--plot", "", tmp_path=tmp_path)
     [record] = harness.read_jsonl(str(results))
     assert record["backend"] == "chunkce-ckpt" and record["status"] == "measured" and record["sites_rewritten"] == 1
+
+
+@pytest.mark.slow  # builds a Hugging Face model
+def test_checkpoint_peaks_measures_eager_checkpointing_lowering_the_peak():
+    """``benchmarks.checkpoint_peaks``'s child at a tiny Llama, eagerly: checkpointing every layer lowers the
+    measured peak (the tool sees what checkpointing saves, so a compiled backend that does not save is real)."""
+    from benchmarks import checkpoint_peaks
+
+    def peak(checkpointed: bool) -> float:
+        return checkpoint_peaks.one(argparse.Namespace(backend="eager", tokens=256, hidden_size=64, layers=2,
+                                                       checkpointed=checkpointed))
+
+    plain, checkpointed = peak(False), peak(True)
+    assert 0 < checkpointed < 0.75 * plain, (plain, checkpointed)
