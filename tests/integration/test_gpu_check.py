@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.pinned]
+pytestmark = [pytest.mark.slow, pytest.mark.pinned, pytest.mark.oldest]  # oldest: a GPU machine's torch may be 2.11
 
 ROOT = Path(__file__).parents[2]
 SECTIONS = ("## versions and peers", "## GPU tests (pytest -m gpu)", "## calls per op, dry run",
