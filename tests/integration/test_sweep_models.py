@@ -93,25 +93,35 @@ def test_table_agrees_with_the_installed_registry(family):
     assert {t: registry.get(t) for t in live} == {t: rows[t]["model_class"] for t in live}, (version, built_with)
 
 
-@pytest.fixture(scope="module")
-def live_rows(tmp_path_factory) -> dict[str, dict[str, dict]]:
-    """The benchmark's rows for :data:`LIVE`, run now (a fresh worker process a family, the sweep's own)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
-    rows = {}
-    for family, model_types in LIVE.items():
-        out = tmp_path_factory.mktemp("sweep") / f"{family}.json"
-        done = subprocess.run([sys.executable, "-m", "benchmarks.sweep_models", "--family", family,
-                               "--only", *model_types, "--rows", str(out)],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-        rows[family] = json.loads(out.read_text())
-    return rows
+@pytest.fixture(scope="session")
+def live_dir(tmp_path_factory) -> Path:
+    """A folder all of the session's pytest-xdist workers share (their base temps' parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def live_family_rows(family: str, live_dir: Path) -> dict[str, dict]:
+    """The benchmark's rows of ``family``'s :data:`LIVE` types, run once a session whichever worker asks
+    first (a fresh process, the sweep's own; the other workers wait for its file and read it)."""
+    from filelock import FileLock
+
+    out = live_dir / f"sweep_live_{family}.json"
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+            written = out.with_suffix(".part.json")
+            done = subprocess.run([sys.executable, "-m", "benchmarks.sweep_models", "--family", family,
+                                   "--only", *LIVE[family], "--rows", str(written)],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+            written.replace(out)
+    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "model_type"), CASES, ids=[f"{f}-{t}" for f, t in CASES])
-def test_live_outcome_equals_the_committed_row(family, model_type, live_rows):
-    row = live_rows[family][model_type]  # every one ran: a missing row fails here
+def test_live_outcome_equals_the_committed_row(family, model_type, live_dir):
+    row = live_family_rows(family, live_dir)[model_type]  # every one ran: a missing row fails here
     assert row["outcome"] != "differs", row  # a rewrite unequal to stock, or not proven on the graph
     assert row["outcome"] != "error" or row.get("stock_fails"), row  # an error only chunkce hits
     expected = committed_rows(family)[model_type]
