@@ -332,15 +332,16 @@ class KernelGraphs:
         tensors, before, after)``, their state around the call (``torch_internals.aot_wrapper_state``): :attr:`call`
         or :attr:`refused` (once; counted, and a refusal logged at debug level, as is a call that runs
         AOTAutograd's wrapper: where it did more than bump the version counters of the inputs Inductor writes)."""
-        if self.call is None and self.refused is None:
-            call = self._resolve(result, observed)
-            outcome = "kernel_graph_calls" if isinstance(call, GraphCall) else "kernel_graph_calls_refused"
-            internals.counters.get()["chunkce"][outcome] += 1
-            if isinstance(call, GraphCall):
-                self.call = _DIRECT[self._key] = call
-            else:
-                self.refused = call
-                _log.debug("chunkce: %s runs through torch.compile at each call: %s", self._fn.__code__.co_name, call)
+        with _COMPILED_LOCK:  # two walk threads' calls through torch.compile may both end here: one resolves
+            if self.call is None and self.refused is None:
+                call = self._resolve(result, observed)
+                outcome = "kernel_graph_calls" if isinstance(call, GraphCall) else "kernel_graph_calls_refused"
+                internals.counters.get()["chunkce"][outcome] += 1
+                if isinstance(call, GraphCall):
+                    self.call = _DIRECT[self._key] = call
+                else:
+                    self.refused = call
+                    _log.debug("chunkce: %s runs through torch.compile at each call: %s", self._fn.__code__.co_name, call)
 
     def _resolve(self, result: Any, observed: tuple) -> GraphCall | str:
         entries = internals.cache_entry_list(self._fn.__code__)
@@ -353,8 +354,7 @@ class KernelGraphs:
             return "its entry calls no graph of this backend" if graph is None else graph[2]
         inductor = graph[3] if isinstance(graph[3], str) else internals.as_observed(graph[3], graph[2], *observed)
         if isinstance(inductor, str):
-            _log.debug("chunkce: %s's direct call goes through AOTAutograd's wrapper: %s", self._fn.__code__.co_name,
-                       inductor)
+            _log.debug("chunkce: %s's direct call runs AOTAutograd's wrapper: %s", self._fn.__code__.co_name, inductor)
         internals.counters.get()["chunkce"]["kernel_inductor_calls"] += not isinstance(inductor, str)
         code, guards = self._fn.__code__, internals.cache_entry_guards.read(entries[0]).root
         return GraphCall(code.co_varnames[:code.co_argcount], guards.check, graph[2], graph[1],

@@ -84,6 +84,32 @@ def test_direct_calls_are_taken_and_bitwise_equal_to_torch_compile(compiled_kern
             assert torch.equal(a, b)
 
 
+def test_two_threads_resolving_one_kernel_make_one_direct_call(monkeypatch):
+    """Two walk threads' first calls through ``torch.compile`` may end at once: one resolves the kernel's
+    direct call, counted once, and the other finds it (two would leave a run counted on a discarded one)."""
+    import threading
+    import time
+
+    graphs = kernel_runner.KernelGraphs(lambda: None, {}, ("test_kernel", ("cpu",), True))
+    made = []
+
+    def slow_resolve(result, observed):
+        time.sleep(0.05)  # both threads inside resolve at once, were it unlocked
+        made.append(kernel_runner.GraphCall(("x",), lambda named: True, lambda x: [x], lambda *a: None))
+        return made[-1]
+
+    monkeypatch.setattr(graphs, "_resolve", slow_resolve)
+    counters.clear()
+    threads = [threading.Thread(target=graphs.resolve, args=(None, ())) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(made) == 1 and graphs.call is made[0] and kernel_runner.graph_call(*graphs._key) is made[0]
+    assert counters["chunkce"]["kernel_graph_calls"] == 1
+    kernel_runner.compiled.cache_clear()  # the test's entry leaves the direct calls
+
+
 def test_a_missing_internal_falls_back_to_torch_compile_logged_once(compiled_kernels, monkeypatch, caplog):
     expected = _loss_and_grads(*SHAPES[0])
     _fresh_kernels()
@@ -175,7 +201,7 @@ def test_a_call_through_aotautograds_wrapper_where_inductors_own_is_refused(comp
     monkeypatch.setattr(internals, "inductor_call", lambda compiled: "refused for the test")
     with caplog.at_level(logging.DEBUG, logger="compile_pass.op.kernel_runner"):
         got = [_loss_and_grads(*SHAPES[1]) for _ in range(2)]
-    assert "goes through AOTAutograd's wrapper: refused for the test" in caplog.text
+    assert "runs AOTAutograd's wrapper: refused for the test" in caplog.text
     direct = list(kernel_runner._DIRECT.values())
     assert direct and all(call.inductor is None and call.calls for call in direct)
     assert counters["chunkce"]["kernel_inductor_calls"] == 0
