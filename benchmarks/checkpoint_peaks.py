@@ -29,9 +29,9 @@ def one(args: argparse.Namespace) -> float:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size, num_hidden_layers=args.layers,
-                         num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
-                         max_position_embeddings=args.tokens, tie_word_embeddings=True)
+    config = LlamaConfig(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+                         vocab_size=1024, max_position_embeddings=args.tokens, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config).train()
     for param in model.parameters():
         torch.nn.init.normal_(param, std=0.02)
