@@ -6,7 +6,7 @@ and with transformers' checkpointing on every decoder layer (non-reentrant), eac
 
 Why ``benchmarks.budget``'s ``-ckpt`` backends are not in its table: on torch 2.13 (CPU) the compiled
 loss of a Llama checkpointed this way peaks above the plain one under Inductor (364 against 404 MiB at the
-defaults) and chunkce (342, 404), where eager nearly halves it (472, 291) and ``aot_eager`` lowers it (375, 335).
+defaults) and chunkce (342, 404), where eager cuts it to 0.62x (472, 291) and ``aot_eager`` lowers it (375, 335).
 The peak is above the parameters and AdamW's state, gradients freed before it (``bench_model.peak_of``).
 """
 

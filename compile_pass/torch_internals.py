@@ -99,7 +99,7 @@ class PrivateAttribute:
     def read(self, obj: Any) -> Any:
         """``obj.<name>`` (or its older stand-in); :class:`TorchInternalMissing` where ``obj`` has none."""
         name, convert = self.name, None
-        if (older := _older_in_use(self)) is not None:
+        if self.older is not None and (older := _older_in_use(self)) is not None:  # no cache lookup for the rest
             if older.name is None:
                 return older.convert(None)
             name, convert = older.name, older.convert
@@ -196,10 +196,10 @@ attr_source = Private("torch._dynamo.source:AttrSource", "a kernel graph's input
 tensor_property_source = Private("torch._dynamo.source:TensorPropertySource", "a kernel graph's input that is a "
                                  "tensor's size, stride or offset", kind=PrivateKind.CLASS)
 tensor_property = Private("torch._dynamo.source:TensorProperty", "which of them", kind=PrivateKind.CLASS)
-local_is_varargs = PrivateAttribute("is_varargs", "torch._dynamo.source:LocalSource", "a function's *args as a kernel "
-                                    "graph's input (refused; and before 2.13 by graph_input_reads)", older=Older("2.13", None, bool))
-local_is_varkw = PrivateAttribute("is_varkw", "torch._dynamo.source:LocalSource", "a function's **kwargs as a kernel "
-                                  "graph's input (refused; and before 2.13 by graph_input_reads)", older=Older("2.13", None, bool))
+local_is_varargs = PrivateAttribute("is_varargs", "torch._dynamo.source:LocalSource", "a function's *args as a "
+                                    "kernel graph's input (refused; before 2.13 too)", older=Older("2.13", None, bool))
+local_is_varkw = PrivateAttribute("is_varkw", "torch._dynamo.source:LocalSource", "a function's **kwargs as a "
+                                  "kernel graph's input (refused; before 2.13 too)", older=Older("2.13", None, bool))
 as_tensor_fullprec = Private("torch:_as_tensor_fullprec", "a Python number Dynamo passes to a graph as a tensor")
 cache_entry_guards = PrivateAttribute("guard_manager", "torch._C._dynamo.eval_frame:_CacheEntry", "a kernel's "
                                       "compiled entry's guards, checked before its graph is called directly")

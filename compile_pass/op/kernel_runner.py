@@ -222,7 +222,7 @@ def _first_call(kernel, args: tuple) -> None:
 
 class _PartOrder:
     """Which parts of one walk on :class:`WalkThreads` have ended (returned or raised): a part's first call of a
-    kernel waits for the earlier parts to call it or to end (:func:`_first_call`); the first waits on none."""
+    kernel waits for the earlier parts to call it or to end (:func:`_first_call`). No cycle: none waits on a later."""
 
     def __init__(self, count: int):
         self._ended = [False] * count

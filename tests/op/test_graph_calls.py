@@ -99,6 +99,7 @@ def test_two_threads_resolving_one_kernel_make_one_direct_call(monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(graphs, "_resolve", slow_resolve)
+    monkeypatch.setattr(kernel_runner, "_DIRECT", {})  # the test's entry goes with it, the compiled kernels stay
     counters.clear()
     threads = [threading.Thread(target=graphs.resolve, args=(None, ())) for _ in range(2)]
     for thread in threads:
@@ -107,7 +108,6 @@ def test_two_threads_resolving_one_kernel_make_one_direct_call(monkeypatch):
         thread.join()
     assert len(made) == 1 and graphs.call is made[0] and kernel_runner.graph_call(*graphs._key) is made[0]
     assert counters["chunkce"]["kernel_graph_calls"] == 1
-    kernel_runner.compiled.cache_clear()  # the test's entry leaves the direct calls
 
 
 def test_a_missing_internal_falls_back_to_torch_compile_logged_once(compiled_kernels, monkeypatch, caplog):
