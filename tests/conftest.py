@@ -1,9 +1,16 @@
 """Shared fixtures (the builders: ``builders.py``). The fixtures are not autouse (a test file opts in with
 ``pytestmark = pytest.mark.usefixtures("fresh_compile")``), but for the tiers' run-time
-check (``tiers.py``: a test not marked slow may not compile with Inductor or start a process)."""
+check (``tiers.py``: a test not marked slow may not compile with Inductor or start a process).
 
-import contextlib
+One run shares one Inductor cache (``TORCHINDUCTOR_CACHE_DIR``, made empty when the run starts and removed
+when it ends, :func:`pytest_configure`): its workers, the processes its tests start, and every test. A graph
+two tests compile alike is compiled once; a hit still hands ``run_and_get_code`` the code (Inductor's
+cache calls ``GraphLowering.save_output_code``), and the backend's cache-key tag holds the package's
+source hash. A test that must see Inductor compile takes :func:`fresh_inductor_cache`."""
+
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -27,23 +34,37 @@ def pytest_configure(config):
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     os.environ.setdefault("CHUNKCE_WALK_THREADS", "2")
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the run's own process: its workers inherit the cache
+        config.chunkce_inductor_cache = tempfile.mkdtemp(prefix="chunkce-tests-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config.chunkce_inductor_cache
+
+
+def pytest_unconfigure(config):
+    """Remove the run's Inductor cache (:func:`pytest_configure`)."""
+    if getattr(config, "chunkce_inductor_cache", None):
+        shutil.rmtree(config.chunkce_inductor_cache, ignore_errors=True)
 
 
 @pytest.fixture
-def fresh_compile(request):
-    """Isolation for compile tests: Dynamo reset, counters cleared, and for a slow test a
-    fresh Inductor cache dir.
+def fresh_compile():
+    """Isolation for compile tests: Dynamo reset and counters cleared, before and after.
 
-    A fast test keeps Inductor's cache, as every other fast test does: the only graphs
-    Inductor compiles in it are the op's per-chunk kernels (``tiers.py`` fails any other),
-    which the cache keys by their graph, so a hit serves what a fresh compile would. (A fresh
-    dir per test compiled each kernel variant's C++ again in every test.)"""
+    Inductor's cache stays the run's (module docstring): it keys a graph by the graph, the
+    config and the backend's tag, so a hit serves what a fresh compile would. (A fresh dir per
+    test compiled the same C++ kernels again in every test.)"""
     torch._dynamo.reset()
     counters.clear()
-    with fresh_cache() if request.node.get_closest_marker("slow") else contextlib.nullcontext():
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.fixture
+def fresh_inductor_cache():
+    """An empty Inductor cache for the test: for one that asserts what Inductor compiles or
+    what its cache serves."""
+    with fresh_cache():
         yield
-    torch._dynamo.reset()
-    counters.clear()
 
 
 @pytest.fixture

@@ -122,7 +122,7 @@ def test_inductor_config_and_mode_are_forwarded_to_compile_fx(monkeypatch, eager
 
 @pytest.mark.slow
 def test_pre_grad_pass_rewrites_under_stock_inductor_and_the_cache_cannot_serve_the_unrewritten_graph(
-        eager_kernels):
+        eager_kernels, fresh_inductor_cache):
     h, labels = make_inputs()
     with torch._inductor.config.patch(fx_graph_cache=True):
         # 1. Stock Inductor fills the caches with the unrewritten graph.

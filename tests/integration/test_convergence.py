@@ -7,8 +7,8 @@ The code is the benchmark's (``python -m benchmarks.convergence``: all nine arch
 :data:`benchmarks.convergence.TEST_SETUP` (2 layers of hidden 32, 4 x 32 tokens a step, the op's
 per-tile math eager: ``eager_kernels``), since compiling dominates.
 Llama (untied), Granite (its logits divided by ``logits_scaling``) and GPT-2 (the head tied to
-the embedding, LayerNorm and GELU layers). The module shares one fresh Inductor cache: the six
-cases compile many of the same C++ kernels, which the cache keys by their source.
+the embedding, LayerNorm and GELU layers). The six cases compile many of the same C++ kernels, which
+the run's Inductor cache (``conftest``) keys by their source.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 import torch._dynamo
 from torch._dynamo.utils import counters
-from torch._inductor.utils import fresh_cache
 
 from benchmarks.convergence import TEST_SETUP, compare
 
@@ -24,9 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.pinned, pytest.mark.usefixtures("eag
 
 
 @pytest.fixture(scope="module", autouse=True)
-def module_cache():
-    with fresh_cache():
-        yield
+def module_reset():
+    yield
     torch._dynamo.reset()
     counters.clear()
 
