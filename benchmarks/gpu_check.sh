@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/chunkce_gpu_check}
 BUDGET=${BUDGET:-420}
 PY=${PYTHON:-python3}
-PIN=2.13  # pyproject's lowest torch
+PIN=2.11  # pyproject's lowest torch
 mkdir -p "$OUT"
 REPORT="$OUT/report.md"
 exec > >(tee -a "$OUT/log.txt") 2>&1

@@ -81,10 +81,8 @@ def first_step_in_fresh_process(model: str, cache_dir: str, options: dict | None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model", ["toy", "llama"])
-def test_second_process_loads_the_rewritten_graph_from_the_caches(model, tmp_path):
-    cold = first_step_in_fresh_process(model, str(tmp_path))
-    warm = first_step_in_fresh_process(model, str(tmp_path))
+def check_loaded_from_the_caches(cold: dict, warm: dict) -> None:
+    """The second process (``warm``) ran the rewritten graph, every graph of it from the caches."""
     for run in (cold, warm):
         assert run["chunkce"]["sites_rewritten"] == 1, run
         assert run["op_in_code"], run  # Inductor's code calls the op: the site is rewritten in what ran
@@ -97,11 +95,17 @@ def test_second_process_loads_the_rewritten_graph_from_the_caches(model, tmp_pat
     assert warm["loss"] == cold["loss"] and warm["grad_sum"] == cold["grad_sum"]
 
 
-def test_other_chunkce_options_do_not_answer_from_the_cache(tmp_path):
-    """The backend tags the inner compile with its options and source: ``strict=True`` leaves
-    the rewritten graph as it was, yet the model's graph misses; the per-chunk kernels,
-    compiled outside the backend, still hit."""
+def test_second_process_loads_the_rewritten_llama_from_the_caches(tmp_path):
+    check_loaded_from_the_caches(first_step_in_fresh_process("llama", str(tmp_path)),
+                                 first_step_in_fresh_process("llama", str(tmp_path)))
+
+
+def test_second_process_loads_the_toy_from_the_caches_and_other_options_do_not_answer(tmp_path):
+    """The toy's warm process as the Llama's; then a third with ``strict=True``, which leaves the
+    rewritten graph as it was: the backend tags the inner compile with its options and source, so
+    the model's graph misses; the per-chunk kernels, compiled outside the backend, still hit."""
     cold = first_step_in_fresh_process("toy", str(tmp_path))
+    check_loaded_from_the_caches(cold, first_step_in_fresh_process("toy", str(tmp_path)))
     strict = first_step_in_fresh_process("toy", str(tmp_path), options={"strict": True})
     misses = cold["aot_autograd"]["autograd_cache_miss"]  # the model and the two kernels
     assert strict["aot_autograd"] == {"autograd_cache_hit": misses - 1, "autograd_cache_miss": 1,
