@@ -261,7 +261,12 @@ def test_a_bad_walk_threads_variable_is_refused(monkeypatch, value):
 def test_a_child_forked_while_another_thread_holds_the_walks_locks_still_walks():
     """A fork copies only the forking thread (a DataLoader's workers, made while another thread
     walks): a lock that thread held stays held in the child. The child's walk, split over two
-    walk threads of its own, still ends, with torch's loss (it hung before)."""
+    walk threads of its own, still ends, with torch's loss (it hung before).
+
+    The child runs torch's ops on one thread, as a DataLoader worker does (``_worker_loop`` sets
+    it): a child forked after the parent's OpenMP pool ran hangs in its first parallel op
+    (libgomp's; no chunkce code involved). Under pytest-xdist each worker has one thread and no
+    pool; run alone with two, the parent has one."""
     held, release = threading.Event(), threading.Event()
 
     def hold():
@@ -277,6 +282,7 @@ def test_a_child_forked_while_another_thread_holds_the_walks_locks_still_walks()
         code = 1
         try:
             os.environ["CHUNKCE_WALK_THREADS"] = "2"
+            torch.set_num_threads(1)
             hidden, weight, bias, target = _inputs()
             with torch.no_grad():  # torch's autograd cannot run in a child forked after it ran threaded
                 ours = _ours(hidden, weight, target, bias, chunk_size=64, reduction="none", label_smoothing=0.1)
