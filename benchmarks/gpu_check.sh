@@ -4,7 +4,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh            # from the repository root
 #
 # Sections, each under `timeout` capped so the whole script ends within $BUDGET seconds (default
-# 420): versions (and the torch below our pin, said and run anyway), the carried peers, the GPU
+# 420): versions (a torch below pyproject's range, said and run anyway), the carried peers, the GPU
 # tests (pytest -m gpu), the dry run of calls per op (benchmarks.calls_per_op), the anchor shapes
 # for chunkce (default and grads_in_forward) against QuACK, Liger, CCE, torch's chunked
 # F.linear_cross_entropy and Inductor unfused with peak memory (benchmarks.bench_op), and the

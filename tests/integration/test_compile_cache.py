@@ -3,7 +3,8 @@
 The rewritten graph holds only ``torch.ops.chunkce.*`` and torch ops, so
 AOTAutograd's cache accepts it (a Python callable in the graph makes it bypass
 the cache, so every new process recompiled from scratch). Each case runs the
-first training step in two fresh processes sharing one cache directory
+first training step in two fresh processes sharing one cache directory (the toy's a third, with
+other options)
 (:func:`first_step_in_fresh_process`, this file's own; ``benchmarks/warm_start.py``
 times the same thing) and asserts the cache counters of the second one, and that
 what it loaded is the rewritten graph.

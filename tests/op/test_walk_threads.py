@@ -266,7 +266,7 @@ def test_a_child_forked_while_another_thread_holds_the_walks_locks_still_walks()
     The child runs torch's ops on one thread, as a DataLoader worker does (``_worker_loop`` sets
     it): a child forked after the parent's OpenMP pool ran hangs in its first parallel op
     (libgomp's; no chunkce code involved). Under pytest-xdist each worker has one thread and no
-    pool; run alone with two, the parent has one."""
+    pool; without it the parent runs two threads and has one."""
     held, release = threading.Event(), threading.Event()
 
     def hold():
